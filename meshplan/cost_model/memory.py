@@ -1,0 +1,80 @@
+"""Per-device memory: the four things training keeps resident, and how to print them.
+
+Sizes are bytes per device after sharding (ZeRO/FSDP shards params, grads and optimizer state;
+tensor/sequence parallelism shards activations). Byte counts print in binary units (KiB, MiB,
+GiB), the convention device capacities and `torch.cuda.memory_summary` use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Optimizer state tensors per parameter element, each kept in fp32 (also for bf16 models, as
+# mixed-precision training does).
+OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+"""optimizer name -> fp32 state tensors per parameter (adam: exp_avg and exp_avg_sq)."""
+_STATE_ITEMSIZE = 4  # fp32
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(n: float) -> str:
+    """`1536` -> `"1.5 KiB"`; whole bytes below 1 KiB (`"512 B"`); one decimal above."""
+    sign, value = ("-" if n < 0 else ""), float(abs(n))
+    if value < 1024:
+        return f"{sign}{int(value)} B"
+    unit = 0
+    while value >= 1024 and unit < len(_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    return f"{sign}{value:.1f} {_UNITS[unit]}"
+
+
+def optimizer_state_bytes(param_numel: int, optimizer: str = "adam") -> int:
+    """Bytes of optimizer state for `param_numel` parameter elements (on one device)."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
+    if param_numel < 0:
+        raise ValueError(f"param_numel must be >= 0; got {param_numel!r}")
+    return OPTIMIZER_STATES[optimizer] * _STATE_ITEMSIZE * param_numel
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Peak memory of one device during a training step, by what holds it."""
+
+    params: int
+    """Bytes of parameters resident on the device (its shards, or unsharded copies)."""
+    grads: int
+    """Bytes of gradients held until the optimizer step."""
+    optimizer: int
+    """Bytes of optimizer state (see `optimizer_state_bytes`)."""
+    activations: int
+    """Bytes of activations saved for backward at the peak (after recomputation)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"MemoryBreakdown.{f.name} must be a non-negative number of bytes; got {value!r}")
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def __str__(self) -> str:
+        parts = " + ".join(f"{f.name} {format_bytes(getattr(self, f.name))}" for f in fields(self))
+        return f"{parts} = {format_bytes(self.total)}"
+
+    def to_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> MemoryBreakdown:
+        expected = {f.name for f in fields(MemoryBreakdown)}
+        if set(data) != expected:
+            raise ValueError(
+                f"MemoryBreakdown needs exactly the keys {sorted(expected)}; got {sorted(data)}"
+            )
+        return MemoryBreakdown(**data)

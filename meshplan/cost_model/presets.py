@@ -1,0 +1,142 @@
+"""Hardware presets: the only place hardware numbers live.
+
+A cluster is one kind of device, a number of devices per node, and two links: a fast one inside a
+node and a slower one between nodes. Mesh axes map onto links innermost-first (DESIGN.md: the
+innermost mesh axis is the fastest), so the cost model asks the cluster which link an axis uses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DevicePreset:
+    """One accelerator (or CPU rank): compute peaks, memory bandwidth and capacity."""
+
+    name: str
+    """Short label printed in plans (`"H100-SXM5-80GB"`)."""
+    peak_flops: dict[str, float]
+    """dtype name (`"float32"`, `"bfloat16"`, `"float16"`) -> dense FLOP/s one device can sustain."""
+    memory_bandwidth: float
+    """Device memory bandwidth in bytes/s (reads + writes together)."""
+    memory_bytes: int
+    """Memory one device can use, in bytes; the planner's per-device budget."""
+
+    def peak(self, dtype: str) -> float:
+        """FLOP/s for `dtype`. Other real torch dtypes (int64 indices, bool masks, float64) use the
+        float32 peak: such ops are memory-bound, so the exact figure rarely matters."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        if isinstance(getattr(torch, dtype, None), torch.dtype) and "float32" in self.peak_flops:
+            return self.peak_flops["float32"]
+        raise ValueError(
+            f"device {self.name!r} has no peak for dtype {dtype!r}; known: {', '.join(self.peak_flops)}"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkPreset:
+    """A communication link in the alpha-beta model: time = alpha + bytes / bandwidth."""
+
+    name: str
+    """Short label (`"NVLink4"`)."""
+    latency_s: float
+    """alpha: fixed cost of one message/hop in seconds."""
+    bandwidth: float
+    """beta^-1: bytes/s one device can send over this link (one direction)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterPreset:
+    """Identical devices grouped in nodes, a fast link inside a node and a slower one between."""
+
+    name: str
+    """Name `get_cluster` knows it by (`"h100"`)."""
+    device: DevicePreset
+    """Every device of the cluster."""
+    devices_per_node: int
+    """Devices that share the intra-node link."""
+    intra_node: LinkPreset
+    """Link between devices of one node."""
+    inter_node: LinkPreset
+    """Link between nodes (per device)."""
+
+    def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> LinkPreset:
+        """The link a collective over mesh axis `axis` uses.
+
+        Ranks are row-major, so axis `a` moves between ranks `prod(mesh_shape[a+1:])` apart and its
+        groups live inside `prod(mesh_shape[a:])` consecutive ranks; if those fit in one node the
+        whole group is intra-node.
+        """
+        if not mesh_shape or any((not isinstance(n, int)) or n < 1 for n in mesh_shape):
+            raise ValueError(f"mesh shape {mesh_shape!r} is invalid; expected a tuple of positive ints")
+        if not (isinstance(axis, int) and 0 <= axis < len(mesh_shape)):
+            raise ValueError(f"mesh axis {axis!r} is out of range for mesh shape {mesh_shape}; allowed 0..{len(mesh_shape) - 1}")
+        if math.prod(mesh_shape[axis:]) <= self.devices_per_node:
+            return self.intra_node
+        return self.inter_node
+
+    def link_for_axes(self, mesh_shape: tuple[int, ...], axes: tuple[int, ...]) -> LinkPreset:
+        """The link of a group spanning several axes: the slowest of theirs (a ring is as slow as
+        its slowest hop)."""
+        if not axes:
+            raise ValueError("link_for_axes needs at least one mesh axis; got none")
+        links = [self.link_for_axis(mesh_shape, a) for a in axes]
+        return min(links, key=lambda link: (link.bandwidth, -link.latency_s))
+
+
+# --- H100 --------------------------------------------------------------------------------------
+# Sources: NVIDIA H100 Tensor Core GPU datasheet (SXM5 column) and the NVIDIA DGX H100 user guide.
+# bf16/fp16 are the dense (no sparsity) tensor-core peaks. float32 uses the non-tensor-core 67
+# TFLOP/s rather than TF32's 494: torch defaults to allow_tf32=False for matmuls, and a cost
+# model that is too optimistic about compute over-favours sharding that saves memory traffic.
+H100_SXM = DevicePreset(
+    name="H100-SXM5-80GB",
+    peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
+    memory_bandwidth=3.35e12,  # HBM3
+    memory_bytes=80 * 2**30,
+)
+# NVLink 4 / NVSwitch: 900 GB/s bidirectional per GPU = 450 GB/s each way; a few us per hop.
+NVLINK4 = LinkPreset(name="NVLink4", latency_s=3e-6, bandwidth=450e9)
+# One ConnectX-7 InfiniBand NDR port per GPU: 400 Gb/s = 50 GB/s; ~5-10 us through the switch.
+IB_NDR = LinkPreset(name="IB-NDR400", latency_s=8e-6, bandwidth=50e9)
+DGX_H100 = ClusterPreset(name="h100", device=H100_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR)
+
+# --- CPU (this development machine) ------------------------------------------------------------
+# Measured 2026-11-21 on the 2-core AMD EPYC (AVX2+FMA, no AVX512-BF16) with torch 2.13.0, one
+# thread per rank because the ranks share the two cores:
+#   torch.mm 512x512, median of 30 runs: float32 ~68 GFLOP/s (1024x1024: 67-82);
+#   bfloat16/float16 ~1.2 GFLOP/s (no native support: a slow fallback path, ~50x slower);
+#   copy of a 64 MiB float32 tensor, median of 20: ~21-23 GB/s read+write.
+CPU_RANK = DevicePreset(
+    name="cpu-1thread",
+    peak_flops={"float32": 68e9, "bfloat16": 1.2e9, "float16": 1.2e9},
+    memory_bandwidth=21e9,
+    memory_bytes=23 * 2**30,  # MemTotal 23.5 GiB, shared by every rank on the machine
+)
+# gloo over 127.0.0.1 (DESIGN.md facts): 4 MiB all_reduce ~6 ms (world 2), ~11 ms (4), ~31 ms (8).
+# Ring model 2(n-1)/n*B/bw + 2(n-1)*alpha with alpha fixed at 75 us/hop, bw least-squares-fitted on
+# worlds 2 and 4: bw ~630 MB/s -> predicts 6.8 / 10.4 / 12.6 ms. World 8 puts 4 ranks on each core,
+# so measured time is ~2.5x the model there: CPU contention, not the link, which no link fits.
+GLOO_LOOPBACK = LinkPreset(name="gloo-loopback", latency_s=75e-6, bandwidth=630e6)
+CPU_GLOO = ClusterPreset(
+    name="cpu", device=CPU_RANK, devices_per_node=8, intra_node=GLOO_LOOPBACK, inter_node=GLOO_LOOPBACK
+)
+
+CLUSTERS: Mapping[str, ClusterPreset] = MappingProxyType({"cpu": CPU_GLOO, "h100": DGX_H100})
+"""Named presets, by the name `get_cluster` accepts."""
+
+
+def get_cluster(name_or_preset: str | ClusterPreset) -> ClusterPreset:
+    """A preset by name (`"h100"`, `"cpu"`), or the given preset unchanged."""
+    if isinstance(name_or_preset, ClusterPreset):
+        return name_or_preset
+    if isinstance(name_or_preset, str) and name_or_preset in CLUSTERS:
+        return CLUSTERS[name_or_preset]
+    raise ValueError(f"unknown cluster {name_or_preset!r}; known: {', '.join(sorted(CLUSTERS))}")

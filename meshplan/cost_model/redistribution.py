@@ -1,0 +1,158 @@
+"""How a tensor moves from one layout to another: the exact list of collectives, forward and backward.
+
+This file is the single source of truth for resharding. The cost model prices these steps, the plan
+lists them, and the runtime executes them, so "the plan is the truth" holds by construction.
+
+Gradient convention (the dual layouts): the gradient of a tensor laid out `S(d)` is `S(d)`, of `R`
+is `P` (each rank holds a part of the full gradient) and of `P` is `R`. Under it the backward of
+every step is one step too: all-gather <-> reduce-scatter, all-reduce <-> all-reduce,
+all-to-all(i->j) <-> all-to-all(j->i), chunk (R->S, free) <-> pad (S->P, free), and
+to_partial (R->P: the axis' first device keeps the value, the others hold zeros; free) <-> itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from meshplan.ir.graph import TensorMeta
+from meshplan.ir.placement import Partial, Placements, Replicate, Shard, local_shape
+
+DUAL_KIND = {
+    "all_gather": "reduce_scatter",
+    "reduce_scatter": "all_gather",
+    "all_reduce": "all_reduce",
+    "all_to_all": "all_to_all",
+    "chunk": "pad",
+    "pad": "chunk",
+    "to_partial": "to_partial",
+}
+COMMUNICATING = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+@dataclass(frozen=True, slots=True)
+class CommStep:
+    """One step of a redistribution on one mesh axis."""
+
+    kind: str
+    """all_gather | reduce_scatter | all_reduce | all_to_all | chunk | pad | to_partial."""
+    axis: int
+    """The mesh axis whose devices take part."""
+    dim: int = -1
+    """Tensor dim gathered, scattered or chunked (the source dim of an all-to-all)."""
+    dim2: int = -1
+    """Destination dim of an all-to-all."""
+    reduce: str = "sum"
+    """For reductions: 'sum' or 'avg' (the avg is a sum divided by the axis size)."""
+    nbytes: int = 0
+    """Bytes of the larger side of the step on one device (what the collective moves in total)."""
+
+    @property
+    def communicates(self) -> bool:
+        return self.kind in COMMUNICATING
+
+    def dual(self) -> CommStep:
+        """The step autograd runs for this one in backward."""
+        if self.kind == "all_to_all":
+            return replace(self, dim=self.dim2, dim2=self.dim)
+        return replace(self, kind=DUAL_KIND[self.kind])
+
+    def __str__(self) -> str:
+        arg = f"{self.dim}->{self.dim2}" if self.kind == "all_to_all" else ("" if self.dim < 0 else str(self.dim))
+        red = "" if self.reduce == "sum" else f",{self.reduce}"
+        return f"{self.kind}(ax{self.axis}{',d' + arg if arg else ''}{red})"
+
+
+class InfeasibleRedistribution(ValueError):
+    """The target layout cannot be reached (e.g. R -> P): such a pair is never a candidate."""
+
+
+def redistribution_steps(
+    meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
+) -> list[CommStep]:
+    """Forward steps taking a tensor from layout `src` to `dst`.
+
+    Unsharding runs innermost axis first and sharding outermost first, which keeps DTensor's
+    nesting of several mesh axes on one tensor dim (the outer axis takes the outer blocks).
+    """
+    assert len(src) == len(dst) == len(mesh_shape), (src, dst, mesh_shape)
+    if src == dst:
+        return []
+    n = len(mesh_shape)
+    for a in range(n):
+        if isinstance(dst[a], Partial) and src[a] != dst[a] and (isinstance(src[a], Partial) or dst[a].op != "sum"):
+            raise InfeasibleRedistribution(f"cannot reach {dst[a]} from {src[a]} on mesh axis {a}")
+
+    # Axes to unshard: those whose shard changes, plus inner axes sharing a dim with an axis that
+    # is (un)sharded, since those must be regathered to keep the nesting order.
+    unshard = {a for a in range(n) if isinstance(src[a], Shard) and src[a] != dst[a]}
+    changing = {a for a in range(n) if src[a] != dst[a]}
+    grew = True
+    while grew:
+        grew = False
+        for a in sorted(changing | unshard):
+            p = src[a] if a in unshard else dst[a]
+            if not isinstance(p, Shard):
+                continue
+            for b in range(a + 1, n):
+                if src[b] == p and b not in unshard:
+                    unshard.add(b)
+                    changing.add(b)
+                    grew = True
+
+    cur = list(src)
+    steps: list[CommStep] = []
+
+    def step(kind: str, a: int, **kw) -> None:
+        before = local_shape(meta.shape, tuple(cur), mesh_shape)
+        steps.append(CommStep(kind, a, nbytes=_bytes(meta, before), **kw))
+
+    for a in sorted(unshard, reverse=True):
+        d = cur[a].dim  # type: ignore[union-attr]
+        target = dst[a]
+        if _can_all_to_all(a, cur, target, dst, unshard):
+            step("all_to_all", a, dim=d, dim2=target.dim)  # type: ignore[union-attr]
+            cur[a] = target
+        else:
+            # the gathered tensor is the larger side
+            cur[a] = Replicate()
+            after = local_shape(meta.shape, tuple(cur), mesh_shape)
+            steps.append(CommStep("all_gather", a, dim=d, nbytes=_bytes(meta, after)))
+
+    for a in range(n):
+        if cur[a] == dst[a]:
+            continue
+        c, t = cur[a], dst[a]
+        if isinstance(c, Partial) and isinstance(t, Replicate):
+            step("all_reduce", a, reduce=c.op)
+        elif isinstance(c, Partial) and isinstance(t, Shard):
+            step("reduce_scatter", a, dim=t.dim, reduce=c.op)
+        elif isinstance(c, Replicate) and isinstance(t, Shard):
+            step("chunk", a, dim=t.dim)
+        elif isinstance(c, Replicate) and isinstance(t, Partial):
+            step("to_partial", a)
+        else:
+            raise InfeasibleRedistribution(f"cannot reach {t} from {c} on mesh axis {a}")
+        cur[a] = t
+    assert tuple(cur) == tuple(dst), (cur, dst)
+    return steps
+
+
+def _can_all_to_all(a: int, cur: list, target, dst: Placements, unshard: set[int]) -> bool:
+    """S(i) -> S(j) on one axis, with neither dim touched by any other axis."""
+    if not isinstance(target, Shard) or len(unshard) != 1:
+        return False
+    dims = {cur[a].dim, target.dim}
+    others = [p for b, p in enumerate(cur) if b != a] + [p for b, p in enumerate(dst) if b != a]
+    return not any(isinstance(p, Shard) and p.dim in dims for p in others)
+
+
+def _bytes(meta: TensorMeta, shape: tuple[int, ...]) -> int:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return numel * meta.itemsize
+
+
+def backward_steps(forward: list[CommStep]) -> list[CommStep]:
+    """What autograd runs for `forward`, in execution order."""
+    return [s.dual() for s in reversed(forward)]

@@ -1,0 +1,185 @@
+"""Trace an `nn.Module` into an `ir.Graph` with non-strict torch.export, without running it.
+
+The exported ATen program is decomposed to core ATen (so DTensor's op rules apply) except for
+`scaled_dot_product_attention`, which stays one op so attention can be sharded by heads. Tied
+parameters become one parameter node, so a plan can never place them differently.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.export.graph_signature import InputKind
+
+from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
+
+aten = torch.ops.aten
+
+KEEP_WHOLE = (aten.scaled_dot_product_attention.default,)
+"""Ops kept from decomposition: meshplan has its own sharding rules for them."""
+
+STRIDE_SAFE = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
+"""The trace bakes in the strides fake kernels chose; executing on other kernels (or on shards) a
+view may meet a non-contiguous tensor, so views run as reshapes (a view whenever one is possible)."""
+
+
+@dataclass(slots=True)
+class TracedProgram:
+    """What the runtime needs of the trace: the ATen graph module and how to call it."""
+
+    gm: fx.GraphModule
+    in_spec: Any
+    out_spec: Any
+    constants: dict[str, torch.Tensor]
+    """Lifted tensor constants by placeholder name."""
+
+
+class TraceError(ValueError):
+    """The model could not be traced; the message names the model and the cause."""
+
+
+def op_name(target: Any) -> str:
+    return str(target)
+
+
+def _metas(val: Any) -> tuple[TensorMeta | None, ...]:
+    if isinstance(val, torch.Tensor):
+        return (TensorMeta.of(val),)
+    if isinstance(val, (list, tuple)):
+        return tuple(TensorMeta.of(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return (None,)
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.removeprefix("L['self'].").removeprefix("L__self__.")
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        # KV caches are inference state; training traces must not carry them.
+        config.use_cache = False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            ep = torch.export.export(model, args, kwargs, strict=False)
+            table = torch.export.default_decompositions()
+            for op in KEEP_WHOLE:
+                table.pop(op, None)
+            return ep.run_decompositions(table)
+    except Exception as e:  # noqa: BLE001 - re-raised with context for the user
+        raise TraceError(
+            f"could not trace {type(model).__name__} with torch.export (non-strict): "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
+def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> Graph:
+    """Trace `model(*example_inputs, **example_kwargs)` into an `ir.Graph`.
+
+    The inputs may be real, meta or fake tensors; nothing is computed on real data.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    ep = _export(model, example_inputs, example_kwargs or {})
+    gm = ep.graph_module
+
+    # FQNs of every tensor, so tied parameters collapse to the first placeholder naming them.
+    tensor_of = dict(model.named_parameters(remove_duplicate=False))
+    tensor_of.update(dict(model.named_buffers(remove_duplicate=False)))
+    aliases: dict[int, list[str]] = {}
+    for fqn, t in tensor_of.items():
+        aliases.setdefault(id(t), []).append(fqn)
+
+    kinds = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    nodes: list[Node] = []
+    first_placeholder_of: dict[int, fx.Node] = {}
+    refs: dict[fx.Node, TensorRef] = {}
+    input_names: list[str] = []
+    constants: dict[str, torch.Tensor] = {}
+
+    for n in list(gm.graph.nodes):
+        if n.op == "placeholder":
+            spec = kinds[n.name]
+            metas = _metas(n.meta.get("val"))
+            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                t = tensor_of.get(spec.target)
+                if t is not None and id(t) in first_placeholder_of:
+                    n.replace_all_uses_with(first_placeholder_of[id(t)])
+                    gm.graph.erase_node(n)
+                    continue
+                if t is not None:
+                    first_placeholder_of[id(t)] = n
+                fqns = tuple(aliases.get(id(t), [spec.target])) if t is not None else (spec.target,)
+                kind = "param" if spec.kind == InputKind.PARAMETER else "buffer"
+                nodes.append(Node(n.name, kind, spec.target, (), metas, fqns=fqns))
+            elif spec.kind == InputKind.USER_INPUT:
+                nodes.append(Node(n.name, "input", n.name, (), metas))
+                input_names.append(n.name)
+            else:  # lifted constants
+                constants[n.name] = ep.constants[spec.target]
+                nodes.append(Node(n.name, "constant", spec.target, (), metas))
+            refs[n] = TensorRef(n.name)
+        elif n.op == "call_function" and n.target is operator.getitem:
+            src, idx = n.args
+            refs[n] = TensorRef(refs[src].node, idx)
+        elif n.op == "call_function":
+            inputs = tuple(refs[a] for a in _tensor_args(n))
+            nodes.append(Node(n.name, "op", op_name(n.target), inputs, _metas(n.meta.get("val")), _module_path(n)))
+            refs[n] = TensorRef(n.name)
+        elif n.op == "output":
+            outs = [a for a in fx.node.map_arg(n.args[0], lambda x: x) if isinstance(a, fx.Node)]
+            nodes.append(Node("output", "output", "output", tuple(refs[a] for a in outs), ()))
+        else:
+            raise TraceError(f"unexpected fx node {n.format_node()} in the exported graph")
+    gm.graph.lint()
+    gm.recompile()
+    grads = _requires_grad(gm, {n.name: n.kind == "param" and tensor_of[n.target].requires_grad for n in nodes if n.kind == "param"})
+    nodes = [replace(n, requires_grad=grads.get(n.name, ())) if n.kind != "output" else n for n in nodes]
+    program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants)
+    return Graph(nodes, fx=program, input_names=tuple(input_names))
+
+
+def _requires_grad(gm: fx.GraphModule, param_grad: dict[str, bool]) -> dict[str, tuple[bool, ...]]:
+    """Run the graph on meta tensors with autograd on, to learn which outputs carry gradients."""
+    seen: dict[str, tuple[bool, ...]] = {}
+
+    class Probe(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            if n.op == "placeholder":
+                val = n.meta["val"]
+                out = torch.empty(val.shape, dtype=val.dtype, device="meta")
+                if param_grad.get(n.name) and out.is_floating_point():
+                    out.requires_grad_(True)
+            elif n.op == "call_function":
+                args, kwargs = self.fetch_args_kwargs_from_env(n)
+                out = STRIDE_SAFE.get(n.target, n.target)(*args, **kwargs)
+            else:
+                out = super().run_node(n)
+            if n.op != "output" and n.target is not operator.getitem:
+                flat = out if isinstance(out, (list, tuple)) else (out,)
+                seen[n.name] = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
+            return out
+
+    with torch.enable_grad():
+        Probe(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
+    return seen
+
+
+def _tensor_args(n: fx.Node) -> list[fx.Node]:
+    """The fx nodes among an op's arguments, in flattened argument order."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((n.args, n.kwargs), found.append)
+    return found

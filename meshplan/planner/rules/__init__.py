@@ -1,0 +1,10 @@
+"""meshplan's own sharding rules, for ops DTensor lacks or gets wrong (one file per op family).
+
+A rule returns single-mesh-axis rows `[outputs..., inputs...]` of placements, like DTensor's
+single-dim strategies; the strategy generator expands them over every mesh axis.
+"""
+
+from meshplan.planner.rules import attention  # noqa: F401  (registers its rules)
+from meshplan.planner.rules.registry import RULES, register_rule
+
+__all__ = ["RULES", "register_rule"]

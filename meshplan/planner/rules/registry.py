@@ -1,0 +1,34 @@
+"""The registry of meshplan's own op rules, keyed by ATen op name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from meshplan.ir.placement import Placement
+
+Row = list[Placement | None]
+RuleFn = Callable[[Sequence[object], dict], list[Row]]
+"""(args, kwargs) with tensors given as `torch.Tensor` metas -> single-axis rows [outs..., ins...]."""
+
+RULES: dict[str, RuleFn] = {}
+
+
+def register_rule(*ops: object) -> Callable[[RuleFn], RuleFn]:
+    """Register `fn` as the rule of each op (an OpOverload or its string name)."""
+
+    def wrap(fn: RuleFn) -> RuleFn:
+        for op in ops:
+            name = str(op)
+            assert name not in RULES, f"two meshplan rules for {name}"
+            RULES[name] = fn
+        return fn
+
+    return wrap
+
+
+def tensor_args(args: Sequence[object], kwargs: dict) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    torch.utils._pytree.tree_map(lambda x: found.append(x) if isinstance(x, torch.Tensor) else None, (list(args), kwargs))
+    return found

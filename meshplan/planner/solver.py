@@ -1,0 +1,157 @@
+"""The exact search: pick one strategy per node minimising node costs plus edge (resharding) costs.
+
+The only module that imports OR-Tools. The model is the standard MIP of auto-sharding (Alpa,
+autoparallel) with one refinement: edge variables are indexed by the *layouts* the two ends see,
+not by strategy pairs, since many strategies share a layout. With the marginal (transport)
+constraints the LP relaxation is tight on chains and trees, so branch-and-bound stays small.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from ortools.linear_solver import pywraplp
+
+BACKENDS = ("HIGHS", "SCIP", "CBC")
+
+
+@dataclass(slots=True)
+class Edge:
+    """A tensor flowing from node `src` to node `dst`."""
+
+    src: str
+    dst: str
+    src_layouts: list[Hashable]
+    """For each strategy of `src`, the layout it gives the tensor."""
+    dst_layouts: list[Hashable]
+    """For each strategy of `dst`, the layout it needs the tensor in."""
+    cost: dict[tuple[Hashable, Hashable], float]
+    """Cost of each (given, needed) layout pair; a missing pair is impossible."""
+
+
+@dataclass(slots=True)
+class Problem:
+    node_costs: dict[str, list[float]]
+    """node -> cost of each of its strategies (seconds)."""
+    edges: list[Edge] = field(default_factory=list)
+    fixed: dict[str, int] = field(default_factory=dict)
+    """Nodes whose strategy is decided already (annotations, forced plans)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Solution:
+    choice: dict[str, int]
+    objective: float
+    status: str
+    """'optimal', or 'feasible' with `gap` > 0 when the time limit was hit."""
+    gap: float
+    seconds: float
+    backend: str
+    variables: int
+
+
+class InfeasiblePlan(ValueError):
+    """No combination of candidate strategies is consistent (for example, conflicting forced layouts)."""
+
+
+def solve(problem: Problem, *, time_limit_s: float = 60.0, backend: str = "HIGHS") -> Solution:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown solver backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    start = time.perf_counter()
+    solver = pywraplp.Solver.CreateSolver(backend)
+    assert solver is not None, f"OR-Tools has no {backend} backend"
+    solver.SetNumThreads(1)  # deterministic: every rank must get the identical plan
+    solver.SetTimeLimit(int(time_limit_s * 1000))
+    inf = solver.infinity()
+
+    x: dict[str, list] = {}
+    objective = solver.Objective()
+    const = 0.0
+    for node, costs in problem.node_costs.items():
+        if not costs:
+            raise InfeasiblePlan(f"node {node} has no candidate strategy")
+        if node in problem.fixed or len(costs) == 1:
+            k = problem.fixed.get(node, 0)
+            x[node] = [1.0 if i == k else 0.0 for i in range(len(costs))]
+            const += costs[k]
+            continue
+        x[node] = [solver.BoolVar(f"x[{node},{i}]") for i in range(len(costs))]
+        solver.Add(sum(x[node]) == 1)
+        for v, c in zip(x[node], costs):
+            objective.SetCoefficient(v, c)
+
+    for e in problem.edges:
+        src_mass = _layout_mass(x[e.src], e.src_layouts)
+        dst_mass = _layout_mass(x[e.dst], e.dst_layouts)
+        flows: dict[Hashable, list] = {}
+        into: dict[Hashable, list] = {}
+        for a in src_mass:
+            for b in dst_mass:
+                c = e.cost.get((a, b))
+                if c is None:
+                    continue
+                if _is_const(src_mass[a]) and _is_const(dst_mass[b]):
+                    # both ends decided: the edge is a constant if both layouts are the chosen ones
+                    if _value(src_mass[a]) and _value(dst_mass[b]):
+                        const += c
+                        flows.setdefault(a, []).append(1.0)
+                        into.setdefault(b, []).append(1.0)
+                    continue
+                y = solver.NumVar(0.0, inf, f"y[{e.src}->{e.dst},{len(flows)}]")
+                objective.SetCoefficient(y, c)
+                flows.setdefault(a, []).append(y)
+                into.setdefault(b, []).append(y)
+        for a, mass in src_mass.items():
+            _add_equal(solver, flows.get(a, []), mass, f"{e.src}->{e.dst}")
+        for b, mass in dst_mass.items():
+            _add_equal(solver, into.get(b, []), mass, f"{e.src}->{e.dst}")
+
+    objective.SetMinimization()
+    status = solver.Solve()
+    seconds = time.perf_counter() - start
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        raise InfeasiblePlan(
+            "no consistent choice of strategies exists (solver status "
+            f"{status}); check forced layouts and divisibility of the sharded dims"
+        )
+    choice = {}
+    for node, vs in x.items():
+        vals = [v if isinstance(v, float) else v.solution_value() for v in vs]
+        choice[node] = max(range(len(vals)), key=lambda i: vals[i])
+    obj = objective.Value() + const
+    bound = objective.BestBound() + const if status == pywraplp.Solver.FEASIBLE else obj
+    gap = 0.0 if status == pywraplp.Solver.OPTIMAL else abs(obj - bound) / max(abs(obj), 1e-30)
+    return Solution(
+        choice, obj, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds, backend, solver.NumVariables()
+    )
+
+
+def _layout_mass(xs: list, layouts: list[Hashable]) -> dict[Hashable, list]:
+    """layout -> the strategy variables (or fixed 0/1 values) that produce it."""
+    mass: dict[Hashable, list] = {}
+    for v, lay in zip(xs, layouts):
+        mass.setdefault(lay, []).append(v)
+    return mass
+
+
+def _is_const(terms: list) -> bool:
+    return all(isinstance(t, float) for t in terms)
+
+
+def _value(terms: list) -> float:
+    return sum(terms)
+
+
+def _add_equal(solver, lhs: list, rhs: list, where: str) -> None:
+    lhs_vars = [t for t in lhs if not isinstance(t, float)]
+    rhs_vars = [t for t in rhs if not isinstance(t, float)]
+    lhs_c = sum(t for t in lhs if isinstance(t, float))
+    rhs_c = sum(t for t in rhs if isinstance(t, float))
+    if not lhs_vars and not rhs_vars:
+        if not math.isclose(lhs_c, rhs_c):
+            raise InfeasiblePlan(f"fixed layouts on edge {where} cannot be connected")
+        return
+    solver.Add(sum(lhs_vars) + lhs_c == sum(rhs_vars) + rhs_c)

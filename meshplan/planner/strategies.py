@@ -1,0 +1,240 @@
+"""Candidate strategies for every node: DTensor's registered op rules, meshplan's own, or a named fallback.
+
+DTensor's rules are queried without devices (a DeviceMesh with no process group, TensorMeta for
+tensors). Layouts meshplan does not execute (strided or masked shards, max/min partials) and
+uneven shards are filtered out, so every candidate is one the runtime runs as a local op.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import placement_types as dt
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import TensorMeta as DTMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+
+from meshplan.ir.graph import Graph, Node, TensorMeta
+from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.placement import Partial, Placements, Replicate, Shard, from_dtensor, is_even, to_dtensor
+from meshplan.planner.rules import RULES
+from meshplan.planner.strategy import Strategy
+
+log = logging.getLogger(__name__)
+
+LEAF_KINDS = ("input", "param", "buffer", "constant")
+
+
+class UnsupportedOpWarning(UserWarning):
+    """An op had no sharding rule and runs replicated."""
+
+
+@dataclass(slots=True)
+class Candidates:
+    """The strategies each node may take, and the ops that fell back to replication."""
+
+    by_node: dict[str, list[Strategy]]
+    fallbacks: list[str] = field(default_factory=list)
+    """'op at module.path' for every op planned replicated for lack of a rule."""
+
+
+def generate(graph: Graph, mesh: MeshSpec, *, inputs: str = "global", strict: bool = False) -> Candidates:
+    """Candidate strategies for every node of `graph` on `mesh`."""
+    fx_nodes = {n.name: n for n in graph.fx.gm.graph.nodes} if graph.fx is not None else {}
+    dmesh = _device_mesh(mesh.shape)
+    by_node: dict[str, list[Strategy]] = {}
+    fallbacks: list[str] = []
+    for node in graph.nodes:
+        if node.kind in LEAF_KINDS:
+            by_node[node.name] = _leaf_strategies(node, mesh)
+        elif node.kind == "output":
+            by_node[node.name] = _output_strategies(graph, node, mesh, inputs)
+        else:
+            found = _op_strategies(graph, node, fx_nodes[node.name], mesh, dmesh)
+            if not found:
+                where = f"{node.target} ({node.name}) at {node.module_path or '<top>'}"
+                if strict:
+                    raise ValueError(
+                        f"no sharding rule for {where}; strict=True forbids the replicate fallback. "
+                        "Register one with meshplan.planner.rules.register_rule or pass strict=False."
+                    )
+                warnings.warn(f"no sharding rule for {where}: it runs replicated on every device", UnsupportedOpWarning, stacklevel=2)
+                fallbacks.append(where)
+                found = [_replicated(node, graph, mesh, "fallback")]
+            by_node[node.name] = found
+    return Candidates(by_node, fallbacks)
+
+
+def _replicated(node: Node, graph: Graph, mesh: MeshSpec, source: str) -> Strategy:
+    rep = (Replicate(),) * mesh.ndim
+    return Strategy(tuple(rep for _ in node.inputs), tuple(rep if m is not None else None for m in node.outputs), source)
+
+
+def layouts(meta: TensorMeta, mesh: MeshSpec, *, partial: bool = False) -> list[Placements]:
+    """Every even layout of a tensor on the mesh: R or S(d) per axis (and P when asked)."""
+    options: list = [Replicate()] + [Shard(d) for d in range(len(meta.shape))]
+    if partial:
+        options.append(Partial())
+    return [p for p in itertools.product(options, repeat=mesh.ndim) if is_even(meta.shape, p, mesh.shape)]
+
+
+def _leaf_strategies(node: Node, mesh: MeshSpec) -> list[Strategy]:
+    meta = node.outputs[0]
+    if node.kind == "constant" or meta is None:
+        return [Strategy((), ((Replicate(),) * mesh.ndim,), "leaf")]
+    return [Strategy((), (p,), "leaf") for p in layouts(meta, mesh)]
+
+
+def _output_strategies(graph: Graph, node: Node, mesh: MeshSpec, inputs: str) -> list[Strategy]:
+    rep = (Replicate(),) * mesh.ndim
+    if inputs == "global":
+        # the user gets whole tensors back on every rank
+        return [Strategy(tuple(rep for _ in node.inputs), (), "leaf")]
+    per_output = [layouts(graph.meta(r), mesh) for r in node.inputs]
+    return [Strategy(tuple(c), (), "leaf") for c in itertools.product(*per_output)]
+
+
+# ---------------------------------------------------------------- op rules
+
+
+@functools.lru_cache(maxsize=8)
+def _device_mesh(shape: tuple[int, ...]) -> DeviceMesh:
+    # DTensor's rules only read the mesh shape: no process group is needed to plan.
+    return DeviceMesh("cpu", torch.arange(int(torch.tensor(shape).prod())).view(shape), _init_backend=False, _rank=0)
+
+
+def _op_strategies(graph: Graph, node: Node, fxn: fx.Node, mesh: MeshSpec, dmesh: DeviceMesh) -> list[Strategy]:
+    if not node.inputs:  # factory ops (arange, zeros, ...) are computed whole on every device
+        return [_replicated(node, graph, mesh, "meshplan")]
+    args_and_kwargs = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: n.meta["val"])
+    # repeated layers ask the same question many times: key on op, shapes and static args
+    static = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: TensorMeta.of(n.meta["val"]))
+    key = (node.target, node.outputs, repr(static), mesh.shape)
+    if key not in _CACHE:
+        _CACHE[key] = _compute_op_strategies(fxn.target, args_and_kwargs, node, mesh, dmesh)
+    return list(_CACHE[key])
+
+
+_CACHE: dict[tuple, list[Strategy]] = {}
+
+
+def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmesh: DeviceMesh) -> list[Strategy]:
+    args, kwargs = args_and_kwargs
+    in_metas = [TensorMeta.of(t) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    rows: list | None = None
+    source = "dtensor"
+    prop = DTensor._op_dispatcher.sharding_propagator
+    if str(op) in RULES:
+        rows, source = RULES[str(op)](args, kwargs), "meshplan"
+    elif op in prop.op_single_dim_strategy_funcs:
+        meta = torch.utils._pytree.tree_map(lambda x: _dt_meta(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        try:
+            rows = prop.op_single_dim_strategy_funcs[op].func(op, tuple(meta[0]), meta[1])
+        except Exception as e:  # noqa: BLE001 - a rule that cannot handle these args means "no rule"
+            log.debug("DTensor single-dim rule for %s failed: %s", op, e)
+            return []
+    if rows is not None:
+        return _expand_rows(rows, node, in_metas, mesh, source)
+    if op in prop.op_strategy_funcs:
+        return _from_op_strategy(prop.op_strategy_funcs[op], op, args, kwargs, node, in_metas, mesh, dmesh)
+    return []
+
+
+def _dt_meta(t: torch.Tensor) -> DTMeta:
+    return DTMeta(t.shape, t.stride(), t.dtype)
+
+
+def _expand_rows(rows: list, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec, source: str) -> list[Strategy]:
+    """Single-axis rows (with DTensor's shard placeholders) -> full-mesh strategies."""
+    n_out, n_in = len(node.outputs), len(in_metas)
+    axis_rows: list[list] = [[Replicate() if m is not None else None for m in node.outputs] + [Replicate()] * n_in]
+    for row in rows:
+        if len(row) != n_out + n_in:
+            return []
+        conv = []
+        for p in row:
+            if p is None:
+                conv.append(None)
+            elif isinstance(p, _ShardingPlaceholder):
+                conv.append(Shard(p.dim))
+            elif isinstance(p, (Shard, Replicate, Partial)):
+                conv.append(p)
+            else:
+                conv.append(from_dtensor(p) or "skip")
+        if "skip" in conv or any(isinstance(p, Partial) and p.op == "avg" for p in conv[n_out:]):
+            continue
+        if conv not in axis_rows:
+            axis_rows.append(conv)
+    out: list[Strategy] = []
+    for combo in itertools.product(axis_rows, repeat=mesh.ndim):
+        per_tensor = list(zip(*combo))  # tensor -> placements over axes
+        outs = tuple(None if node.outputs[i] is None else tuple(per_tensor[i]) for i in range(n_out))
+        ins = tuple(tuple(per_tensor[n_out + j]) for j in range(n_in))
+        s = Strategy(ins, outs, source)
+        if _valid(s, node, in_metas, mesh) and s not in out:
+            out.append(s)
+    return out
+
+
+def _from_op_strategy(fn, op, args, kwargs, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec, dmesh: DeviceMesh) -> list[Strategy]:
+    def as_strategy(t):
+        meta = TensorMeta.of(t)
+        specs = [OpSpec(DTensorSpec(dmesh, tuple(to_dtensor(p) for p in ps), _dt_meta(t))) for ps in layouts(meta, mesh, partial=True)]
+        return OpStrategy(specs)
+
+    def convert(x):
+        if isinstance(x, torch.Tensor):
+            return as_strategy(x)
+        if isinstance(x, (list, tuple)) and x and all(isinstance(t, torch.Tensor) for t in x):
+            return TupleStrategy(tuple(as_strategy(t) for t in x))
+        return x
+
+    schema = OpSchema(op, tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()})
+    specs: list[OpSpec] = []
+    try:
+        specs = list(fn(schema).strategies)
+    except Exception as e:  # noqa: BLE001 - some rules reject a layout of the first input outright
+        log.debug("DTensor rule for %s failed on all layouts at once (%s); asking one layout at a time", op, e)
+        first = schema.args_schema[0]
+        for spec in first.strategies if isinstance(first, OpStrategy) else []:
+            one = OpSchema(op, (OpStrategy([spec]),) + tuple(schema.args_schema[1:]), schema.kwargs_schema)
+            try:
+                specs += list(fn(one).strategies)
+            except Exception:  # noqa: BLE001
+                continue
+    out: list[Strategy] = []
+    for spec in specs:
+        outs_dt = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
+        ins_dt = spec.input_specs if spec.input_specs is not None else [spec.output_specs] * len(node.inputs)
+        if len(ins_dt) != len(node.inputs):
+            continue
+        conv_in = [_conv(s.placements) for s in ins_dt]
+        conv_out = [None if s is None else _conv(s.placements) for s in outs_dt]
+        if len(conv_out) == 1 and len(node.outputs) > 1:
+            conv_out = conv_out * len(node.outputs)
+        if any(p is False for p in conv_in + conv_out) or len(conv_out) != len(node.outputs):
+            continue
+        s = Strategy(tuple(conv_in), tuple(None if m is None else c for m, c in zip(node.outputs, conv_out)), "dtensor")
+        if _valid(s, node, in_metas, mesh) and s not in out:
+            out.append(s)
+    return out
+
+
+def _conv(placements) -> Placements | bool:
+    conv = tuple(from_dtensor(p) for p in placements)
+    return False if any(p is None for p in conv) else conv
+
+
+def _valid(s: Strategy, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec) -> bool:
+    """Every input and output layout is an even one."""
+    pairs = list(zip(s.outputs, node.outputs)) + list(zip(s.inputs, in_metas))
+    return all(p is None or m is None or is_even(m.shape, p, mesh.shape) for p, m in pairs)

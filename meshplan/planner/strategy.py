@@ -1,0 +1,41 @@
+"""A node's sharding strategy: the layout of each input it reads and each output it writes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.ir.placement import Placements, fmt, parse
+
+SOURCES = ("dtensor", "meshplan", "fallback", "leaf")
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """Layouts (one placement per mesh axis) of a node's tensor inputs and outputs."""
+
+    inputs: tuple[Placements, ...]
+    """Layout each tensor input must have when the op runs (IR input order)."""
+    outputs: tuple[Placements | None, ...]
+    """Layout of each output; None for a non-tensor output."""
+    source: str = "dtensor"
+    """Where the rule came from: dtensor, meshplan (our registry), fallback (replicate) or leaf."""
+
+    def __str__(self) -> str:
+        ins = ",".join(fmt(p) for p in self.inputs)
+        outs = ",".join("-" if p is None else fmt(p) for p in self.outputs)
+        return f"{ins or '()'}->{outs}"
+
+    def to_json(self) -> dict:
+        return {
+            "inputs": [fmt(p) for p in self.inputs],
+            "outputs": [None if p is None else fmt(p) for p in self.outputs],
+            "source": self.source,
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> Strategy:
+        return Strategy(
+            tuple(parse(p) for p in d["inputs"]),
+            tuple(None if p is None else parse(p) for p in d["outputs"]),
+            d["source"],
+        )
