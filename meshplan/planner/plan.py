@@ -128,8 +128,10 @@ class Plan:
         return c
 
     def hash(self) -> str:
-        """Identifies the plan: ranks compare it before their first collective."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        """Identifies the plan (all but how long the solve took): ranks compare it before their first collective."""
+        d = self.to_dict()
+        d["solver"] = {k: v for k, v in d["solver"].items() if k != "seconds"}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------ JSON
 

@@ -71,8 +71,9 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             dst_layouts = [s.inputs[pos] for s in cands.by_node[node.name]]
             backward = _grad_flows(graph, ref, node)
             cost = {}
-            for a in set(src_layouts):
-                for b in set(dst_layouts):
+            # ordered de-duplication: set order varies between processes, and every rank must build the same model
+            for a in dict.fromkeys(src_layouts):
+                for b in dict.fromkeys(dst_layouts):
                     try:
                         cost[(a, b)] = transfer_time(meta, a, b, shape, cluster, backward=backward)
                     except InfeasibleRedistribution:

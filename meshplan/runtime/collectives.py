@@ -1,0 +1,147 @@
+"""The runtime's collectives: one autograd Function per redistribution step, with counters.
+
+Each step's backward is its dual step (see cost_model/redistribution.py), so autograd carries
+gradients across layouts with exactly the collectives the plan lists. Every collective the
+runtime issues goes through `_collective`, which counts it: the counters are how tests check that
+the plan is the truth.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from meshplan.cost_model.redistribution import CommStep
+from meshplan.ir.mesh import MeshSpec
+
+COUNTS: Counter = Counter()
+"""'forward:all_gather', 'backward:reduce_scatter', 'grad_sync:all_reduce', ... since the last reset."""
+
+
+def reset_counts() -> None:
+    COUNTS.clear()
+
+
+class MeshComm:
+    """This rank's place on the mesh and a process group for every line of axes it needs."""
+
+    def __init__(self, mesh: MeshSpec, rank: int, world_size: int) -> None:
+        if mesh.size != world_size:
+            raise ValueError(f"plan is for {mesh.size} devices (mesh {mesh}) but the process group has {world_size} ranks")
+        self.mesh = mesh
+        self.rank = rank
+        self.coord = mesh.coordinate(rank)
+        self._groups: dict[tuple[int, ...], object] = {}
+
+    def group(self, axes: tuple[int, ...]):
+        """The group of ranks that differ from this one only on `axes` (created on first use by all ranks)."""
+        axes = tuple(sorted(axes))
+        if axes not in self._groups:
+            raise AssertionError(f"process group for mesh axes {axes} was not created at setup")
+        return self._groups[axes]
+
+    def create_groups(self, axis_sets: list[tuple[int, ...]]) -> None:
+        """Collectively create the groups; every rank must call this with the same list."""
+        shape = self.mesh.shape
+        for axes in sorted({tuple(sorted(a)) for a in axis_sets}):
+            if axes in self._groups:
+                continue
+            if len(axes) == self.mesh.ndim:
+                self._groups[axes] = dist.group.WORLD
+                continue
+            others = [a for a in range(self.mesh.ndim) if a not in axes]
+            for fixed in itertools.product(*(range(shape[a]) for a in others)):
+                ranks = [
+                    r for r in range(self.mesh.size) if all(self.mesh.coordinate(r)[a] == v for a, v in zip(others, fixed))
+                ]
+                pg = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self._groups[axes] = pg
+
+    def size(self, axes: tuple[int, ...]) -> int:
+        return math.prod(self.mesh.shape[a] for a in axes)
+
+
+def _collective(phase: str, kind: str) -> None:
+    COUNTS[f"{phase}:{kind}"] += 1
+
+
+def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str) -> torch.Tensor:
+    """Execute one step on the local tensor (no autograd: callers wrap this)."""
+    n = comm.mesh.shape[step.axis]
+    me = comm.coord[step.axis]
+    group = comm.group((step.axis,)) if step.communicates else None
+    if step.kind == "chunk":
+        return x.chunk(n, dim=step.dim)[me].contiguous()
+    if step.kind == "pad":
+        shape = list(x.shape)
+        shape[step.dim] *= n
+        out = x.new_zeros(shape)
+        out.narrow(step.dim, me * x.shape[step.dim], x.shape[step.dim]).copy_(x)
+        return out
+    if step.kind == "to_partial":
+        return x if me == 0 else torch.zeros_like(x)
+    _collective(phase, step.kind)
+    if step.kind == "all_reduce":
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+    elif step.kind == "all_gather":
+        x = x.contiguous()
+        buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(buf, x, group=group)
+        out = torch.cat(buf.view((n,) + tuple(x.shape)).unbind(0), dim=step.dim)
+    elif step.kind == "reduce_scatter":
+        pieces = torch.stack([c.contiguous() for c in x.chunk(n, dim=step.dim)])
+        out = pieces.new_empty(pieces.shape[1:])
+        dist.reduce_scatter_tensor(out, pieces.view((-1,) + tuple(pieces.shape[2:])), group=group)
+    elif step.kind == "all_to_all":
+        pieces = torch.stack([c.contiguous() for c in x.chunk(n, dim=step.dim2)])
+        recv = torch.empty_like(pieces)
+        dist.all_to_all_single(recv, pieces, group=group)
+        out = torch.cat(recv.unbind(0), dim=step.dim)
+    else:
+        raise AssertionError(f"unknown step kind {step.kind}")
+    if step.reduce == "avg":
+        out = out / n
+    return out
+
+
+class StepFunction(torch.autograd.Function):
+    """One redistribution step; backward runs the dual step."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, step: CommStep, comm: MeshComm) -> torch.Tensor:
+        ctx.step, ctx.comm = step, comm
+        return run_step(step, x, comm, "forward")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return run_step(ctx.step.dual(), grad, ctx.comm, "backward"), None, None
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `factor` (user-facing outputs, see ParallelModule)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def all_reduce_grad(grad: torch.Tensor, comm: MeshComm, axes: tuple[int, ...]) -> None:
+    """Sum a parameter's gradient over the axes where it is replicated (in place)."""
+    _collective("grad_sync", "all_reduce")
+    dist.all_reduce(grad, group=comm.group(axes))
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """`ScaleGrad` as a plain function, so fx can print and call it."""
+    return ScaleGrad.apply(x, factor)

@@ -1,0 +1,143 @@
+"""ParallelModule: the user's model, sharded by a Plan, trained with the user's own loop."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from meshplan.ir.graph import Graph
+from meshplan.ir.placement import Placements, Shard, local_shape
+from meshplan.planner.plan import Plan
+from meshplan.runtime import collectives
+from meshplan.runtime.collectives import MeshComm, all_reduce_grad
+from meshplan.runtime.rewrite import local_program
+
+
+def shard_tensor(t: torch.Tensor, layout: Placements, comm: MeshComm) -> torch.Tensor:
+    """This rank's block of a whole tensor (outer mesh axes take the outer blocks, as in DTensor)."""
+    for a, p in enumerate(layout):
+        if isinstance(p, Shard):
+            t = t.chunk(comm.mesh.shape[a], dim=p.dim)[comm.coord[a]]
+    return t
+
+
+class ParallelModule(nn.Module):
+    """Runs `plan` on this rank. Parameters are local shards registered under the model's own FQNs."""
+
+    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, *, group=None) -> None:
+        super().__init__()
+        if plan.graph_fingerprint != graph.fingerprint():
+            raise ValueError(
+                f"plan was made for a different graph (fingerprint {plan.graph_fingerprint}, this model traces to "
+                f"{graph.fingerprint()}); re-plan or load the plan made for this model"
+            )
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.comm = MeshComm(plan.mesh, rank, world)
+        _check_same_plan(plan, rank, world)
+        self.plan = plan
+        self._traced = graph.fx
+        self._inputs = {i.name: i for i in plan.inputs}
+        self._placeholders = [n.name for n in graph.fx.gm.graph.nodes if n.op == "placeholder"]
+
+        axis_sets = [(a,) for a in range(plan.mesh.ndim)] + [p.grad_sync_axes for p in plan.params if p.grad_sync_axes]
+        self.comm.create_groups(axis_sets)
+
+        full = dict(model.named_parameters(remove_duplicate=False))
+        full.update(dict(model.named_buffers(remove_duplicate=False)))
+        self._leaf: dict[str, torch.Tensor] = {}
+        for p in plan.params:
+            whole = full[p.fqns[0]].detach()
+            # every rank starts from rank 0's weights, as DDP does
+            whole = whole.clone()
+            dist.broadcast(whole, src=0)
+            local = shard_tensor(whole, p.layout, self.comm).contiguous()
+            if p.is_buffer:
+                tensor: torch.Tensor = local
+                for fqn in p.fqns:
+                    _owner(self, fqn).register_buffer(fqn.rsplit(".", 1)[-1], local)
+            else:
+                tensor = nn.Parameter(local, requires_grad=full[p.fqns[0]].requires_grad)
+                for fqn in p.fqns:
+                    setattr(_owner(self, fqn), fqn.rsplit(".", 1)[-1], tensor)
+                if p.grad_sync_axes and tensor.requires_grad:
+                    tensor.register_post_accumulate_grad_hook(self._grad_sync_hook(p.grad_sync_axes))
+            self._leaf[p.node] = tensor
+        self.program = local_program(graph.fx, plan, self.comm)
+
+    def _grad_sync_hook(self, axes: tuple[int, ...]):
+        comm = self.comm
+
+        def hook(param: torch.Tensor) -> None:
+            all_reduce_grad(param.grad, comm, axes)
+
+        return hook
+
+    def forward(self, *args, **kwargs):
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        user = iter(leaves)
+        call = []
+        for name in self._placeholders:
+            if name in self._leaf:
+                call.append(self._leaf[name])
+            elif name in self._traced.constants:
+                call.append(self._traced.constants[name])
+            else:
+                call.append(self._localise_input(name, next(user)))
+        out = self.program(*call)
+        return pytree.tree_unflatten(list(out), self._traced.out_spec)
+
+    def _localise_input(self, name: str, x):
+        choice = self._inputs.get(name)
+        if choice is None or not isinstance(x, torch.Tensor):
+            return x
+        if self.plan.inputs_mode == "global":
+            if tuple(x.shape) != choice.shape:
+                raise ValueError(
+                    f"input {name} has shape {list(x.shape)} but the plan was made for {list(choice.shape)}; "
+                    "re-plan for the new shape"
+                )
+            return shard_tensor(x, choice.layout, self.comm)
+        want = local_shape(choice.shape, choice.layout, self.plan.mesh.shape)
+        if tuple(x.shape) != want:
+            raise ValueError(
+                f"with inputs='local' rank {self.comm.rank} must pass its slice of {name}: shape {list(want)} "
+                f"(layout {choice.layout}), got {list(x.shape)}"
+            )
+        return x
+
+    # ---------------------------------------------------------------- introspection
+
+    @staticmethod
+    def collective_counts() -> Counter:
+        """Collectives this process ran since `reset_collective_counts()` (kind by phase)."""
+        return Counter(collectives.COUNTS)
+
+    @staticmethod
+    def reset_collective_counts() -> None:
+        collectives.reset_counts()
+
+
+def _owner(root: nn.Module, fqn: str) -> nn.Module:
+    """The (created on demand) submodule that owns `fqn`, mirroring the user's module tree."""
+    mod = root
+    for part in fqn.split(".")[:-1]:
+        if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    return mod
+
+
+def _check_same_plan(plan: Plan, rank: int, world: int) -> None:
+    """Every rank must run the identical plan: compare hashes before the first collective of a step."""
+    h = int(plan.hash()[:15], 16)
+    t = torch.tensor([h, -h], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t[0].item() != h or -t[1].item() != h:
+        raise ValueError(
+            f"ranks computed different plans (rank {rank} has plan hash {plan.hash()}); all ranks must plan the same "
+            "model with the same inputs and options, or load one plan file"
+        )

@@ -1,0 +1,97 @@
+"""Rewrite the traced ATen graph for one rank: local ops plus the plan's explicit collectives.
+
+Each resharding the plan lists becomes a `Redistribute` submodule call in front of the op that
+needs it; ops whose arguments spell out a global shape (view, expand, new_zeros, ...) get their
+rank-local shape. The result is an ordinary `fx.GraphModule`: printable (`print(gm.code)`),
+differentiable by autograd, and usable under `torch.compile`.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshplan.cost_model.redistribution import CommStep
+from meshplan.ir.placement import local_shape
+from meshplan.ir.trace import STRIDE_SAFE, TracedProgram
+from meshplan.planner.plan import Plan, Transfer
+from meshplan.runtime.collectives import MeshComm, StepFunction, scale_grad
+
+# ops whose argument at this index is the (global) shape of their output; DTensor keeps the same table
+SHAPE_ARG = dict(DTensor._op_dispatcher.sharding_propagator.op_to_shape_and_stride_idx)
+
+
+class Redistribute(nn.Module):
+    """Moves one tensor between layouts with the plan's steps (each differentiable)."""
+
+    def __init__(self, steps: tuple[CommStep, ...], comm: MeshComm, what: str) -> None:
+        super().__init__()
+        self.steps = steps
+        self.comm = comm
+        self.what = what
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for step in self.steps:
+            x = StepFunction.apply(x, step, self.comm)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{self.what}: " + " -> ".join(str(s) for s in self.steps)
+
+
+def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.GraphModule:
+    """The per-rank program: same placeholders as the traced graph, local tensors throughout."""
+    transfers: dict[tuple[str, int], Transfer] = {(t.consumer, t.position): t for t in plan.transfers}
+    out_layout = {n.name: n.strategy.outputs for n in plan.nodes}
+    root = nn.Module()
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def moved(consumer: str):
+        position = iter(range(1 << 30))
+
+        def move(arg: fx.Node) -> fx.Node:
+            new = env[arg]
+            t = transfers.get((consumer, next(position)))
+            if t is None or not t.forward:
+                return new
+            name = f"move_{len(root._modules)}"
+            root.add_module(name, Redistribute(t.forward, comm, f"{t.tensor} {t.src}->{t.dst}".replace("Shard", "S")))
+            return graph.call_module(name, (new,))
+
+        return move
+
+    for n in traced.gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = graph.placeholder(n.name)
+        elif n.op == "call_function" and n.target is operator.getitem:
+            env[n] = graph.call_function(operator.getitem, (env[n.args[0]], n.args[1]))
+        elif n.op == "call_function":
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), moved(n.name))
+            args = _localise_shape(n, list(args), out_layout.get(n.name), plan.mesh.shape)
+            env[n] = graph.call_function(STRIDE_SAFE.get(n.target, n.target), tuple(args), kwargs)
+        elif n.op == "output":
+            outs = fx.node.map_arg(n.args[0], moved("output"))
+            # the user's loss sees whole (or, with inputs="local", per-rank) outputs: its gradient
+            # arrives identical on every rank, and scaling by 1/devices turns it into our partial form
+            outs = fx.node.map_arg(outs, lambda x: graph.call_function(scale_grad, (x, 1.0 / plan.mesh.size)))
+            graph.output(outs)
+        else:
+            raise AssertionError(f"unexpected node {n.format_node()}")
+    graph.lint()
+    return fx.GraphModule(root, graph, class_name=f"Rank{comm.rank}Program")
+
+
+def _localise_shape(n: fx.Node, args: list, layouts, mesh_shape: tuple[int, ...]) -> list:
+    idx = SHAPE_ARG.get(n.target)
+    if idx is None or layouts is None or layouts[0] is None:
+        return args
+    if isinstance(idx, tuple):
+        idx = idx[0]
+    global_shape = tuple(n.meta["val"].shape)
+    args[idx] = list(local_shape(global_shape, layouts[0], mesh_shape))
+    return args
