@@ -12,6 +12,7 @@ to_partial (R->P: the axis' first device keeps the value, the others hold zeros;
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from meshplan.ir.graph import TensorMeta
@@ -69,6 +70,11 @@ class InfeasibleRedistribution(ValueError):
 def redistribution_steps(
     meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
 ) -> list[CommStep]:
+    return list(_steps(meta, src, dst, mesh_shape))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> tuple[CommStep, ...]:
     """Forward steps taking a tensor from layout `src` to `dst`.
 
     Unsharding runs innermost axis first and sharding outermost first, which keeps DTensor's
@@ -134,7 +140,7 @@ def redistribution_steps(
             raise InfeasibleRedistribution(f"cannot reach {t} from {c} on mesh axis {a}")
         cur[a] = t
     assert tuple(cur) == tuple(dst), (cur, dst)
-    return steps
+    return tuple(steps)
 
 
 def _can_all_to_all(a: int, cur: list, target, dst: Placements, unshard: set[int]) -> bool:

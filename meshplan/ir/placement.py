@@ -6,6 +6,7 @@ tuple of n placements (`Placements`), printed compactly as `S(0)R` or `RP`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Union
@@ -86,9 +87,14 @@ def shard_factor(placements: Placements, mesh_shape: tuple[int, ...], dim: int) 
     return math.prod(n for p, n in zip(placements, mesh_shape) if p == Shard(dim))
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def local_shape(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Shape of one device's piece (meshplan only uses even sharding)."""
-    return tuple(s // shard_factor(placements, mesh_shape, d) for d, s in enumerate(shape))
+    out = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            out[p.dim] //= n
+    return tuple(out)
 
 
 def is_even(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> bool:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind
 
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
+from meshplan.ir.verify import verify
 
 aten = torch.ops.aten
 
@@ -149,7 +150,9 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     grads = _requires_grad(gm, {n.name: n.kind == "param" and tensor_of[n.target].requires_grad for n in nodes if n.kind == "param"})
     nodes = [replace(n, requires_grad=grads.get(n.name, ())) if n.kind != "output" else n for n in nodes]
     program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants)
-    return Graph(nodes, fx=program, input_names=tuple(input_names))
+    graph = Graph(nodes, fx=program, input_names=tuple(input_names))
+    verify(graph)
+    return graph
 
 
 def _requires_grad(gm: fx.GraphModule, param_grad: dict[str, bool]) -> dict[str, tuple[bool, ...]]:

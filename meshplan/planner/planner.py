@@ -64,6 +64,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             node_costs[node.name] = [0.0] * len(strategies)
 
     edges: list[Edge] = []
+    pair_cost: dict[tuple, float | None] = {}  # repeated layers move the same tensors the same ways
     for node in graph.nodes:
         for pos, ref in enumerate(node.inputs):
             meta = graph.meta(ref)

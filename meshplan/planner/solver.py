@@ -57,10 +57,70 @@ class InfeasiblePlan(ValueError):
     """No combination of candidate strategies is consistent (for example, conflicting forced layouts)."""
 
 
-def solve(problem: Problem, *, time_limit_s: float = 60.0, backend: str = "HIGHS") -> Solution:
+def solve(problem: Problem, *, time_limit_s: float = 60.0, backend: str = "HIGHS", merge: bool = True) -> Solution:
+    """Optimal strategies for `problem`; with `merge`, single-input followers are folded first."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     start = time.perf_counter()
+    if merge:
+        problem, merged = merge_followers(problem)
+        sol = _solve(problem, time_limit_s, backend, start)
+        choice = dict(sol.choice)
+        for node, (root, pick) in merged.items():
+            choice[node] = pick[choice[root]]
+        return Solution(choice, sol.objective, sol.status, sol.gap, time.perf_counter() - start, sol.backend, sol.variables)
+    return _solve(problem, time_limit_s, backend, start)
+
+
+def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, list[int]]]]:
+    """Fold every node with a single input edge into its producer when it can take each layout the
+    producer gives without resharding (views, transposes, pointwise ops): the follower's choice
+    becomes a function of its producer's, and the follower and that edge leave the MIP.
+
+    Returns the smaller problem and, per folded node (in fold order), its root and the strategy
+    it takes for each strategy of the root.
+    """
+    node_costs = {k: list(v) for k, v in problem.node_costs.items()}
+    edges = [Edge(e.src, e.dst, list(e.src_layouts), e.dst_layouts, e.cost) for e in problem.edges]
+    incoming: dict[str, list[Edge]] = {}
+    outgoing: dict[str, list[Edge]] = {}
+    for e in edges:
+        incoming.setdefault(e.dst, []).append(e)
+        outgoing.setdefault(e.src, []).append(e)
+    merged: dict[str, tuple[str, list[int]]] = {}
+    for v in list(node_costs):
+        ins = incoming.get(v, [])
+        if v in problem.fixed or len(ins) != 1 or ins[0].src in problem.fixed:
+            continue
+        e = ins[0]
+        pick: list[int] = []
+        for layout in e.src_layouts:
+            options = [t for t, need in enumerate(e.dst_layouts) if need == layout]
+            if not options or e.cost.get((layout, layout)) != 0.0:
+                break
+            pick.append(min(options, key=lambda t: node_costs[v][t]))
+        else:
+            u = e.src
+            node_costs[u] = [c + node_costs[v][pick[s]] for s, c in enumerate(node_costs[u])]
+            del node_costs[v]
+            outgoing[u].remove(e)
+            edges.remove(e)
+            for out in outgoing.pop(v, []):
+                out.src = u
+                out.src_layouts = [out.src_layouts[pick[s]] for s in range(len(pick))]
+                outgoing[u].append(out)
+            merged[v] = (u, pick)
+    # a node folded into a node that was itself folded later: re-express against the final root
+    for v, (u, pick) in list(merged.items()):
+        while u in merged:
+            u2, pick2 = merged[u]
+            pick = [pick[pick2[s]] for s in range(len(pick2))]
+            u = u2
+        merged[v] = (u, pick)
+    return Problem(node_costs, edges, dict(problem.fixed)), merged
+
+
+def _solve(problem: Problem, time_limit_s: float, backend: str, start: float) -> Solution:
     solver = pywraplp.Solver.CreateSolver(backend)
     assert solver is not None, f"OR-Tools has no {backend} backend"
     solver.SetNumThreads(1)  # deterministic: every rank must get the identical plan

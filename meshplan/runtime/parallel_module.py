@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from meshplan.ir.graph import Graph
+from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Shard, local_shape
 from meshplan.planner.plan import Plan
 from meshplan.runtime import collectives
@@ -17,11 +18,12 @@ from meshplan.runtime.collectives import MeshComm, all_reduce_grad
 from meshplan.runtime.rewrite import local_program
 
 
-def shard_tensor(t: torch.Tensor, layout: Placements, comm: MeshComm) -> torch.Tensor:
-    """This rank's block of a whole tensor (outer mesh axes take the outer blocks, as in DTensor)."""
+def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int) -> torch.Tensor:
+    """Rank `rank`'s block of a whole tensor (outer mesh axes take the outer blocks, as in DTensor)."""
+    coord = mesh.coordinate(rank)
     for a, p in enumerate(layout):
         if isinstance(p, Shard):
-            t = t.chunk(comm.mesh.shape[a], dim=p.dim)[comm.coord[a]]
+            t = t.chunk(mesh.shape[a], dim=p.dim)[coord[a]]
     return t
 
 
@@ -54,7 +56,7 @@ class ParallelModule(nn.Module):
             # every rank starts from rank 0's weights, as DDP does
             whole = whole.clone()
             dist.broadcast(whole, src=0)
-            local = shard_tensor(whole, p.layout, self.comm).contiguous()
+            local = shard_tensor(whole, p.layout, plan.mesh, rank).contiguous()
             if p.is_buffer:
                 tensor: torch.Tensor = local
                 for fqn in p.fqns:
@@ -100,7 +102,7 @@ class ParallelModule(nn.Module):
                     f"input {name} has shape {list(x.shape)} but the plan was made for {list(choice.shape)}; "
                     "re-plan for the new shape"
                 )
-            return shard_tensor(x, choice.layout, self.comm)
+            return shard_tensor(x, choice.layout, self.plan.mesh, self.comm.rank)
         want = local_shape(choice.shape, choice.layout, self.plan.mesh.shape)
         if tuple(x.shape) != want:
             raise ValueError(
