@@ -124,6 +124,8 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float) ->
     solver = pywraplp.Solver.CreateSolver(backend)
     assert solver is not None, f"OR-Tools has no {backend} backend"
     solver.SetNumThreads(1)  # deterministic: every rank must get the identical plan
+    if backend == "HIGHS":
+        solver.SetSolverSpecificParametersAsString("output_flag=false\n")
     solver.SetTimeLimit(int(time_limit_s * 1000))
     inf = solver.infinity()
 

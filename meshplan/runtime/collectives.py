@@ -92,12 +92,12 @@ def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str) -> tor
     elif step.kind == "all_gather":
         x = x.contiguous()
         buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(buf, x, group=group)
+        dist.all_gather_single(buf, x, group=group)
         out = torch.cat(buf.view((n,) + tuple(x.shape)).unbind(0), dim=step.dim)
     elif step.kind == "reduce_scatter":
         pieces = torch.stack([c.contiguous() for c in x.chunk(n, dim=step.dim)])
         out = pieces.new_empty(pieces.shape[1:])
-        dist.reduce_scatter_tensor(out, pieces.view((-1,) + tuple(pieces.shape[2:])), group=group)
+        dist.reduce_scatter_single(out, pieces.view((-1,) + tuple(pieces.shape[2:])), group=group)
     elif step.kind == "all_to_all":
         pieces = torch.stack([c.contiguous() for c in x.chunk(n, dim=step.dim2)])
         recv = torch.empty_like(pieces)
