@@ -1,0 +1,131 @@
+"""Invariant 4: bad input gets a clear error (or an announced fallback) naming what was given."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from _parity import build, rank_worker
+
+import meshplan
+from meshplan.planner.strategies import UnsupportedOpWarning
+from meshplan.runtime.launch import run_local
+
+
+@torch.library.custom_op("meshplan_test::scaled", mutates_args=())
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    """An op no sharding rule knows."""
+    return x * 2
+
+
+@scaled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class WithUnknownOp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return scaled(self.fc(x))
+
+
+def test_mesh_shape_must_multiply_to_devices():
+    model, x, _ = build("mlp")
+    with pytest.raises(ValueError, match=r"mesh_shape \(3,\) has 3 devices but devices=4"):
+        meshplan.plan(model, devices=4, example_inputs=(x,), mesh_shape=(3,))
+
+
+@pytest.mark.parametrize("devices", [0, -2, "4", 2.5])
+def test_devices_must_be_valid(devices):
+    model, x, _ = build("mlp")
+    with pytest.raises(ValueError, match="devices must be"):
+        meshplan.plan(model, devices=devices, example_inputs=(x,))
+
+
+def test_unknown_mode_and_inputs_are_rejected():
+    model, x, _ = build("mlp")
+    with pytest.raises(ValueError, match="mode='magic' is not supported; allowed: auto, data_parallel"):
+        meshplan.plan(model, devices=2, example_inputs=(x,), mode="magic")
+    with pytest.raises(ValueError, match="inputs='everywhere' is not supported"):
+        meshplan.plan(model, devices=2, example_inputs=(x,), inputs="everywhere")
+
+
+def test_forced_layout_must_divide():
+    model, x, _ = build("mlp")  # layers.2.weight is [16, 64]
+    with pytest.raises(ValueError, match=r"layout S\(0\) for layers.2.weight of shape \[16, 64\] is not an even sharding"):
+        meshplan.plan(model, devices=32, example_inputs=(x,), mesh_shape=(32,), param_layouts={"layers.2.weight": "S(0)"})
+    with pytest.raises(ValueError, match="matches no parameter"):
+        meshplan.plan(model, devices=2, example_inputs=(x,), param_layouts={"nope.*": "S(0)"})
+
+
+def test_op_without_rule_falls_back_with_a_named_warning():
+    x = torch.randn(4, 8)
+    with pytest.warns(UnsupportedOpWarning, match=r"no sharding rule for meshplan_test.scaled.default \(scaled\) at <top>"):
+        plan = meshplan.plan(WithUnknownOp(), devices=2, example_inputs=(x,))
+    assert plan.fallbacks == ("meshplan_test.scaled.default (scaled) at <top>",)
+    assert "replicated for lack of a rule" in str(plan)
+    node = next(n for n in plan.nodes if n.name == "scaled")
+    assert node.strategy.source == "fallback" and str(node.strategy) == "R->R"
+
+
+def test_op_without_rule_is_an_error_when_strict():
+    with pytest.raises(ValueError, match=r"no sharding rule for meshplan_test.scaled.default \(scaled\).*strict=True"):
+        meshplan.plan(WithUnknownOp(), devices=2, example_inputs=(torch.randn(4, 8),), strict=True)
+
+
+def test_auto_parallelize_needs_a_process_group():
+    model, x, _ = build("mlp")
+    with pytest.raises(ValueError, match="needs a torch.distributed process group"):
+        meshplan.auto_parallelize(model, devices=2, example_inputs=(x,))
+
+
+def _wrong_devices(rank, world):
+    model, x, _ = build("mlp")
+    try:
+        meshplan.auto_parallelize(model, devices=4, example_inputs=(x,))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_devices_must_equal_world_size():
+    messages = run_local(2, _wrong_devices, timeout=300)
+    assert messages == ["devices=4 but the process group has world size 2; they must be equal"] * 2
+
+
+def _different_plans(rank, world, plans):
+    try:
+        rank_worker(rank, world, "mlp", plans[rank])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_ranks_with_different_plans_fail_before_any_step():
+    model, x, _ = build("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        plans = [meshplan.plan(model, devices=2, example_inputs=(x,), mode=m) for m in ("auto", "data_parallel")]
+    assert plans[0].hash() != plans[1].hash()
+    messages = run_local(2, _different_plans, plans, timeout=300)
+    for rank, msg in enumerate(messages):
+        assert msg is not None and "ranks computed different plans" in msg and plans[rank].hash() in msg
+
+
+def test_plan_for_another_model_is_refused():
+    mlp, x, _ = build("mlp")
+    other = meshplan.models.MLP(d_in=32, hidden=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        plan = meshplan.plan(other, devices=2, example_inputs=(x,))
+        from meshplan.ir.trace import trace
+        from meshplan.runtime.parallel_module import ParallelModule
+
+        with pytest.raises(ValueError, match="plan was made for a different graph"):
+            ParallelModule(mlp, trace(mlp, (x,)), plan)

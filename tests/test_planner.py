@@ -1,0 +1,144 @@
+"""Planner pieces in one process: redistribution steps, candidate strategies, the solver, the Plan."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from _parity import build
+
+import meshplan
+from meshplan.cost_model.redistribution import InfeasibleRedistribution, backward_steps, redistribution_steps
+from meshplan.ir import MeshSpec, TensorMeta, trace
+from meshplan.ir.placement import fmt, parse
+from meshplan.planner.plan import Plan
+from meshplan.planner.solver import Edge, Problem, merge_followers, solve
+from meshplan.planner.strategies import generate
+
+META = TensorMeta((8, 16), "float32")
+
+
+def steps(src: str, dst: str, mesh=(2, 2)):
+    fwd = redistribution_steps(META, parse(src), parse(dst), mesh)
+    return [str(s) for s in fwd], [str(s) for s in backward_steps(fwd)]
+
+
+@pytest.mark.parametrize(
+    "src,dst,fwd,bwd",
+    [
+        ("S(0)R", "RR", ["all_gather(ax0,d0)"], ["reduce_scatter(ax0,d0)"]),
+        ("PR", "RR", ["all_reduce(ax0)"], ["all_reduce(ax0)"]),
+        ("RP", "RS(1)", ["reduce_scatter(ax1,d1)"], ["all_gather(ax1,d1)"]),
+        ("S(0)R", "S(1)R", ["all_to_all(ax0,d0->1)"], ["all_to_all(ax0,d1->0)"]),
+        ("RR", "S(0)S(0)", ["chunk(ax0,d0)", "chunk(ax1,d0)"], ["pad(ax1,d0)", "pad(ax0,d0)"]),
+        # the inner axis is gathered first, so nested shards keep DTensor's block order
+        ("S(0)S(0)", "RR", ["all_gather(ax1,d0)", "all_gather(ax0,d0)"], ["reduce_scatter(ax0,d0)", "reduce_scatter(ax1,d0)"]),
+        ("RR", "PR", ["to_partial(ax0)"], ["to_partial(ax0)"]),
+    ],
+)
+def test_redistribution_steps_and_their_duals(src, dst, fwd, bwd):
+    assert steps(src, dst) == (fwd, bwd)
+
+
+def test_partial_cannot_change_kind():
+    with pytest.raises(InfeasibleRedistribution):
+        redistribution_steps(META, parse("P(avg)"), parse("P"), (2,))
+
+
+def test_placements_round_trip_their_compact_form():
+    for text in ["S(0)R", "RP", "P(avg)S(2)", "RRR"]:
+        assert fmt(parse(text)) == text
+    with pytest.raises(ValueError, match="cannot parse placements"):
+        parse("X")
+
+
+def test_linear_has_the_megatron_strategies():
+    model, x, _ = build("mlp")
+    g = trace(model, (x,))
+    cands = generate(g, MeshSpec((2,)))
+    addmm = next(n for n in g.nodes if n.target == "aten.addmm.default")
+    names = {str(s) for s in cands.by_node[addmm.name]}
+    assert "R,R,S(1)->S(1)" not in names  # bias must follow the sharded output
+    assert "S(0),R,S(1)->S(1)" in names  # column parallel (weight.t() sharded on dim 1)
+    assert "P,S(1),S(0)->P" in names  # row parallel: contraction dim sharded, partial output
+    assert "S(0),R->S(0)" not in names and "R,S(0),R->S(0)" in names  # data parallel
+
+
+def test_attention_shards_batch_or_heads():
+    model, x, _ = build("gpt")
+    g = trace(model, (x,))
+    cands = generate(g, MeshSpec((4,)))
+    sdpa = next(n for n in g.nodes if n.target == "aten.scaled_dot_product_attention.default")
+    assert {str(s) for s in cands.by_node[sdpa.name]} == {"R,R,R->R", "S(0),S(0),S(0)->S(0)", "S(1),S(1),S(1)->S(1)"}
+    assert {s.source for s in cands.by_node[sdpa.name]} == {"meshplan"}
+
+
+def test_solver_trades_node_cost_against_edge_cost():
+    # a -> b; a prefers layout "x" (cost 0 vs 1) but the edge x->y costs 5 and b only takes "y" cheaply
+    p = Problem(
+        {"a": [0.0, 1.0], "b": [3.0, 0.0]},
+        [Edge("a", "b", ["x", "y"], ["x", "y"], {("x", "x"): 0.0, ("y", "y"): 0.0, ("x", "y"): 5.0, ("y", "x"): 5.0})],
+    )
+    sol = solve(p, merge=False)
+    assert sol.choice == {"a": 1, "b": 1} and sol.objective == pytest.approx(1.0) and sol.status == "optimal"
+
+
+def test_follower_merging_keeps_the_optimum():
+    edge = {("x", "x"): 0.0, ("y", "y"): 0.0, ("x", "y"): 2.0, ("y", "x"): 2.0}
+    p = Problem(
+        {"a": [0.0, 0.5], "v": [0.25, 0.0], "b": [3.0, 0.0]},
+        [Edge("a", "v", ["x", "y"], ["x", "y"], edge), Edge("v", "b", ["x", "y"], ["x", "y"], edge)],
+    )
+    reduced, merged = merge_followers(p)
+    # v and then b take a's layout without resharding: the chain folds into a
+    assert set(reduced.node_costs) == {"a"} and merged == {"v": ("a", [0, 1]), "b": ("a", [0, 1])}
+    assert reduced.node_costs["a"] == [3.25, 0.5]
+    assert solve(p).choice == solve(p, merge=False).choice == {"a": 1, "v": 1, "b": 1}
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    model, x, _ = build("gpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return meshplan.plan(model, devices=4, example_inputs=(x,), mesh_shape=(2, 2))
+
+
+def test_plan_json_round_trip(gpt_plan):
+    again = Plan.from_json(gpt_plan.to_json())
+    assert again == gpt_plan and again.hash() == gpt_plan.hash()
+
+
+def test_plan_rejects_bad_files(gpt_plan):
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Plan.from_json(gpt_plan.to_json()[:100])
+    d = json.loads(gpt_plan.to_json())
+    d["version"] = 99
+    with pytest.raises(ValueError, match="schema version 99 is not supported"):
+        Plan.from_json(json.dumps(d))
+    del d["params"]
+    d["version"] = 1
+    with pytest.raises(ValueError, match="malformed"):
+        Plan.from_json(json.dumps(d))
+
+
+def test_plan_prints_mesh_layouts_collectives_time_and_memory(gpt_plan):
+    text = str(gpt_plan)
+    assert "mesh dp=2 x tp=2 (4 devices" in text
+    assert "predicted step" in text and "memory/device params" in text
+    assert "wte.weight = lm_head.weight" in text
+    for kind in gpt_plan.collectives():
+        assert kind in text
+
+
+def test_planning_needs_no_devices_or_memory():
+    """A 64-device plan from a model on the meta device: nothing is allocated or run."""
+    with torch.device("meta"):
+        model = meshplan.models.GPT(meshplan.models.GPTConfig(hidden=256, heads=8, layers=2))
+    tokens = torch.zeros((64, 16), dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        plan = meshplan.plan(model, devices=64, example_inputs=(tokens,), mesh_shape=(64,))
+    assert plan.mesh.size == 64 and plan.solver.status == "optimal"
