@@ -7,7 +7,8 @@ import math
 import warnings
 
 import pytest
-from _parity import build, check_parity, plan_kwargs, rank_worker
+import torch
+from _parity import build, check_parity, plan_kwargs, rank_worker, train
 
 import meshplan
 from meshplan.runtime.launch import run_local
@@ -53,3 +54,27 @@ def test_every_rank_plans_identically():
     """Each rank plans on its own (no plan passed in); the solver is deterministic."""
     hashes = run_local(2, _plan_on_rank, timeout=600)
     assert hashes[0] == hashes[1]
+
+
+def _local_inputs_worker(rank, world, plan):
+    model, x, y = build("mlp")
+    rows = slice(rank * x.shape[0] // world, (rank + 1) * x.shape[0] // world)
+    pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan)
+    losses = train(pmodel, x[rows], y[rows], "mlp")  # each rank loads only its slice
+    return losses, {k: v.detach() for k, v in pmodel.named_parameters()}
+
+
+def test_local_inputs_train_like_the_whole_batch():
+    """inputs="local": ranks pass their own data-parallel slice; gradients average like DDP's."""
+    model, x, y = build("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        plan = meshplan.plan(model, devices=2, example_inputs=(x,), mode="data_parallel", inputs="local")
+    assert plan.inputs[0].layout == (meshplan.Shard(0),)
+    results = run_local(2, _local_inputs_worker, plan, timeout=300)
+    reference = train(model, x, y, "mlp")
+    mean_losses = [sum(r[0][i] for r in results) / 2 for i in range(3)]
+    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+    for fqn, p in model.named_parameters():
+        for _, params in results:
+            torch.testing.assert_close(params[fqn], p.detach(), rtol=1e-4, atol=1e-6)
