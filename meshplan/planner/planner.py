@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import math
 from dataclasses import dataclass, field
 
 from meshplan.cost_model.compute import is_view
@@ -47,7 +46,6 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
     cands = generate(graph, mesh, inputs=options.inputs, strict=options.strict)
     _apply_forced(graph, mesh, cands.by_node, options)
     shape = mesh.shape
-    consumers = graph.consumers()
 
     node_costs: dict[str, list[float]] = {}
     for node in graph.nodes:
@@ -83,7 +81,6 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
 
     solution = solve(Problem(node_costs, edges), time_limit_s=options.time_limit_s)
     chosen = {name: cands.by_node[name][i] for name, i in solution.choice.items()}
-    del consumers
 
     nodes, transfers, params, inputs = [], [], [], []
     compute_s = comm_s = 0.0
@@ -114,7 +111,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             param_bytes += nbytes
             if trainable:
                 grad_bytes += nbytes
-                param_numel_local += math.prod(_local(node, layout, shape))
+                param_numel_local += nbytes // node.out.itemsize
             comm_s += cost
             axes = grad_sync_axes(layout) if trainable else ()
             axes = tuple(a for a in axes if shape[a] > 1)
@@ -145,12 +142,6 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables),
         fallbacks=tuple(cands.fallbacks),
     )
-
-
-def _local(node: Node, layout: Placements, shape: tuple[int, ...]) -> tuple[int, ...]:
-    from meshplan.ir.placement import local_shape
-
-    return local_shape(node.out.shape, layout, shape)
 
 
 def _grad_flows(graph: Graph, ref, consumer: Node) -> bool:
