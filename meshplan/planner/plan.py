@@ -66,6 +66,19 @@ class ParamChoice:
 
 
 @dataclass(frozen=True, slots=True)
+class GradBucket:
+    """Gradients all-reduced together in one collective once all of them are ready (as DDP's buckets)."""
+
+    axes: tuple[int, ...]
+    """Mesh axes the all-reduce spans (where these parameters are replicated)."""
+    params: tuple[str, ...]
+    """Parameter nodes, in the order their gradients are expected (reverse of first use)."""
+    nbytes: int
+    """Bytes of the flattened bucket on one device."""
+    time_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class InputChoice:
     """Layout of one user input: in `inputs="local"` mode, the slice each rank loads."""
 
@@ -103,6 +116,8 @@ class Plan:
     comm_s: float
     solver: SolverInfo
     fallbacks: tuple[str, ...] = ()
+    buckets: tuple[GradBucket, ...] = ()
+    """Gradient all-reduce buckets, launched in this order during backward."""
     version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ queries
@@ -124,7 +139,7 @@ class Plan:
             c.update(f"forward:{s.kind}" for s in t.forward if s.communicates)
             c.update(f"backward:{s.kind}" for s in t.backward if s.communicates)
         if include_grad_sync:
-            c.update("grad_sync:all_reduce" for p in self.params if p.grad_sync_axes)
+            c.update("grad_sync:all_reduce" for _ in self.buckets)
         return c
 
     def hash(self) -> str:
@@ -251,5 +266,6 @@ def _decode_plan(d: dict) -> Plan:
         comm_s=d["comm_s"],
         solver=SolverInfo(**d["solver"]),
         fallbacks=tuple(d["fallbacks"]),
+        buckets=tuple(GradBucket(tuple(b["axes"]), tuple(b["params"]), b["nbytes"], b["time_s"]) for b in d["buckets"]),
         version=d["version"],
     )

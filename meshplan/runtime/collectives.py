@@ -2,7 +2,7 @@
 
 Each step's backward is its dual step (see cost_model/redistribution.py), so autograd carries
 gradients across layouts with exactly the collectives the plan lists. Every collective the
-runtime issues goes through `_collective`, which counts it: the counters are how tests check that
+runtime issues goes through `count_collective`, which counts it: the counters are how tests check that
 the plan is the truth.
 """
 
@@ -66,7 +66,7 @@ class MeshComm:
         return math.prod(self.mesh.shape[a] for a in axes)
 
 
-def _collective(phase: str, kind: str) -> None:
+def count_collective(phase: str, kind: str) -> None:
     COUNTS[f"{phase}:{kind}"] += 1
 
 
@@ -85,7 +85,7 @@ def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str) -> tor
         return out
     if step.kind == "to_partial":
         return x if me == 0 else torch.zeros_like(x)
-    _collective(phase, step.kind)
+    count_collective(phase, step.kind)
     if step.kind == "all_reduce":
         out = x.contiguous().clone()
         dist.all_reduce(out, group=group)
@@ -134,12 +134,6 @@ class ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.factor, None
-
-
-def all_reduce_grad(grad: torch.Tensor, comm: MeshComm, axes: tuple[int, ...]) -> None:
-    """Sum a parameter's gradient over the axes where it is replicated (in place)."""
-    _collective("grad_sync", "all_reduce")
-    dist.all_reduce(grad, group=comm.group(axes))
 
 
 def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
