@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshplan.cost_model.presets import ClusterPreset, get_cluster
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
+from meshplan.planner.annotations import AnnotationError, module_annotations
+from meshplan.planner.constraints import Annotations
 from meshplan.planner.plan import Plan
 from meshplan.planner.planner import PlanOptions, make_plan
 from meshplan.runtime.parallel_module import ParallelModule
@@ -69,26 +71,44 @@ def plan(
     param_layouts: dict | None = None,
     input_layouts: dict | None = None,
     optimizer: str = "adam",
+    search: str | None = None,
+    parameter_plan: dict | None = None,
+    parallelize_plan: dict | None = None,
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
     With `mesh_shape=None` and an int `devices`, every factorisation into one or two axes is
-    planned and the plan with the lowest predicted step time is returned.
+    planned and the plan with the lowest predicted step time is returned; meshes on which the
+    annotations cannot hold (a split factor no axis has) are skipped.
+
+    Modes, search and the annotations (`meshplan.shard` on submodules, `parameter_plan`,
+    `parallelize_plan`, `input_layouts`) are described in docs/modes.md.
     """
     meshes = resolve_mesh(devices, mesh_shape, axis_names)
     cluster_preset = get_cluster(cluster or ("h100" if torch.cuda.is_available() else "cpu"))
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
-        input_layouts=dict(input_layouts or {}), optimizer=optimizer,
+        input_layouts=dict(input_layouts or {}), optimizer=optimizer, search=search,
+        annotations=Annotations(
+            parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=module_annotations(model)
+        ),
     )
     graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs)
     best: Plan | None = None
+    skipped: list[str] = []
     for mesh in meshes:
-        p = make_plan(graph, mesh, cluster_preset, options, model_name=type(model).__name__)
+        try:
+            p = make_plan(graph, mesh, cluster_preset, options, model_name=type(model).__name__)
+        except AnnotationError as e:
+            if len(meshes) == 1:
+                raise
+            skipped.append(f"mesh {mesh.shape}: {e}")
+            continue
         log.info("mesh %s: predicted step %.3f ms", mesh, p.step_time_s * 1e3)
         if best is None or p.step_time_s < best.step_time_s:
             best = p
-    assert best is not None
+    if best is None:
+        raise AnnotationError("the annotations hold on none of the candidate meshes:\n  " + "\n  ".join(skipped))
     return best
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 
 from meshplan.cost_model.compute import is_view
@@ -12,19 +11,28 @@ from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import InfeasibleRedistribution, backward_steps, redistribution_steps
 from meshplan.ir.graph import Graph, Node
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.placement import Placements, Replicate, Shard, fmt, parse
+from meshplan.ir.placement import Placements
+from meshplan.planner.constraints import Annotations, constrain
 from meshplan.planner.plan import InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
+from meshplan.planner.propagation import propagate
 from meshplan.planner.solver import Edge, Problem, solve
 from meshplan.planner.strategies import generate
 
-MODES = ("auto", "data_parallel")
+MODES = ("auto", "data_parallel", "semi_auto", "manual")
+SEARCHES = ("ilp", "propagation")
 INPUT_MODES = ("global", "local")
 
 
 @dataclass(kw_only=True, slots=True)
 class PlanOptions:
     mode: str = "auto"
-    """'auto' searches everything; 'data_parallel' replicates parameters and shards inputs' dim 0 on every axis."""
+    """'auto' searches everything not annotated; 'data_parallel' replicates parameters and shards inputs' dim 0 on
+    every axis; 'semi_auto' fixes the (required) annotations and searches the rest; 'manual' needs a layout for
+    every parameter and input and completes the ops from them. See docs/modes.md."""
+    search: str | None = None
+    """'ilp' (exact) or 'propagation' (greedy, no solver); None: 'propagation' in manual mode, else 'ilp'."""
+    annotations: Annotations = field(default_factory=Annotations)
+    """parameter_plan, parallelize_plan and meshplan.shard annotations (see planner/constraints.py)."""
     inputs: str = "global"
     """'global': every rank passes the whole batch; 'local': each rank passes its own slice."""
     strict: bool = False
@@ -43,8 +51,14 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         raise ValueError(f"mode={options.mode!r} is not supported; allowed: {', '.join(MODES)}")
     if options.inputs not in INPUT_MODES:
         raise ValueError(f"inputs={options.inputs!r} is not supported; allowed: {', '.join(INPUT_MODES)}")
+    search = options.search or ("propagation" if options.mode == "manual" else "ilp")
+    if search not in SEARCHES:
+        raise ValueError(f"search={options.search!r} is not supported; allowed: {', '.join(SEARCHES)}")
     cands = generate(graph, mesh, inputs=options.inputs, strict=options.strict)
-    _apply_forced(graph, mesh, cands.by_node, options)
+    constrain(
+        graph, mesh, cands.by_node, mode=options.mode, annotations=options.annotations,
+        param_layouts=options.param_layouts, input_layouts=options.input_layouts,
+    )
     shape = mesh.shape
 
     node_costs: dict[str, list[float]] = {}
@@ -79,7 +93,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
                         pass
             edges.append(Edge(ref.node, node.name, src_layouts, dst_layouts, cost))
 
-    solution = solve(Problem(node_costs, edges), time_limit_s=options.time_limit_s)
+    problem = Problem(node_costs, edges)
+    solution = propagate(problem) if search == "propagation" else solve(problem, time_limit_s=options.time_limit_s)
     chosen = {name: cands.by_node[name][i] for name, i in solution.choice.items()}
 
     nodes, transfers, params, inputs = [], [], [], []
@@ -149,36 +164,3 @@ def _grad_flows(graph: Graph, ref, consumer: Node) -> bool:
     if not graph[ref.node].grad(ref.index):
         return False
     return consumer.kind == "output" or any(consumer.requires_grad)
-
-
-def _apply_forced(graph: Graph, mesh: MeshSpec, by_node: dict, options: PlanOptions) -> None:
-    """Restrict leaf candidates to forced layouts (mode presets and explicit layouts)."""
-    forced: dict[str, Placements] = {}
-    if options.mode == "data_parallel":
-        for node in graph.nodes:
-            if node.kind in ("param", "buffer"):
-                forced[node.name] = (Replicate(),) * mesh.ndim
-            elif node.kind == "input" and node.out.shape:
-                forced[node.name] = (Shard(0),) * mesh.ndim
-    for pattern, layout in options.param_layouts.items():
-        layout = parse(layout) if isinstance(layout, str) else tuple(layout)
-        hits = [n for n in graph.nodes if n.kind in ("param", "buffer") and any(fnmatch.fnmatchcase(f, pattern) for f in n.fqns)]
-        if not hits:
-            raise ValueError(f"param_layouts pattern {pattern!r} matches no parameter or buffer of the model")
-        for n in hits:
-            forced[n.name] = layout
-    for name, layout in options.input_layouts.items():
-        if name not in graph.input_names:
-            raise ValueError(f"input_layouts names input {name!r}; the model's inputs are {list(graph.input_names)}")
-        forced[name] = parse(layout) if isinstance(layout, str) else tuple(layout)
-    for name, layout in forced.items():
-        if len(layout) != mesh.ndim:
-            raise ValueError(f"layout {fmt(layout)} for {name} has {len(layout)} placements; the mesh has {mesh.ndim} axes")
-        keep = [s for s in by_node[name] if s.outputs[0] == layout]
-        if not keep:
-            node = graph[name]
-            raise ValueError(
-                f"layout {fmt(layout)} for {' = '.join(node.fqns) or name} of shape {list(node.out.shape)} is not an even "
-                f"sharding on mesh {mesh}; allowed: {', '.join(fmt(s.outputs[0]) for s in by_node[name])}"
-            )
-        by_node[name] = keep
