@@ -87,3 +87,12 @@ def test_propagation_search_with_dtensor_placements_on_gpt_world2():
     assert plan.solver.backend == "propagation" and plan.step_time_s >= ilp.step_time_s
     assert _layouts(plan)["layers.1.mlp.fc1.weight"] == "S(0)"
     _run("gpt", plan)
+
+
+def test_sequence_parallel_norms_with_megatron_on_llama_world2():
+    model, x, _ = build("llama")
+    styles = MEGATRON_LLAMA | {"layers.*.input_norm": "sequence_parallel", "layers.*.post_attn_norm": "sequence_parallel"}
+    plan = _plan(model, x, (2,), mode="semi_auto", parallelize_plan=styles)
+    norm_ops = [n for n in plan.nodes if n.module_path == "layers.1.post_attn_norm"]
+    assert norm_ops and all(fmt(n.strategy.outputs[0]) == "S(1)" for n in norm_ops)  # computed on sequence shards
+    _run("llama", plan)
