@@ -34,7 +34,6 @@ from meshplan.planner.annotations import (
     AnnotationError,
     MaybePlacements,
     ShardAnnotation,
-    TensorLayout,
     linear_placements,
     show,
     show_spec,
@@ -526,4 +525,4 @@ def _from_style(idx: _Index, mesh: MeshSpec, pattern: str, style) -> list[Constr
     return out
 
 
-__all__ = ["Annotations", "Constraint", "STYLES", "TensorLayout", "constrain", "style_name", "tp_axis"]
+__all__ = ["Annotations", "Constraint", "STYLES", "constrain", "style_name", "tp_axis"]
