@@ -6,7 +6,8 @@
 
 from meshplan.api import auto_parallelize, plan
 from meshplan.ir.placement import Partial, Replicate, Shard
+from meshplan.planner.annotations import Layout, shard
 from meshplan.planner.plan import Plan
 from meshplan.runtime.parallel_module import ParallelModule
 
-__all__ = ["ParallelModule", "Partial", "Plan", "Replicate", "Shard", "auto_parallelize", "plan"]
+__all__ = ["Layout", "ParallelModule", "Partial", "Plan", "Replicate", "Shard", "auto_parallelize", "plan", "shard"]
