@@ -257,9 +257,9 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer: torch.optim.Opti
     have = {p.fqns[0]: list(p.shape) for p in pmodel.plan.params}
     if info["params"] != have:
         diff = sorted(k for k in set(have) | set(info["params"]) if have.get(k) != info["params"].get(k))
-        raise ValueError(f"checkpoint {path} was saved from a different model: parameters {diff[:5]} differ in name "
-                         f"or shape (checkpoint {[info['params'].get(k) for k in diff[:5]]}, this model "
-                         f"{[have.get(k) for k in diff[:5]]})")
+        shown = "; ".join(f"{k}: {info['params'].get(k, 'absent')} in the checkpoint, {have.get(k, 'absent')} here" for k in diff[:3])
+        raise ValueError(f"checkpoint {path} was saved from a different model: {len(diff)} parameters differ in name or "
+                         f"shape ({shown}{'; ...' if len(diff) > 3 else ''})")
     state: dict[str, Any] = {"model": model_state_dict(pmodel)}
     plain: dict[str, dict[str, Any]] = {}
     if optimizer is not None:

@@ -47,10 +47,11 @@ def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
             timeout = float(env)
         except ValueError:
             raise ValueError(f"{TIMEOUT_ENV}={env!r} is not a number; give the collective timeout in seconds, e.g. 300") from None
+    given = timeout
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         timeout = timedelta(seconds=timeout) if math.isfinite(timeout) else timedelta(0)
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"{source}={timeout!r} is not allowed; give a positive number of seconds or a datetime.timedelta")
+        raise ValueError(f"{source}={given!r} is not allowed; give a positive number of seconds or a datetime.timedelta")
     return timeout
 
 
