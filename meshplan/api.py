@@ -18,6 +18,7 @@ from meshplan.ir.trace import trace
 from meshplan.planner.plan import Plan
 from meshplan.planner.planner import PlanOptions, make_plan
 from meshplan.runtime.collectives import resolve_timeout
+from meshplan.runtime.launch import init_torchrun_group
 from meshplan.runtime.parallel_module import ParallelModule
 
 log = logging.getLogger("meshplan")
@@ -132,7 +133,7 @@ def _ensure_process_group(timeout: timedelta) -> None:
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+        init_torchrun_group(timeout=timeout)
         log.info("initialised process group from the torchrun environment")
         return
     raise ValueError(
