@@ -16,7 +16,8 @@ from meshplan.cost_model.presets import ClusterPreset, get_cluster
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
 from meshplan.planner.plan import Plan
-from meshplan.planner.planner import PlanOptions, make_plan
+from meshplan.cost_model.memory import format_bytes
+from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
 from meshplan.runtime.collectives import resolve_timeout
 from meshplan.runtime.launch import init_torchrun_group
 from meshplan.runtime.parallel_module import ParallelModule
@@ -26,8 +27,11 @@ log = logging.getLogger("meshplan")
 Devices = int | Sequence[int] | DeviceMesh
 
 
-def resolve_mesh(devices: Devices, mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None) -> list[MeshSpec]:
-    """The mesh(es) to consider: one when the shape is known, every factorisation into <= 2 axes otherwise."""
+def resolve_mesh(
+    devices: Devices, mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None, devices_per_node: int | None = None
+) -> list[MeshSpec]:
+    """The mesh(es) to consider: one when the shape is known, otherwise every factorisation into
+    up to three axes whose innermost axis fits in a node (`mesh_shapes`)."""
     names = tuple(axis_names) if axis_names else ()
     if isinstance(devices, DeviceMesh):
         shape = tuple(devices.shape)
@@ -50,11 +54,30 @@ def resolve_mesh(devices: Devices, mesh_shape: Sequence[int] | None = None, axis
         if n != devices:
             raise ValueError(f"mesh_shape {shape} has {n} devices but devices={devices}; their product must equal devices")
         return [MeshSpec(shape, names)]
-    meshes = [MeshSpec((devices,), names[:1] if names else ())]
-    for outer in range(2, devices):
-        if devices % outer == 0:
-            meshes.append(MeshSpec((outer, devices // outer), names if len(names) == 2 else ()))
-    return meshes
+    return [MeshSpec(shape, names if len(names) == len(shape) else SEARCH_AXIS_NAMES.get(len(shape), ())) for shape in mesh_shapes(devices, devices_per_node)]
+
+
+SEARCH_AXIS_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp0", "dp1", "tp")}
+"""Names of searched meshes: the solver decides what each axis carries; the inner one is the fast link."""
+
+
+def mesh_shapes(devices: int, devices_per_node: int | None = None, max_axes: int = 3) -> list[tuple[int, ...]]:
+    """Factorisations of `devices` into 1..`max_axes` axes (each > 1), outermost first.
+
+    With `devices_per_node`, the innermost axis must fit in one node (the fast link): an inner
+    axis that crosses nodes is never better than the same shape with axes swapped, since every
+    axis can carry any parallelism.
+    """
+
+    def split(n: int, axes: int) -> list[tuple[int, ...]]:
+        if axes == 1:
+            return [(n,)]
+        return [(d, *rest) for d in range(2, n) if n % d == 0 for rest in split(n // d, axes - 1)]
+
+    shapes = [s for k in range(1, max_axes + 1) for s in split(devices, k) if devices > 1 or k == 1]
+    if devices_per_node:
+        shapes = [s for s in shapes if s[-1] <= devices_per_node or len(s) == 1]
+    return shapes
 
 
 def plan(
@@ -72,26 +95,37 @@ def plan(
     param_layouts: dict | None = None,
     input_layouts: dict | None = None,
     optimizer: str = "adam",
+    memory_budget: int | str | None = None,
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
-    With `mesh_shape=None` and an int `devices`, every factorisation into one or two axes is
-    planned and the plan with the lowest predicted step time is returned.
+    With `mesh_shape=None` and an int `devices`, every factorisation into up to three axes (the
+    innermost within a node of the cluster) is planned and the plan with the lowest predicted step
+    time is returned. `memory_budget` bounds the predicted peak per device ('80GB', '16GiB' or
+    bytes; default: the cluster device's memory); if no plan fits, the `MemoryBudgetError` says
+    the smallest budget that would.
     """
-    meshes = resolve_mesh(devices, mesh_shape, axis_names)
     cluster_preset = get_cluster(cluster or ("h100" if torch.cuda.is_available() else "cpu"))
+    meshes = resolve_mesh(devices, mesh_shape, axis_names, cluster_preset.devices_per_node)
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
-        input_layouts=dict(input_layouts or {}), optimizer=optimizer,
+        input_layouts=dict(input_layouts or {}), optimizer=optimizer, memory_budget=memory_budget,
     )
     graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs)
     best: Plan | None = None
+    too_small: list[MemoryBudgetError] = []
     for mesh in meshes:
-        p = make_plan(graph, mesh, cluster_preset, options, model_name=type(model).__name__)
-        log.info("mesh %s: predicted step %.3f ms", mesh, p.step_time_s * 1e3)
+        try:
+            p = make_plan(graph, mesh, cluster_preset, options, model_name=type(model).__name__)
+        except MemoryBudgetError as e:
+            log.info("mesh %s: %s", mesh, e)
+            too_small.append(e)
+            continue
+        log.info("mesh %s: predicted step %.3f ms, peak %s", mesh, p.step_time_s * 1e3, format_bytes(p.memory.total))
         if best is None or p.step_time_s < best.step_time_s:
             best = p
-    assert best is not None
+    if best is None:
+        raise min(too_small, key=lambda e: e.smallest)
     return best
 
 

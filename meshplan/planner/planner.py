@@ -5,19 +5,36 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-from meshplan.cost_model.compute import is_view
-from meshplan.cost_model.estimate import compute_time, grad_sync_axes, grad_sync_time, local_bytes, transfer_time
-from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
+from meshplan.cost_model.estimate import grad_sync_axes
+from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, parse_bytes
 from meshplan.cost_model.presets import ClusterPreset
-from meshplan.cost_model.redistribution import InfeasibleRedistribution, backward_steps, redistribution_steps
-from meshplan.ir.graph import Graph, Node
+from meshplan.cost_model.redistribution import backward_steps, redistribution_steps
+from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Replicate, Shard, fmt, parse
 from meshplan.planner.plan import InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
-from meshplan.planner.solver import Edge, Problem, solve
+from meshplan.planner.problem import INFEASIBLE_S, build_tables, grad_flows, node_memory, transfer_memory
+from meshplan.planner.solver import InfeasiblePlan, solve
 from meshplan.planner.strategies import generate
 
 MODES = ("auto", "data_parallel")
+
+
+class MemoryBudgetError(ValueError):
+    """No plan fits the per-device memory budget; says the smallest budget that would work."""
+
+    def __init__(self, budget: float, smallest: float, mesh: MeshSpec) -> None:
+        self.budget, self.smallest, self.mesh = budget, smallest, mesh
+        super().__init__(
+            f"memory budget {format_bytes(budget)} per device is infeasible on mesh {mesh}: the smallest predicted peak "
+            f"of any plan is {format_bytes(smallest)} ({int(smallest)} bytes); allowed: a budget >= that, or more devices"
+        )
+
+
+def _budget(value: int | str | None, cluster: ClusterPreset) -> float:
+    if value is None:
+        return float(cluster.device.memory_bytes)
+    return float(parse_bytes(value))
 INPUT_MODES = ("global", "local")
 
 
@@ -35,7 +52,11 @@ class PlanOptions:
     """Forced user-input layouts by input name."""
     optimizer: str = "adam"
     """Optimizer whose state the memory model counts."""
+    memory_budget: int | str | None = None
+    """Bytes per device the predicted peak may use ('80GB', '512MiB' or an int); None: the device's memory."""
     time_limit_s: float = 60.0
+    tie_layers: bool = True
+    """Give corresponding nodes of repeated layers one strategy and solve the block once (exact for that reduced problem)."""
 
 
 def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, *, model_name: str = "model") -> Plan:
@@ -47,47 +68,30 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
     _apply_forced(graph, mesh, cands.by_node, options)
     shape = mesh.shape
 
-    node_costs: dict[str, list[float]] = {}
-    for node in graph.nodes:
-        strategies = cands.by_node[node.name]
-        if node.kind == "op":
-            in_metas = [graph.meta(r) for r in node.inputs]
-            grad = any(node.requires_grad)
-            node_costs[node.name] = [
-                compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad) for s in strategies
-            ]
-        elif node.kind == "param" and node.grad(0):
-            node_costs[node.name] = [grad_sync_time(node.out, s.outputs[0], shape, cluster) for s in strategies]
-        else:
-            node_costs[node.name] = [0.0] * len(strategies)
-
-    edges: list[Edge] = []
-    pair_cost: dict[tuple, float | None] = {}  # repeated layers move the same tensors the same ways
-    for node in graph.nodes:
-        for pos, ref in enumerate(node.inputs):
-            meta = graph.meta(ref)
-            src_layouts = [s.outputs[ref.index] for s in cands.by_node[ref.node]]
-            dst_layouts = [s.inputs[pos] for s in cands.by_node[node.name]]
-            backward = _grad_flows(graph, ref, node)
-            cost = {}
-            # ordered de-duplication: set order varies between processes, and every rank must build the same model
-            for a in dict.fromkeys(src_layouts):
-                for b in dict.fromkeys(dst_layouts):
-                    try:
-                        cost[(a, b)] = transfer_time(meta, a, b, shape, cluster, backward=backward)
-                    except InfeasibleRedistribution:
-                        pass
-            edges.append(Edge(ref.node, node.name, src_layouts, dst_layouts, cost))
-
-    solution = solve(Problem(node_costs, edges), time_limit_s=options.time_limit_s)
-    chosen = {name: cands.by_node[name][i] for name, i in solution.choice.items()}
+    budget = _budget(options.memory_budget, cluster)
+    tables = build_tables(
+        graph, mesh, cluster, cands.by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=options.tie_layers
+    )
+    rep = tables.tying.rep
+    try:
+        solution = solve(tables.problem, time_limit_s=options.time_limit_s)
+    except InfeasiblePlan:
+        smallest = solve(tables.problem, time_limit_s=options.time_limit_s, minimize="memory")
+        if smallest.objective <= budget:
+            raise
+        raise MemoryBudgetError(budget, smallest.objective, mesh) from None
+    if solution.objective >= INFEASIBLE_S:
+        raise InfeasiblePlan("no consistent choice of strategies exists for the repeated layers; plan with tie_layers=False")
+    choice = {n.name: solution.choice[rep[n.name]] for n in graph.nodes}
+    chosen = {name: cands.by_node[name][i] for name, i in choice.items()}
 
     nodes, transfers, params, inputs = [], [], [], []
     compute_s = comm_s = 0.0
-    act_bytes = param_bytes = param_numel_local = grad_bytes = 0
+    memory = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
     for node in graph.nodes:
         s = chosen[node.name]
-        cost = node_costs[node.name][solution.choice[node.name]]
+        cost = tables.unit_costs[rep[node.name]][choice[node.name]]
+        memory = memory + node_memory(node, s, shape, options.optimizer)
         for pos, ref in enumerate(node.inputs):
             src = chosen[ref.node].outputs[ref.index]
             dst = s.inputs[pos]
@@ -95,36 +99,28 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
                 continue
             meta = graph.meta(ref)
             fwd = redistribution_steps(meta, src, dst, shape)
-            bwd = backward_steps(fwd) if _grad_flows(graph, ref, node) else []
-            t = transfer_time(meta, src, dst, shape, cluster, backward=bool(bwd))
+            bwd = backward_steps(fwd) if grad_flows(graph, ref, node) else []
+            t = tables.move_time(meta, src, dst, bool(bwd))
             comm_s += t
+            held = transfer_memory(meta, src, dst, node, shape)
+            memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=held)
             transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t))
         if node.kind == "op":
             compute_s += cost
             nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost))
-            if any(node.requires_grad) and not is_view(node.target):
-                act_bytes += sum(local_bytes(m, p, shape) for m, p in zip(node.outputs, s.outputs) if m is not None and p is not None)
         elif node.kind in ("param", "buffer"):
             layout = s.outputs[0]
             trainable = node.kind == "param" and node.grad(0)
-            nbytes = local_bytes(node.out, layout, shape)
-            param_bytes += nbytes
-            if trainable:
-                grad_bytes += nbytes
-                param_numel_local += nbytes // node.out.itemsize
             comm_s += cost
             axes = grad_sync_axes(layout) if trainable else ()
             axes = tuple(a for a in axes if shape[a] > 1)
             params.append(ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost))
         elif node.kind == "input":
             inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
-
-    memory = MemoryBreakdown(
-        params=param_bytes,
-        grads=grad_bytes,
-        optimizer=optimizer_state_bytes(param_numel_local, options.optimizer),
-        activations=act_bytes,
+    assert abs(memory.total - solution.memory) <= 1e-6 * max(memory.total, 1.0) + 1, (
+        f"plan memory {memory.total} differs from the solver's {solution.memory}"
     )
+
     return Plan(
         model=model_name,
         graph_fingerprint=graph.fingerprint(),
@@ -142,13 +138,6 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables),
         fallbacks=tuple(cands.fallbacks),
     )
-
-
-def _grad_flows(graph: Graph, ref, consumer: Node) -> bool:
-    """A gradient comes back along this edge: the tensor needs one and the consumer passes one on."""
-    if not graph[ref.node].grad(ref.index):
-        return False
-    return consumer.kind == "output" or any(consumer.requires_grad)
 
 
 def _apply_forced(graph: Graph, mesh: MeshSpec, by_node: dict, options: PlanOptions) -> None:

@@ -7,6 +7,7 @@ uneven shards are filtered out, so every candidate is one the runtime runs as a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import placement_types as dt
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._dtensor_spec import TensorMeta as DTMeta
+from torch.distributed.tensor._ops import utils as dt_utils
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
 
@@ -200,17 +202,18 @@ def _from_op_strategy(fn, op, args, kwargs, node: Node, in_metas: list[TensorMet
 
     schema = OpSchema(op, tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()})
     specs: list[OpSpec] = []
-    try:
-        specs = list(fn(schema).strategies)
-    except Exception as e:  # noqa: BLE001 - some rules reject a layout of the first input outright
-        log.debug("DTensor rule for %s failed on all layouts at once (%s); asking one layout at a time", op, e)
-        first = schema.args_schema[0]
-        for spec in first.strategies if isinstance(first, OpStrategy) else []:
-            one = OpSchema(op, (OpStrategy([spec]),) + tuple(schema.args_schema[1:]), schema.kwargs_schema)
-            try:
-                specs += list(fn(one).strategies)
-            except Exception:  # noqa: BLE001
-                continue
+    with _without_dtensor_costs():
+        try:
+            specs = list(fn(schema).strategies)
+        except Exception as e:  # noqa: BLE001 - some rules reject a layout of the first input outright
+            log.debug("DTensor rule for %s failed on all layouts at once (%s); asking one layout at a time", op, e)
+            first = schema.args_schema[0]
+            for spec in first.strategies if isinstance(first, OpStrategy) else []:
+                one = OpSchema(op, (OpStrategy([spec]),) + tuple(schema.args_schema[1:]), schema.kwargs_schema)
+                try:
+                    specs += list(fn(one).strategies)
+                except Exception:  # noqa: BLE001
+                    continue
     out: list[Strategy] = []
     for spec in specs:
         outs_dt = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
@@ -227,6 +230,18 @@ def _from_op_strategy(fn, op, args, kwargs, node: Node, in_metas: list[TensorMet
         if _valid(s, node, in_metas, mesh) and s not in out:
             out.append(s)
     return out
+
+
+@contextlib.contextmanager
+def _without_dtensor_costs():
+    """DTensor's strategy functions price every input redistribution with their own model; meshplan
+    prices edges itself, and those calls were ~40% of candidate generation. Swap them for zeros."""
+    saved = dt_utils.redistribute_cost
+    dt_utils.redistribute_cost = lambda *_: 0.0
+    try:
+        yield
+    finally:
+        dt_utils.redistribute_cost = saved
 
 
 def _conv(placements) -> Placements | bool:
