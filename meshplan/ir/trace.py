@@ -83,11 +83,11 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
             return ep.run_decompositions(table)
     except Exception as e:  # noqa: BLE001 - re-raised with context for the user
         where = user_frame(e)
-        at = f" at {where.filename}:{where.lineno} in {where.name}" + (f": `{where.line}`" if where.line else "") if where else ""
+        line = f"{where.filename}:{where.lineno} in {where.name}: `{where.line}`" if where else "a line outside the model"
         first = " ".join(str(e).strip().splitlines()[:3])[:500]
         raise TraceError(
-            f"could not trace {type(model).__name__} with torch.export (non-strict){at}: {type(e).__name__}: {first}"
-            " (the full torch.export error is this exception's __cause__)"
+            f"could not trace {type(model).__name__} with torch.export (non-strict) at {line}: {type(e).__name__}: "
+            f"{first} (the full torch.export error is this exception's __cause__)"
         ) from e
 
 
