@@ -159,18 +159,27 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> Plan:
+    def from_json(text: str | bytes) -> Plan:
+        """Parse and check a plan file; anything wrong with it is a ValueError naming the field."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise ValueError(f"a plan is read from JSON text; got {type(text).__name__}")
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"plan file is not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ValueError(f"plan file is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
         if not isinstance(d, dict) or d.get("version") != SCHEMA_VERSION:
             got = d.get("version") if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"plan schema version {got!r} is not supported; this meshplan reads version {SCHEMA_VERSION}")
         try:
-            return _decode_plan(d)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"plan file is malformed: {type(e).__name__}: {e}") from None
+            plan = _decode_plan(d)
+        except KeyError as e:
+            raise ValueError(f"plan file is malformed: missing field {e.args[0]!r}") from None
+        except Exception as e:  # noqa: BLE001 - untrusted input: every decoding failure is the file's fault
+            raise ValueError(f"plan file is malformed: {type(e).__name__}: {str(e)[:200]}") from None
+        from meshplan.planner.plan_check import check_plan
+
+        check_plan(plan)
+        return plan
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -243,11 +252,16 @@ def _encode(obj):
 
 
 def _decode_plan(d: dict) -> Plan:
-    steps = lambda xs: tuple(CommStep(**s) for s in xs)  # noqa: E731
+    def seq(xs) -> tuple:  # a JSON list, never a string split into characters
+        if not isinstance(xs, list):
+            raise TypeError(f"expected a list, got {xs!r:.60}")
+        return tuple(xs)
+
+    steps = lambda xs: tuple(CommStep(**s) for s in seq(xs))  # noqa: E731
     return Plan(
         model=d["model"],
         graph_fingerprint=d["graph_fingerprint"],
-        mesh=MeshSpec(tuple(d["mesh"]["shape"]), tuple(d["mesh"]["axis_names"])),
+        mesh=MeshSpec(seq(d["mesh"]["shape"]), seq(d["mesh"]["axis_names"])),
         mode=d["mode"],
         inputs_mode=d["inputs_mode"],
         cluster=d["cluster"],
@@ -257,15 +271,15 @@ def _decode_plan(d: dict) -> Plan:
             for t in d["transfers"]
         ),
         params=tuple(
-            ParamChoice(p["node"], tuple(p["fqns"]), tuple(p["shape"]), parse(p["layout"]), tuple(p["grad_sync_axes"]), p["is_buffer"], p["time_s"])
+            ParamChoice(p["node"], seq(p["fqns"]), seq(p["shape"]), parse(p["layout"]), seq(p["grad_sync_axes"]), p["is_buffer"], p["time_s"])
             for p in d["params"]
         ),
-        inputs=tuple(InputChoice(i["name"], tuple(i["shape"]), parse(i["layout"])) for i in d["inputs"]),
+        inputs=tuple(InputChoice(i["name"], seq(i["shape"]), parse(i["layout"])) for i in d["inputs"]),
         memory=MemoryBreakdown.from_dict(d["memory"]),
         compute_s=d["compute_s"],
         comm_s=d["comm_s"],
         solver=SolverInfo(**d["solver"]),
-        fallbacks=tuple(d["fallbacks"]),
-        buckets=tuple(GradBucket(tuple(b["axes"]), tuple(b["params"]), b["nbytes"], b["time_s"]) for b in d["buckets"]),
+        fallbacks=seq(d["fallbacks"]),
+        buckets=tuple(GradBucket(seq(b["axes"]), seq(b["params"]), b["nbytes"], b["time_s"]) for b in seq(d["buckets"])),
         version=d["version"],
     )

@@ -47,8 +47,12 @@ class GradBuckets:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params[i]]
         flat = torch.cat([g.reshape(-1) for g in grads])
         count_collective("grad_sync", "all_reduce")
-        work = dist.all_reduce(flat, group=self._comm.group(self._buckets[i].axes), async_op=True)
+        with self._comm.guard(f"gradient bucket {i} all_reduce over mesh axes {self._axis_names(i)}"):
+            work = dist.all_reduce(flat, group=self._comm.group(self._buckets[i].axes), async_op=True)
         self._pending.append((i, flat, work))
+
+    def _axis_names(self, i: int) -> list[str]:
+        return [self._comm.mesh.axis_names[a] for a in self._buckets[i].axes]
 
     def _finish(self) -> None:
         # parameters that got no gradient this step still take part: every rank must issue every bucket
@@ -56,7 +60,8 @@ class GradBuckets:
             self._launch(self._next)
             self._next += 1
         for i, flat, work in self._pending:
-            work.wait()
+            with self._comm.guard(f"gradient bucket {i} all_reduce over mesh axes {self._axis_names(i)}"):
+                work.wait(self._comm.timeout)
             offset = 0
             for p in self._params[i]:
                 n = p.numel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,9 +30,14 @@ def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int)
 
 
 class ParallelModule(nn.Module):
-    """Runs `plan` on this rank. Parameters are local shards registered under the model's own FQNs."""
+    """Runs `plan` on this rank. Parameters are local shards registered under the model's own FQNs.
 
-    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, *, group=None) -> None:
+    `state_dict()` holds those local shards; `meshplan.runtime.checkpoint` views them as DTensors
+    so a checkpoint saved under one plan loads under another. `timeout` bounds every collective
+    (see `collectives.resolve_timeout`).
+    """
+
+    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, *, group=None, timeout: timedelta | float | None = None) -> None:
         super().__init__()
         if plan.graph_fingerprint != graph.fingerprint():
             raise ValueError(
@@ -39,8 +45,9 @@ class ParallelModule(nn.Module):
                 f"{graph.fingerprint()}); re-plan or load the plan made for this model"
             )
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.comm = MeshComm(plan.mesh, rank, world)
-        _check_same_plan(plan, rank, world)
+        self.comm = MeshComm(plan.mesh, rank, world, timeout)
+        self.comm.create_groups([tuple(range(plan.mesh.ndim))])  # first: the plan check runs on it
+        _check_same_plan(plan, self.comm)
         self.plan = plan
         self._traced = graph.fx
         self._inputs = {i.name: i for i in plan.inputs}
@@ -51,17 +58,19 @@ class ParallelModule(nn.Module):
 
         full = dict(model.named_parameters(remove_duplicate=False))
         full.update(dict(model.named_buffers(remove_duplicate=False)))
+        persistent = set(model.state_dict(keep_vars=True))  # so state_dict() has the model's own keys
         self._leaf: dict[str, torch.Tensor] = {}
         for p in plan.params:
             whole = full[p.fqns[0]].detach()
             # every rank starts from rank 0's weights, as DDP does
             whole = whole.clone()
-            dist.broadcast(whole, src=0)
+            with self.comm.guard(f"broadcasting {p.fqns[0]} from rank 0"):
+                dist.broadcast(whole, src=0, group=self.comm.world)
             local = shard_tensor(whole, p.layout, plan.mesh, rank).contiguous()
             if p.is_buffer:
                 tensor: torch.Tensor = local
                 for fqn in p.fqns:
-                    _owner(self, fqn).register_buffer(fqn.rsplit(".", 1)[-1], local)
+                    _owner(self, fqn).register_buffer(fqn.rsplit(".", 1)[-1], local, persistent=fqn in persistent)
             else:
                 tensor = nn.Parameter(local, requires_grad=full[p.fqns[0]].requires_grad)
                 for fqn in p.fqns:
@@ -125,13 +134,14 @@ def _owner(root: nn.Module, fqn: str) -> nn.Module:
     return mod
 
 
-def _check_same_plan(plan: Plan, rank: int, world: int) -> None:
+def _check_same_plan(plan: Plan, comm: MeshComm) -> None:
     """Every rank must run the identical plan: compare hashes before the first collective of a step."""
     h = int(plan.hash()[:15], 16)
     t = torch.tensor([h, -h], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with comm.guard("comparing plan hashes"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.world)
     if t[0].item() != h or -t[1].item() != h:
         raise ValueError(
-            f"ranks computed different plans (rank {rank} has plan hash {plan.hash()}); all ranks must plan the same "
+            f"ranks computed different plans (rank {comm.rank} has plan hash {plan.hash()}); all ranks must plan the same "
             "model with the same inputs and options, or load one plan file"
         )
