@@ -13,6 +13,8 @@ from meshplan.cost_model.redistribution import InfeasibleRedistribution, backwar
 from meshplan.ir.graph import Graph, Node
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Replicate, Shard, fmt, parse
+from meshplan.progress import phase
+from meshplan.planner.explain import record_alternatives
 from meshplan.planner.plan import InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
 from meshplan.planner.solver import Edge, Problem, solve
 from meshplan.planner.strategies import generate
@@ -43,8 +45,11 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         raise ValueError(f"mode={options.mode!r} is not supported; allowed: {', '.join(MODES)}")
     if options.inputs not in INPUT_MODES:
         raise ValueError(f"inputs={options.inputs!r} is not supported; allowed: {', '.join(INPUT_MODES)}")
+    phase(f"candidate strategies on mesh {mesh}")
     cands = generate(graph, mesh, inputs=options.inputs, strict=options.strict)
+    before_forced = dict(cands.by_node)  # what annotations rule out, for Plan.explain
     _apply_forced(graph, mesh, cands.by_node, options)
+    phase(f"costing {len(graph.nodes)} nodes on mesh {mesh}")
     shape = mesh.shape
 
     node_costs: dict[str, list[float]] = {}
@@ -79,6 +84,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
                         pass
             edges.append(Edge(ref.node, node.name, src_layouts, dst_layouts, cost))
 
+    phase(f"solving on mesh {mesh}")
     solution = solve(Problem(node_costs, edges), time_limit_s=options.time_limit_s)
     chosen = {name: cands.by_node[name][i] for name, i in solution.choice.items()}
 
@@ -115,7 +121,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             comm_s += cost
             axes = grad_sync_axes(layout) if trainable else ()
             axes = tuple(a for a in axes if shape[a] > 1)
-            params.append(ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost))
+            params.append(ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype))
         elif node.kind == "input":
             inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
 
@@ -141,6 +147,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         comm_s=comm_s,
         solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables),
         fallbacks=tuple(cands.fallbacks),
+        alternatives=record_alternatives(graph, mesh, cands, before_forced, node_costs, edges, solution.choice, options),
     )
 
 
