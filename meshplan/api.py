@@ -16,6 +16,7 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
 from meshplan.planner.plan import Plan
 from meshplan.planner.planner import PlanOptions, make_plan
+from meshplan.progress import phase
 from meshplan.runtime.parallel_module import ParallelModule
 
 log = logging.getLogger("meshplan")
@@ -81,6 +82,7 @@ def plan(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
         input_layouts=dict(input_layouts or {}), optimizer=optimizer,
     )
+    phase(f"tracing {type(model).__name__}")
     graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs)
     best: Plan | None = None
     for mesh in meshes:

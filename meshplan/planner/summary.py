@@ -93,7 +93,9 @@ class _Unit:
 
 
 def layer_units(plan: Plan) -> list[_Unit]:
-    """One unit per top-level module or repeated layer, in plan order; signatures are prefix-free."""
+    """One unit per top-level module or repeated layer, in plan order. A unit's signature lists its
+    parameters (relative name, shape, layout), ops (relative path, op, strategy) and collectives (with
+    bytes): two layers with equal signatures were planned identically."""
     units: dict[str, _Unit] = {}
 
     def unit(name: str) -> _Unit:
@@ -101,8 +103,9 @@ def layer_units(plan: Plan) -> list[_Unit]:
 
     def rel(path: str, name: str) -> str:
         # inside a repeated layer, paths are relative (they read the same for every copy)
-        repeated = re.search(r"\.\d+$", name) is not None
-        return path[len(name) + 1 :] if repeated and path.startswith(name + ".") else path
+        if re.search(r"\.\d+$", name) is None:
+            return path
+        return "" if path == name else path[len(name) + 1 :] if path.startswith(name + ".") else path
 
     names = plan.mesh.axis_names
     where = {n.name: n.module_path for n in plan.nodes}
@@ -111,7 +114,7 @@ def layer_units(plan: Plan) -> list[_Unit]:
         u = unit(layer_of(p.fqns[0]))
         label = " = ".join(rel(f, u.name) for f in p.fqns)
         u.params.append(f"{label} {fmt(p.layout)}")
-        sig.setdefault(u.name, []).append(("p", label, fmt(p.layout)))
+        sig.setdefault(u.name, []).append(("p", label, p.shape, fmt(p.layout)))
         if p.grad_sync_axes:
             key = f"grad all_reduce({','.join(names[a] for a in p.grad_sync_axes)})"
             u.comm[key] += 1
@@ -131,7 +134,7 @@ def layer_units(plan: Plan) -> list[_Unit]:
                     key = f"{phase} {s.kind}({names[s.axis]})"
                     u.comm[key] += 1
                     u.comm_bytes[key] += s.nbytes
-                    sig.setdefault(u.name, []).append(("t", rel(where.get(t.consumer, ""), u.name), t.position, str(s)))
+                    sig.setdefault(u.name, []).append(("t", rel(where.get(t.consumer, ""), u.name), t.position, str(s), s.nbytes))
     for u in units.values():
         u.signature = tuple(sig.get(u.name, ()))
     return list(units.values())
