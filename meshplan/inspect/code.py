@@ -52,7 +52,7 @@ def plan_code(
 
     layouts = {(str(t.tensor), t.forward): f"{fmt(t.src)}->{fmt(t.dst)}" for t in plan.transfers}
     body = []
-    for line in gm.code.strip("\n").splitlines():
+    for line in gm.code.strip().splitlines():
         m = re.search(r"self\.(move_\d+)\(", line)
         if m:
             mod = moves[m.group(1)]
@@ -60,7 +60,7 @@ def plan_code(
             fwd = " -> ".join(axis_names(str(s)) for s in mod.steps)
             bwd = " -> ".join(axis_names(str(s.dual())) for s in reversed(mod.steps))
             line += f"  # {tensor} {layouts.get((tensor, mod.steps), '')}: {fwd}  (backward: {bwd})"
-        body.append(line)
+        body.append(line.rstrip())
 
     coord = ", ".join(f"{a}={c}" for a, c in zip(names, comm.coord))
     head = [f"# meshplan plan {plan.hash()} for {plan.model}: rank {rank} of mesh {plan.mesh} at ({coord})"]
