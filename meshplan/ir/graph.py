@@ -7,6 +7,7 @@ they read with a `TensorRef`, so there are no `getitem` nodes.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -15,6 +16,11 @@ from typing import Any, Literal
 import torch
 
 NodeKind = Literal["input", "param", "buffer", "constant", "op", "output"]
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +44,7 @@ class TensorMeta:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return _itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -16,10 +16,13 @@ from meshplan.ir.placement import Placements, Replicate, Shard, fmt, parse
 from meshplan.progress import phase
 from meshplan.planner.explain import record_alternatives
 from meshplan.planner.plan import InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
-from meshplan.planner.solver import Edge, Problem, solve
+from meshplan.planner.solver import Edge, InfeasiblePlan, Problem, solve
 from meshplan.planner.strategies import generate
+from meshplan.planner.tying import tie_repeated_layers
 
 MODES = ("auto", "data_parallel")
+INFEASIBLE_S = 1e9
+"""Cost that marks a strategy the solver must not pick (a tied class that cannot feed itself)."""
 INPUT_MODES = ("global", "local")
 
 
@@ -38,6 +41,8 @@ class PlanOptions:
     optimizer: str = "adam"
     """Optimizer whose state the memory model counts."""
     time_limit_s: float = 60.0
+    tie_layers: bool = True
+    """Give corresponding nodes of repeated layers one strategy and solve the block once (exact for that reduced problem)."""
 
 
 def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, *, model_name: str = "model") -> Plan:
@@ -52,48 +57,73 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
     phase(f"costing {len(graph.nodes)} nodes on mesh {mesh}")
     shape = mesh.shape
 
-    node_costs: dict[str, list[float]] = {}
+    tying = tie_repeated_layers(graph, cands.by_node, enabled=options.tie_layers)
+    rep = tying.rep
+
+    unit_costs: dict[str, list[float]] = {}  # one member's own cost per strategy
     for node in graph.nodes:
+        if rep[node.name] != node.name:
+            continue
         strategies = cands.by_node[node.name]
         if node.kind == "op":
             in_metas = [graph.meta(r) for r in node.inputs]
             grad = any(node.requires_grad)
-            node_costs[node.name] = [
-                compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad) for s in strategies
-            ]
+            costs = [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad) for s in strategies]
         elif node.kind == "param" and node.grad(0):
-            node_costs[node.name] = [grad_sync_time(node.out, s.outputs[0], shape, cluster) for s in strategies]
+            costs = [grad_sync_time(node.out, s.outputs[0], shape, cluster) for s in strategies]
         else:
-            node_costs[node.name] = [0.0] * len(strategies)
+            costs = [0.0] * len(strategies)
+        unit_costs[node.name] = costs
+    node_costs = {name: [c * tying.count[name] for c in costs] for name, costs in unit_costs.items()}
 
-    edges: list[Edge] = []
     pair_cost: dict[tuple, float | None] = {}  # repeated layers move the same tensors the same ways
+
+    def move_cost(meta, a, b, backward) -> float | None:
+        key = (meta, a, b, backward)
+        if key not in pair_cost:
+            try:
+                pair_cost[key] = transfer_time(meta, a, b, shape, cluster, backward=backward)
+            except InfeasibleRedistribution:
+                pair_cost[key] = None
+        return pair_cost[key]
+
+    # every graph edge, as an edge between the classes it joins, counted as often as it occurs
+    edge_count: dict[tuple, int] = {}
     for node in graph.nodes:
         for pos, ref in enumerate(node.inputs):
-            meta = graph.meta(ref)
-            src_layouts = [s.outputs[ref.index] for s in cands.by_node[ref.node]]
-            dst_layouts = [s.inputs[pos] for s in cands.by_node[node.name]]
-            backward = _grad_flows(graph, ref, node)
-            cost = {}
-            # ordered de-duplication: set order varies between processes, and every rank must build the same model
-            for a in dict.fromkeys(src_layouts):
-                for b in dict.fromkeys(dst_layouts):
-                    try:
-                        cost[(a, b)] = transfer_time(meta, a, b, shape, cluster, backward=backward)
-                    except InfeasibleRedistribution:
-                        pass
-            edges.append(Edge(ref.node, node.name, src_layouts, dst_layouts, cost))
+            key = (rep[ref.node], ref.index, rep[node.name], pos, graph.meta(ref), _grad_flows(graph, ref, node))
+            edge_count[key] = edge_count.get(key, 0) + 1
+    edges: list[Edge] = []
+    for (src, index, dst, pos, meta, backward), times in edge_count.items():
+        src_layouts = [s.outputs[index] for s in cands.by_node[src]]
+        dst_layouts = [s.inputs[pos] for s in cands.by_node[dst]]
+        if src == dst:  # layer k feeds the same position of layer k+1: a cost of the class's own choice
+            for i, (a, b) in enumerate(zip(src_layouts, dst_layouts)):
+                c = move_cost(meta, a, b, backward)
+                node_costs[src][i] += INFEASIBLE_S if c is None else c * times
+            continue
+        cost = {}
+        # ordered de-duplication: set order varies between processes, and every rank must build the same model
+        for a in dict.fromkeys(src_layouts):
+            for b in dict.fromkeys(dst_layouts):
+                c = move_cost(meta, a, b, backward)
+                if c is not None:
+                    cost[(a, b)] = c * times
+        edges.append(Edge(src, dst, src_layouts, dst_layouts, cost))
 
     phase(f"solving on mesh {mesh}")
     solution = solve(Problem(node_costs, edges), time_limit_s=options.time_limit_s)
-    chosen = {name: cands.by_node[name][i] for name, i in solution.choice.items()}
+    if solution.objective >= INFEASIBLE_S:
+        raise InfeasiblePlan("no consistent choice of strategies exists for the repeated layers; plan with tie_layers=False")
+    choice = {n.name: solution.choice[rep[n.name]] for n in graph.nodes}
+    chosen = {name: cands.by_node[name][i] for name, i in choice.items()}
 
     nodes, transfers, params, inputs = [], [], [], []
     compute_s = comm_s = 0.0
     act_bytes = param_bytes = param_numel_local = grad_bytes = 0
     for node in graph.nodes:
         s = chosen[node.name]
-        cost = node_costs[node.name][solution.choice[node.name]]
+        cost = unit_costs[rep[node.name]][choice[node.name]]
         for pos, ref in enumerate(node.inputs):
             src = chosen[ref.node].outputs[ref.index]
             dst = s.inputs[pos]
@@ -102,7 +132,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             meta = graph.meta(ref)
             fwd = redistribution_steps(meta, src, dst, shape)
             bwd = backward_steps(fwd) if _grad_flows(graph, ref, node) else []
-            t = transfer_time(meta, src, dst, shape, cluster, backward=bool(bwd))
+            t = move_cost(meta, src, dst, bool(bwd))
             comm_s += t
             transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t))
         if node.kind == "op":

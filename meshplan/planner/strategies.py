@@ -8,6 +8,7 @@ uneven ones are kept in `Candidates.rejected` with the reason, so a plan can exp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import placement_types as dt
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._dtensor_spec import TensorMeta as DTMeta
+from torch.distributed.tensor._ops import utils as dt_utils
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
 
@@ -233,17 +235,18 @@ def _from_op_strategy(
 
     schema = OpSchema(op, tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()})
     specs: list[OpSpec] = []
-    try:
-        specs = list(fn(schema).strategies)
-    except Exception as e:  # noqa: BLE001 - some rules reject a layout of the first input outright
-        log.debug("DTensor rule for %s failed on all layouts at once (%s); asking one layout at a time", op, e)
-        first = schema.args_schema[0]
-        for spec in first.strategies if isinstance(first, OpStrategy) else []:
-            one = OpSchema(op, (OpStrategy([spec]),) + tuple(schema.args_schema[1:]), schema.kwargs_schema)
-            try:
-                specs += list(fn(one).strategies)
-            except Exception:  # noqa: BLE001
-                continue
+    with _without_dtensor_costs():
+        try:
+            specs = list(fn(schema).strategies)
+        except Exception as e:  # noqa: BLE001 - some rules reject a layout of the first input outright
+            log.debug("DTensor rule for %s failed on all layouts at once (%s); asking one layout at a time", op, e)
+            first = schema.args_schema[0]
+            for spec in first.strategies if isinstance(first, OpStrategy) else []:
+                one = OpSchema(op, (OpStrategy([spec]),) + tuple(schema.args_schema[1:]), schema.kwargs_schema)
+                try:
+                    specs += list(fn(one).strategies)
+                except Exception:  # noqa: BLE001
+                    continue
     out: list[Strategy] = []
     for spec in specs:
         outs_dt = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
@@ -259,6 +262,18 @@ def _from_op_strategy(
         s = Strategy(tuple(conv_in), tuple(None if m is None else c for m, c in zip(node.outputs, conv_out)), "dtensor")
         _keep_even(s, node, in_metas, mesh, out, rejected)
     return out
+
+
+@contextlib.contextmanager
+def _without_dtensor_costs():
+    """DTensor's strategy functions price every input redistribution with their own model; meshplan
+    prices edges itself, and those calls were ~40% of candidate generation. Swap them for zeros."""
+    saved = dt_utils.redistribute_cost
+    dt_utils.redistribute_cost = lambda *_: 0.0
+    try:
+        yield
+    finally:
+        dt_utils.redistribute_cost = saved
 
 
 def _conv(placements) -> Placements | bool:
