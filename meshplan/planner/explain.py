@@ -6,8 +6,9 @@ and op whose compute is not negligible it keeps:
 
 - the candidates the solver could pick, each with its *local cost delta*: how much the predicted
   step time changes if this node alone switched strategy while its neighbours kept theirs (its own
-  compute or gradient sync, plus resharding on its edges). A negative delta can appear only when
-  the solve stopped short of optimal or another constraint (memory) forced the choice;
+  compute or gradient sync, plus resharding on its edges, priced as the solver priced them). A
+  negative delta means the node's choice was made for more than itself: repeated layers tied to one
+  choice (`PlanOptions.tie_layers`), a solve stopped short of optimal, or a memory constraint;
 - the candidates ruled out before the solve, with the reason: `annotation` (a forced layout:
   mode preset, `param_layouts`, `input_layouts`), `divisibility` (a tensor does not split evenly)
   or `memory` (the candidate alone exceeds the per-device budget).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,8 +31,9 @@ from meshplan.ir.placement import fmt
 from meshplan.planner.strategy import Strategy
 
 if TYPE_CHECKING:  # the planner builds plans; this module only reads them
-    from meshplan.ir.graph import Graph, Node
+    from meshplan.ir.graph import Graph, Node, TensorRef
     from meshplan.ir.mesh import MeshSpec
+    from meshplan.ir.placement import Placements
     from meshplan.planner.plan import Plan
 
 MAX_LISTED = 8
@@ -93,46 +96,51 @@ class NodeAlternatives:
 
 
 def record_alternatives(
-    graph: Graph, mesh: MeshSpec, cands, before_forced: dict[str, list[Strategy]], node_costs: dict[str, list[float]],
-    edges: list, choice: dict[str, int], options,
+    graph: Graph, mesh: MeshSpec, cands, before_forced: dict[str, list[Strategy]], choice: dict[str, int], options, *,
+    own_cost: Callable[[str, int], float], move_cost: Callable[[TensorRef, Node, Placements, Placements], float | None],
 ) -> tuple[NodeAlternatives, ...]:
-    """What `explain` needs, for the nodes worth explaining (see the module docstring)."""
-    incoming: dict[str, list] = {}
-    outgoing: dict[str, list] = {}
-    for e in edges:
-        incoming.setdefault(e.dst, []).append(e)
-        outgoing.setdefault(e.src, []).append(e)
+    """What `explain` needs, for the nodes worth explaining (see the module docstring).
 
-    def local_cost(name: str, i: int) -> float:
-        total = node_costs[name][i]
-        for e in incoming.get(name, []):
-            total += e.cost.get((e.src_layouts[choice[e.src]], e.dst_layouts[i]), math.inf)
-        for e in outgoing.get(name, []):
-            total += e.cost.get((e.src_layouts[i], e.dst_layouts[choice[e.dst]]), math.inf)
+    `choice[node]` indexes `cands.by_node[node]`; `own_cost(node, i)` is the node's own cost under
+    its candidate `i` (compute, or gradient sync); `move_cost(ref, consumer, src, dst)` the cost of
+    moving tensor `ref` to `consumer` between two layouts (None when impossible). Both are the
+    planner's, so deltas are priced exactly as the solve priced them.
+    """
+    consumers = graph.consumers()
+    chosen = {name: cands.by_node[name][i] for name, i in choice.items()}
+
+    def local_cost(node: Node, s: Strategy, i: int) -> float:
+        total = own_cost(node.name, i)
+        for pos, ref in enumerate(node.inputs):
+            total += _or_inf(move_cost(ref, node, chosen[ref.node].outputs[ref.index], s.inputs[pos]))
+        for user, pos in consumers[node.name]:
+            consumer = graph[user]
+            ref = consumer.inputs[pos]
+            total += _or_inf(move_cost(ref, consumer, s.outputs[ref.index], chosen[user].inputs[pos]))
         return total
 
-    op_costs = [node_costs[n.name][choice[n.name]] for n in graph.nodes if n.kind == "op"]
+    op_costs = [own_cost(n.name, choice[n.name]) for n in graph.nodes if n.kind == "op"]
     threshold = SIGNIFICANT_COMPUTE * max(op_costs, default=0.0)
     budget = getattr(options, "memory_budget", None)
     out: list[NodeAlternatives] = []
     for node in graph.nodes:
         if node.kind not in ("op", "param", "buffer", "input"):
             continue
-        if node.kind == "op" and (node_costs[node.name][choice[node.name]] < threshold or threshold == 0.0):
+        if node.kind == "op" and (threshold == 0.0 or own_cost(node.name, choice[node.name]) < threshold):
             continue
         kept = cands.by_node[node.name]
         mine = choice[node.name]
-        chosen_cost = local_cost(node.name, mine)
+        chosen_cost = local_cost(node, kept[mine], mine)
         alts: list[Alternative] = []
         ruled: list[RuledOut] = [RuledOut(s, _annotation_reason(node, options)) for s in before_forced[node.name] if s not in kept]
         for i, s in enumerate(kept):
             if i == mine:
                 continue
-            too_big = _memory_reason(graph, node, s, mesh, options, budget)
+            too_big = _memory_reason(node, s, mesh, options, budget)
             if too_big:
                 ruled.append(RuledOut(s, too_big))
                 continue
-            c = local_cost(node.name, i)
+            c = local_cost(node, s, i)
             alts.append(Alternative(s, None if math.isinf(c) else c - chosen_cost))
         seen = {str(r.strategy) for r in ruled}
         for s, reason in cands.rejected.get(node.name, []):
@@ -151,6 +159,10 @@ def record_alternatives(
     return tuple(out)
 
 
+def _or_inf(cost: float | None) -> float:
+    return math.inf if cost is None else cost
+
+
 def _annotation_reason(node: Node, options) -> str:
     for pattern in getattr(options, "param_layouts", {}) or {}:
         if any(fnmatch.fnmatchcase(f, pattern) for f in node.fqns):
@@ -163,7 +175,7 @@ def _annotation_reason(node: Node, options) -> str:
     return "annotation: a forced layout excludes it"
 
 
-def _memory_reason(graph: Graph, node: Node, s: Strategy, mesh: MeshSpec, options, budget) -> str:
+def _memory_reason(node: Node, s: Strategy, mesh: MeshSpec, options, budget) -> str:
     """'memory: ...' when this candidate alone needs more than the per-device budget, else ''."""
     if budget is None:
         return ""

@@ -177,7 +177,10 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         comm_s=comm_s,
         solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables),
         fallbacks=tuple(cands.fallbacks),
-        alternatives=record_alternatives(graph, mesh, cands, before_forced, node_costs, edges, solution.choice, options),
+        alternatives=record_alternatives(
+            graph, mesh, cands, before_forced, choice, options, own_cost=lambda name, i: unit_costs[rep[name]][i],
+            move_cost=lambda ref, consumer, a, b: move_cost(graph.meta(ref), a, b, _grad_flows(graph, ref, consumer)),
+        ),
     )
 
 
