@@ -22,6 +22,7 @@ from meshplan.cost_model.memory import format_bytes
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
 from meshplan.runtime.collectives import resolve_timeout
 from meshplan.runtime.launch import init_torchrun_group
+from meshplan.progress import phase
 from meshplan.runtime.parallel_module import ParallelModule
 
 log = logging.getLogger("meshplan")
@@ -123,6 +124,7 @@ def plan(
             parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=module_annotations(model)
         ),
     )
+    phase(f"tracing {type(model).__name__}")
     graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs)
     best: Plan | None = None
     too_small: list[MemoryBudgetError] = []

@@ -11,7 +11,9 @@ from meshplan.cost_model.redistribution import backward_steps, redistribution_st
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
+from meshplan.progress import phase
 from meshplan.planner.constraints import Annotations, constrain
+from meshplan.planner.explain import record_alternatives
 from meshplan.planner.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
 from meshplan.planner.problem import INFEASIBLE_S, build_tables, grad_flows, node_memory, transfer_memory
 from meshplan.planner.propagation import propagate
@@ -75,18 +77,22 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
     search = options.search or ("propagation" if options.mode == "manual" else "ilp")
     if search not in SEARCHES:
         raise ValueError(f"search={options.search!r} is not supported; allowed: {', '.join(SEARCHES)}")
+    phase(f"candidate strategies on mesh {mesh}")
     cands = generate(graph, mesh, inputs=options.inputs, strict=options.strict)
+    before_forced = dict(cands.by_node)  # what annotations rule out, for Plan.explain
     constrain(
         graph, mesh, cands.by_node, mode=options.mode, annotations=options.annotations,
         param_layouts=options.param_layouts, input_layouts=options.input_layouts,
     )
     shape = mesh.shape
 
+    phase(f"costing {len(graph.nodes)} nodes on mesh {mesh}")
     budget = _budget(options.memory_budget, cluster)
     # propagation walks the real graph (layer k hands its layouts to layer k+1); tying serves the solver
     tie = options.tie_layers and search == "ilp"
     tables = build_tables(graph, mesh, cluster, cands.by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie)
     rep = tables.tying.rep
+    phase(f"solving on mesh {mesh}")
     try:
         solution = propagate(tables.problem) if search == "propagation" else solve(tables.problem, time_limit_s=options.time_limit_s)
     except InfeasiblePlan:
@@ -128,7 +134,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             comm_s += cost
             axes = grad_sync_axes(layout) if trainable else ()
             axes = tuple(a for a in axes if shape[a] > 1)
-            params.append(ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost))
+            params.append(ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype))
         elif node.kind == "input":
             inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
     buckets = _grad_buckets(graph, params, shape, cluster)
@@ -154,6 +160,10 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables),
         fallbacks=tuple(cands.fallbacks),
         buckets=tuple(buckets),
+        alternatives=record_alternatives(
+            graph, mesh, cands, before_forced, choice, options, own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
+            move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
+        ),
     )
 
 
