@@ -326,3 +326,12 @@ def test_shard_returns_the_module_and_rejects_non_modules():
         meshplan.shard(torch.zeros(2), in_strategy=((1,),))
     with pytest.raises(ValueError, match="needs at least one of in_strategy"):
         meshplan.shard(lin)
+
+
+def test_propagation_over_the_memory_budget_says_so():
+    model, x, _ = build("mlp")
+    free = _plan(model, x, devices=2, mesh_shape=(2,), search="propagation")
+    with pytest.raises(ValueError, match=r"the propagated plan needs .* per device, over the memory budget .*search='ilp' does"):
+        _plan(model, x, devices=2, mesh_shape=(2,), search="propagation", memory_budget=int(free.memory.total) - 1)
+    ilp = _plan(model, x, devices=2, mesh_shape=(2,), memory_budget=int(free.memory.total) - 1)
+    assert ilp.memory.total <= free.memory.total - 1
