@@ -8,6 +8,11 @@ from meshplan.api import auto_parallelize, plan
 from meshplan.ir.placement import Partial, Replicate, Shard
 from meshplan.planner.annotations import Layout, shard
 from meshplan.planner.plan import Plan
+from meshplan.runtime.checkpoint import load_checkpoint, save_checkpoint
+from meshplan.runtime.collectives import CollectiveError
 from meshplan.runtime.parallel_module import ParallelModule
 
-__all__ = ["Layout", "ParallelModule", "Partial", "Plan", "Replicate", "Shard", "auto_parallelize", "plan", "shard"]
+__all__ = [
+    "CollectiveError", "Layout", "ParallelModule", "Partial", "Plan", "Replicate", "Shard", "auto_parallelize",
+    "load_checkpoint", "plan", "save_checkpoint", "shard",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ from meshplan.planner.constraints import Annotations
 from meshplan.planner.plan import Plan
 from meshplan.cost_model.memory import format_bytes
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
+from meshplan.runtime.collectives import resolve_timeout
+from meshplan.runtime.launch import init_torchrun_group
 from meshplan.runtime.parallel_module import ParallelModule
 
 log = logging.getLogger("meshplan")
@@ -153,14 +156,19 @@ def auto_parallelize(
     *,
     plan: Plan | None = None,
     example_kwargs: dict | None = None,
+    timeout: timedelta | float | None = None,
     **plan_kwargs,
 ) -> ParallelModule:
     """Plan `model` (or take `plan`) and return this rank's `ParallelModule`.
 
     Call on every rank of an initialised process group (torchrun's environment is used to
     initialise one when none exists). Every rank plans identically; hashes are compared.
+    `timeout` (seconds or a timedelta; default $MESHPLAN_TIMEOUT, else 10 minutes) bounds every
+    collective the runtime runs: a rank that dies, never joins or skips a collective makes the
+    others raise `CollectiveError` instead of hanging.
     """
-    _ensure_process_group()
+    timeout = resolve_timeout(timeout)
+    _ensure_process_group(timeout)
     world = dist.get_world_size()
     if devices is None:
         devices = world
@@ -172,14 +180,14 @@ def auto_parallelize(
         plan = globals()["plan"](model, devices, example_inputs, example_kwargs=example_kwargs, **plan_kwargs)
     if plan.mesh.size != world:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the world size is {world}")
-    return ParallelModule(model, graph, plan)
+    return ParallelModule(model, graph, plan, timeout=timeout)
 
 
-def _ensure_process_group() -> None:
+def _ensure_process_group(timeout: timedelta) -> None:
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        init_torchrun_group(timeout=timeout)
         log.info("initialised process group from the torchrun environment")
         return
     raise ValueError(

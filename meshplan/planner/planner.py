@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshplan.cost_model.estimate import grad_sync_axes
+from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, grad_sync_axes, local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, parse_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import backward_steps, redistribution_steps
@@ -12,7 +12,7 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
 from meshplan.planner.constraints import Annotations, constrain
-from meshplan.planner.plan import InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
+from meshplan.planner.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
 from meshplan.planner.problem import INFEASIBLE_S, build_tables, grad_flows, node_memory, transfer_memory
 from meshplan.planner.propagation import propagate
 from meshplan.planner.solver import InfeasiblePlan, solve
@@ -131,6 +131,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             params.append(ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost))
         elif node.kind == "input":
             inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
+    buckets = _grad_buckets(graph, params, shape, cluster)
+    comm_s += sum(b.time_s for b in buckets) - sum(p.time_s for p in params)
     assert abs(memory.total - solution.memory) <= 1e-6 * max(memory.total, 1.0) + 1, (
         f"plan memory {memory.total} differs from the solver's {solution.memory}"
     )
@@ -151,4 +153,27 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         comm_s=comm_s,
         solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables),
         fallbacks=tuple(cands.fallbacks),
+        buckets=tuple(buckets),
     )
+
+
+def _grad_buckets(graph: Graph, params: list[ParamChoice], shape: tuple[int, ...], cluster: ClusterPreset) -> list[GradBucket]:
+    """Fill buckets per set of sync axes in reverse parameter order (gradients of the last layers
+    are ready first), closing one when it reaches `GRAD_BUCKET_BYTES`."""
+    open_: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+    closed: list[tuple[tuple[int, ...], list[tuple[str, int]]]] = []
+    for p in reversed(params):
+        if not p.grad_sync_axes:
+            continue
+        node = graph[p.node]
+        nbytes = local_bytes(node.out, p.layout, shape)
+        bucket = open_.setdefault(p.grad_sync_axes, [])
+        bucket.append((p.node, nbytes))
+        if sum(b for _, b in bucket) >= GRAD_BUCKET_BYTES:
+            closed.append((p.grad_sync_axes, open_.pop(p.grad_sync_axes)))
+    closed += list(open_.items())
+    out = []
+    for axes, members in closed:
+        nbytes = sum(b for _, b in members)
+        out.append(GradBucket(axes, tuple(n for n, _ in members), nbytes, bucket_time(nbytes, axes, shape, cluster)))
+    return out
