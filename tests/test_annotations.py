@@ -297,8 +297,7 @@ def test_propagation_plans_cost_no_less_than_ilp_plans(mode):
     ilp = _plan(model, x, devices=2, mesh_shape=(2,), mode=mode, search="ilp", **kw)
     prop = _plan(model, x, devices=2, mesh_shape=(2,), mode=mode, search="propagation", **kw)
     assert prop.solver.backend == "propagation" and ilp.solver.backend == "HIGHS"
-    assert prop.step_time_s == pytest.approx(prop.solver.objective_s)
-    assert prop.step_time_s >= ilp.step_time_s - 1e-12
+    assert prop.solver.objective_s >= ilp.solver.objective_s - 1e-12  # the quantity both minimise
     # Megatron MLP pinned at every parameter and input: greedy finds the optimum (one reduce-scatter + all-gather)
     assert prop.step_time_s == pytest.approx(ilp.step_time_s)
     assert prop.collectives() == ilp.collectives()
@@ -308,7 +307,7 @@ def test_propagation_on_an_unannotated_model_is_valid_and_no_better():
     model, x, _ = build("gpt")
     ilp = _plan(model, x, devices=2, mesh_shape=(2,))
     prop = _plan(model, x, devices=2, mesh_shape=(2,), search="propagation")
-    assert prop.step_time_s >= ilp.step_time_s
+    assert prop.solver.objective_s >= ilp.solver.objective_s
     with pytest.raises(ValueError, match="search='anneal' is not supported; allowed: ilp, propagation"):
         _plan(model, x, devices=2, mesh_shape=(2,), search="anneal")
 
