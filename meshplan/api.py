@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -14,8 +15,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshplan.cost_model.presets import ClusterPreset, get_cluster
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
+from meshplan.planner.annotations import AnnotationError, module_annotations
+from meshplan.planner.constraints import Annotations
 from meshplan.planner.plan import Plan
-from meshplan.planner.planner import PlanOptions, make_plan
+from meshplan.cost_model.memory import format_bytes
+from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
+from meshplan.runtime.collectives import resolve_timeout
+from meshplan.runtime.launch import init_torchrun_group
 from meshplan.progress import phase
 from meshplan.runtime.parallel_module import ParallelModule
 
@@ -24,8 +30,11 @@ log = logging.getLogger("meshplan")
 Devices = int | Sequence[int] | DeviceMesh
 
 
-def resolve_mesh(devices: Devices, mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None) -> list[MeshSpec]:
-    """The mesh(es) to consider: one when the shape is known, every factorisation into <= 2 axes otherwise."""
+def resolve_mesh(
+    devices: Devices, mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None, devices_per_node: int | None = None
+) -> list[MeshSpec]:
+    """The mesh(es) to consider: one when the shape is known, otherwise every factorisation into
+    up to three axes whose innermost axis fits in a node (`mesh_shapes`)."""
     names = tuple(axis_names) if axis_names else ()
     if isinstance(devices, DeviceMesh):
         shape = tuple(devices.shape)
@@ -48,11 +57,30 @@ def resolve_mesh(devices: Devices, mesh_shape: Sequence[int] | None = None, axis
         if n != devices:
             raise ValueError(f"mesh_shape {shape} has {n} devices but devices={devices}; their product must equal devices")
         return [MeshSpec(shape, names)]
-    meshes = [MeshSpec((devices,), names[:1] if names else ())]
-    for outer in range(2, devices):
-        if devices % outer == 0:
-            meshes.append(MeshSpec((outer, devices // outer), names if len(names) == 2 else ()))
-    return meshes
+    return [MeshSpec(shape, names if len(names) == len(shape) else SEARCH_AXIS_NAMES.get(len(shape), ())) for shape in mesh_shapes(devices, devices_per_node)]
+
+
+SEARCH_AXIS_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp0", "dp1", "tp")}
+"""Names of searched meshes: the solver decides what each axis carries; the inner one is the fast link."""
+
+
+def mesh_shapes(devices: int, devices_per_node: int | None = None, max_axes: int = 3) -> list[tuple[int, ...]]:
+    """Factorisations of `devices` into 1..`max_axes` axes (each > 1), outermost first.
+
+    With `devices_per_node`, the innermost axis must fit in one node (the fast link): an inner
+    axis that crosses nodes is never better than the same shape with axes swapped, since every
+    axis can carry any parallelism.
+    """
+
+    def split(n: int, axes: int) -> list[tuple[int, ...]]:
+        if axes == 1:
+            return [(n,)]
+        return [(d, *rest) for d in range(2, n) if n % d == 0 for rest in split(n // d, axes - 1)]
+
+    shapes = [s for k in range(1, max_axes + 1) for s in split(devices, k) if devices > 1 or k == 1]
+    if devices_per_node:
+        shapes = [s for s in shapes if s[-1] <= devices_per_node or len(s) == 1]
+    return shapes
 
 
 def plan(
@@ -70,27 +98,56 @@ def plan(
     param_layouts: dict | None = None,
     input_layouts: dict | None = None,
     optimizer: str = "adam",
+    memory_budget: int | str | None = None,
+    search: str | None = None,
+    parameter_plan: dict | None = None,
+    parallelize_plan: dict | None = None,
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
-    With `mesh_shape=None` and an int `devices`, every factorisation into one or two axes is
-    planned and the plan with the lowest predicted step time is returned.
+    With `mesh_shape=None` and an int `devices`, every factorisation into up to three axes (the
+    innermost within a node of the cluster) is planned and the plan with the lowest predicted step
+    time is returned. `memory_budget` bounds the predicted peak per device ('80GB', '16GiB' or
+    bytes; default: the cluster device's memory); if no plan fits, the `MemoryBudgetError` says
+    the smallest budget that would. Meshes on which the annotations cannot hold (a split factor
+    no axis has) are skipped.
+
+    Modes (`mode=`), `search=` and the annotations (`meshplan.shard` on submodules,
+    `parameter_plan`, `parallelize_plan`, `input_layouts`) are described in docs/modes.md.
     """
-    meshes = resolve_mesh(devices, mesh_shape, axis_names)
     cluster_preset = get_cluster(cluster or ("h100" if torch.cuda.is_available() else "cpu"))
+    meshes = resolve_mesh(devices, mesh_shape, axis_names, cluster_preset.devices_per_node)
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
-        input_layouts=dict(input_layouts or {}), optimizer=optimizer,
+        input_layouts=dict(input_layouts or {}), optimizer=optimizer, memory_budget=memory_budget, search=search,
+        annotations=Annotations(
+            parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=module_annotations(model)
+        ),
     )
     phase(f"tracing {type(model).__name__}")
     graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs)
     best: Plan | None = None
+    too_small: list[MemoryBudgetError] = []
+    unfit: list[str] = []
     for mesh in meshes:
-        p = make_plan(graph, mesh, cluster_preset, options, model_name=type(model).__name__)
-        log.info("mesh %s: predicted step %.3f ms", mesh, p.step_time_s * 1e3)
+        try:
+            p = make_plan(graph, mesh, cluster_preset, options, model_name=type(model).__name__)
+        except MemoryBudgetError as e:
+            log.info("mesh %s: %s", mesh, e)
+            too_small.append(e)
+            continue
+        except AnnotationError as e:
+            if len(meshes) == 1:
+                raise
+            unfit.append(f"mesh {mesh.shape}: {e}")
+            continue
+        log.info("mesh %s: predicted step %.3f ms, peak %s", mesh, p.step_time_s * 1e3, format_bytes(p.memory.total))
         if best is None or p.step_time_s < best.step_time_s:
             best = p
-    assert best is not None
+    if best is None and not too_small:
+        raise AnnotationError("the annotations hold on none of the candidate meshes:\n  " + "\n  ".join(unfit))
+    if best is None:
+        raise min(too_small, key=lambda e: e.smallest)
     return best
 
 
@@ -101,14 +158,19 @@ def auto_parallelize(
     *,
     plan: Plan | None = None,
     example_kwargs: dict | None = None,
+    timeout: timedelta | float | None = None,
     **plan_kwargs,
 ) -> ParallelModule:
     """Plan `model` (or take `plan`) and return this rank's `ParallelModule`.
 
     Call on every rank of an initialised process group (torchrun's environment is used to
     initialise one when none exists). Every rank plans identically; hashes are compared.
+    `timeout` (seconds or a timedelta; default $MESHPLAN_TIMEOUT, else 10 minutes) bounds every
+    collective the runtime runs: a rank that dies, never joins or skips a collective makes the
+    others raise `CollectiveError` instead of hanging.
     """
-    _ensure_process_group()
+    timeout = resolve_timeout(timeout)
+    _ensure_process_group(timeout)
     world = dist.get_world_size()
     if devices is None:
         devices = world
@@ -120,14 +182,14 @@ def auto_parallelize(
         plan = globals()["plan"](model, devices, example_inputs, example_kwargs=example_kwargs, **plan_kwargs)
     if plan.mesh.size != world:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the world size is {world}")
-    return ParallelModule(model, graph, plan)
+    return ParallelModule(model, graph, plan, timeout=timeout)
 
 
-def _ensure_process_group() -> None:
+def _ensure_process_group(timeout: timedelta) -> None:
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        init_torchrun_group(timeout=timeout)
         log.info("initialised process group from the torchrun environment")
         return
     raise ValueError(

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
-import types
 import warnings
 
 import pytest
@@ -14,13 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import meshplan
-from meshplan.cost_model.presets import get_cluster
-from meshplan.ir import MeshSpec, trace
 from meshplan.ir.placement import Partial, Replicate, Shard, fmt, parse
 from meshplan.ir.tensor_map import from_tensor_map, to_tensor_map
 from meshplan.models import MLP
 from meshplan.planner.plan import Plan
-from meshplan.planner.planner import PlanOptions, make_plan
 from meshplan.planner.summary import grouped_units, layer_units
 
 
@@ -159,12 +154,8 @@ def test_explain_names_divisibility_and_annotation():
 
 def test_explain_names_memory_when_a_budget_is_set():
     model, x = mlp()
-    graph = trace(model, (x,))
-    # an options object with a per-device budget (the planner's budget plugs in under this name):
-    # 40 KiB fits layers.1.weight (64x64 fp32 + grad + Adam) sharded 2 or 4 ways, not replicated (64 KiB)
-    opts = types.SimpleNamespace(**{f.name: getattr(PlanOptions(), f.name) for f in dataclasses.fields(PlanOptions)})
-    opts.memory_budget = 40 * 1024
-    plan = make_plan(graph, MeshSpec((2, 2)), get_cluster("cpu"), opts)
+    # 40 KiB fits layers.1.weight (64x64 fp32 + grad + Adam state) sharded 2 or 4 ways, not replicated (64 KiB)
+    plan = make(model, x, (2, 2), memory_budget=40 * 1024)
     entry = plan.explain("layers.1.weight").entries[0]
     mem = {r.strategy.outputs[0]: r.reason for r in entry.ruled_out if r.reason.startswith("memory")}
     assert mem[(Replicate(), Replicate())] == "memory: needs 64.0 KiB per device on its own, over the budget of 40.0 KiB"

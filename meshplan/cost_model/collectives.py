@@ -29,7 +29,8 @@ free at this model's resolution, since they are small next to the ops around the
 def collective_time(kind: str, nbytes: int, group_size: int, link: LinkPreset) -> float:
     """Seconds for one `kind` collective over `group_size` ranks joined by `link`.
 
-    all_reduce = reduce_scatter + all_gather, hence twice their bandwidth and latency terms.
+    all_reduce = reduce_scatter + all_gather, hence twice their bandwidth and latency terms (but
+    one call overhead).
     all_to_all is costed like a ring exchange ((n-1) steps each moving 1/n of the buffer), which is
     also what pairwise exchange costs when one rank can send only one message at a time.
     """
@@ -45,10 +46,10 @@ def collective_time(kind: str, nbytes: int, group_size: int, link: LinkPreset) -
     if kind in LOCAL_KINDS or group_size == 1 or nbytes == 0:
         return 0.0
     n = group_size
-    alpha, bw = link.latency_s, link.bandwidth
+    alpha, bw, call = link.latency_s, link.bandwidth, link.call_overhead_s
     if kind == "all_reduce":
-        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
+        return call + 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * alpha
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n * nbytes / bw + (n - 1) * alpha
+        return call + (n - 1) / n * nbytes / bw + (n - 1) * alpha
     assert kind == "send_recv", f"collective kind {kind!r} has no cost formula"
-    return nbytes / bw + alpha
+    return call + nbytes / bw + alpha

@@ -7,6 +7,7 @@ GiB), the convention device capacities and `torch.cuda.memory_summary` use.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -29,6 +30,28 @@ def format_bytes(n: float) -> str:
         value /= 1024
         unit += 1
     return f"{sign}{value:.1f} {_UNITS[unit]}"
+
+
+_PARSE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """`"80GB"` -> 80e9, `"80GiB"` -> 80 * 2**30, `512` -> 512 (decimal GB as vendors write it, binary GiB as torch prints)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"a memory size must be bytes (int) or a string like '80GB' / '16GiB'; got {value!r}")
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _PARSE_UNITS:
+            raise ValueError(f"memory size {value!r} is not understood; allowed: a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+        value = float(m.group(1)) * _PARSE_UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"a memory size must be positive; got {value!r}")
+    return int(value)
 
 
 def optimizer_state_bytes(param_numel: int, optimizer: str = "adam") -> int:
@@ -58,6 +81,9 @@ class MemoryBreakdown:
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"MemoryBreakdown.{f.name} must be a non-negative number of bytes; got {value!r}")
+
+    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        return MemoryBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     @property
     def total(self) -> int:

@@ -50,6 +50,9 @@ class LinkPreset:
     """alpha: fixed cost of one message/hop in seconds."""
     bandwidth: float
     """beta^-1: bytes/s one device can send over this link (one direction)."""
+    call_overhead_s: float = 0.0
+    """Fixed cost of issuing one collective (kernel launch, protocol handshake), paid once per call
+    on top of the per-hop latency: what makes one all-reduce cheaper than the two collectives it equals."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,9 +106,11 @@ H100_SXM = DevicePreset(
     memory_bytes=80 * 2**30,
 )
 # NVLink 4 / NVSwitch: 900 GB/s bidirectional per GPU = 450 GB/s each way; a few us per hop.
-NVLINK4 = LinkPreset(name="NVLink4", latency_s=3e-6, bandwidth=450e9)
+# Every NCCL collective is at least one CUDA kernel launch (~5 us, CUDA C programming guide's
+# launch-overhead figures for H100-class GPUs) before any data moves.
+NVLINK4 = LinkPreset(name="NVLink4", latency_s=3e-6, bandwidth=450e9, call_overhead_s=5e-6)
 # One ConnectX-7 InfiniBand NDR port per GPU: 400 Gb/s = 50 GB/s; ~5-10 us through the switch.
-IB_NDR = LinkPreset(name="IB-NDR400", latency_s=8e-6, bandwidth=50e9)
+IB_NDR = LinkPreset(name="IB-NDR400", latency_s=8e-6, bandwidth=50e9, call_overhead_s=5e-6)
 DGX_H100 = ClusterPreset(name="h100", device=H100_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR)
 
 # --- CPU (this development machine) ------------------------------------------------------------

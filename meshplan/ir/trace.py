@@ -8,6 +8,9 @@ parameters become one parameter node, so a plan can never place them differently
 from __future__ import annotations
 
 import operator
+import os
+import sysconfig
+import traceback
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
@@ -79,10 +82,32 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
                 table.pop(op, None)
             return ep.run_decompositions(table)
     except Exception as e:  # noqa: BLE001 - re-raised with context for the user
+        where = user_frame(e)
+        line = f"{where.filename}:{where.lineno} in {where.name}: `{where.line}`" if where else "a line outside the model"
+        first = " ".join(str(e).strip().splitlines()[:3])[:500]
         raise TraceError(
-            f"could not trace {type(model).__name__} with torch.export (non-strict): "
-            f"{type(e).__name__}: {e}"
+            f"could not trace {type(model).__name__} with torch.export (non-strict) at {line}: {type(e).__name__}: "
+            f"{first} (the full torch.export error is this exception's __cause__)"
         ) from e
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, __import__("meshplan"))
+) + (sysconfig.get_paths()["stdlib"] + os.sep,)
+
+
+def user_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of `error`'s traceback (or its causes') outside torch, meshplan and the stdlib:
+    the user's line that torch.export could not trace."""
+    found, seen = None, set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for frame in traceback.extract_tb(error.__traceback__):
+            path = os.path.abspath(frame.filename)
+            if not frame.filename.startswith("<") and not path.startswith(_LIBRARY_DIRS):
+                found = frame
+        error = error.__cause__ or error.__context__
+    return found
 
 
 def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> Graph:

@@ -73,6 +73,19 @@ class ParamChoice:
 
 
 @dataclass(frozen=True, slots=True)
+class GradBucket:
+    """Gradients all-reduced together in one collective once all of them are ready (as DDP's buckets)."""
+
+    axes: tuple[int, ...]
+    """Mesh axes the all-reduce spans (where these parameters are replicated)."""
+    params: tuple[str, ...]
+    """Parameter nodes, in the order their gradients are expected (reverse of first use)."""
+    nbytes: int
+    """Bytes of the flattened bucket on one device."""
+    time_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class InputChoice:
     """Layout of one user input: in `inputs="local"` mode, the slice each rank loads."""
 
@@ -113,6 +126,8 @@ class Plan:
     fallbacks: tuple[str, ...] = ()
     alternatives: tuple[NodeAlternatives, ...] = ()
     """Per parameter, input and costly op: the other candidates and what ruled some out (`explain`)."""
+    buckets: tuple[GradBucket, ...] = ()
+    """Gradient all-reduce buckets, launched in this order during backward."""
     version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ queries
@@ -139,7 +154,7 @@ class Plan:
             c.update(f"forward:{s.kind}" for s in t.forward if s.communicates)
             c.update(f"backward:{s.kind}" for s in t.backward if s.communicates)
         if include_grad_sync:
-            c.update("grad_sync:all_reduce" for p in self.params if p.grad_sync_axes)
+            c.update("grad_sync:all_reduce" for _ in self.buckets)
         return c
 
     def hash(self) -> str:
@@ -184,18 +199,27 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> Plan:
+    def from_json(text: str | bytes) -> Plan:
+        """Parse and check a plan file; anything wrong with it is a ValueError naming the field."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise ValueError(f"a plan is read from JSON text; got {type(text).__name__}")
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"plan file is not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ValueError(f"plan file is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
         if not isinstance(d, dict) or d.get("version") != SCHEMA_VERSION:
             got = d.get("version") if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"plan schema version {got!r} is not supported; this meshplan reads version {SCHEMA_VERSION}")
         try:
-            return _decode_plan(d)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"plan file is malformed: {type(e).__name__}: {e}") from None
+            plan = _decode_plan(d)
+        except KeyError as e:
+            raise ValueError(f"plan file is malformed: missing field {e.args[0]!r}") from None
+        except Exception as e:  # noqa: BLE001 - untrusted input: every decoding failure is the file's fault
+            raise ValueError(f"plan file is malformed: {type(e).__name__}: {str(e)[:200]}") from None
+        from meshplan.planner.plan_check import check_plan
+
+        check_plan(plan)
+        return plan
 
     def save(self, path: str) -> None:
         """Write the strategy file (`meshplan.load_plan` reads it back for the same model)."""
@@ -230,11 +254,16 @@ def _encode(obj):
 
 
 def _decode_plan(d: dict) -> Plan:
-    steps = lambda xs: tuple(CommStep(**s) for s in xs)  # noqa: E731
+    def seq(xs) -> tuple:  # a JSON list, never a string split into characters
+        if not isinstance(xs, list):
+            raise TypeError(f"expected a list, got {xs!r:.60}")
+        return tuple(xs)
+
+    steps = lambda xs: tuple(CommStep(**s) for s in seq(xs))  # noqa: E731
     return Plan(
         model=d["model"],
         graph_fingerprint=d["graph_fingerprint"],
-        mesh=MeshSpec(tuple(d["mesh"]["shape"]), tuple(d["mesh"]["axis_names"])),
+        mesh=MeshSpec(seq(d["mesh"]["shape"]), seq(d["mesh"]["axis_names"])),
         mode=d["mode"],
         inputs_mode=d["inputs_mode"],
         cluster=d["cluster"],
@@ -243,27 +272,28 @@ def _decode_plan(d: dict) -> Plan:
             Transfer(t["tensor"], t["consumer"], t["position"], parse(t["src"]), parse(t["dst"]), steps(t["forward"]), steps(t["backward"]), t["time_s"])
             for t in d["transfers"]
         ),
-        params=tuple(_decode_param(p, tuple(d["mesh"]["shape"])) for p in d["params"]),
-        inputs=tuple(InputChoice(i["name"], tuple(i["shape"]), parse(i["layout"])) for i in d["inputs"]),
+        params=tuple(_decode_param(p, seq, tuple(d["mesh"]["shape"])) for p in seq(d["params"])),
+        inputs=tuple(InputChoice(i["name"], seq(i["shape"]), parse(i["layout"])) for i in d["inputs"]),
         memory=MemoryBreakdown.from_dict(d["memory"]),
         compute_s=d["compute_s"],
         comm_s=d["comm_s"],
         solver=SolverInfo(**d["solver"], seconds=None),
-        fallbacks=tuple(d["fallbacks"]),
-        alternatives=tuple(NodeAlternatives.from_dict(a) for a in d["alternatives"]),
+        fallbacks=seq(d["fallbacks"]),
+        alternatives=tuple(NodeAlternatives.from_dict(a) for a in seq(d["alternatives"])),
+        buckets=tuple(GradBucket(seq(b["axes"]), seq(b["params"]), b["nbytes"], b["time_s"]) for b in seq(d["buckets"])),
         version=d["version"],
     )
 
 
-def _decode_param(p: dict, mesh_shape: tuple[int, ...]) -> ParamChoice:
+def _decode_param(p: dict, seq, mesh_shape: tuple[int, ...]) -> ParamChoice:
     layout = parse(p["layout"])
     # the tensor map is derived data: a file whose two forms disagree was edited by hand, wrongly
-    tmap = tuple(tuple(e) if isinstance(e, list) else e for e in p["tensor_map"])
+    tmap = tuple(tuple(e) if isinstance(e, list) else e for e in seq(p["tensor_map"]))
     if tuple(p["device_matrix"]) != mesh_shape or from_tensor_map(tuple(p["device_matrix"]), tmap) != layout:
         raise ValueError(
             f"parameter {p['fqns'][0]}: device_matrix {p['device_matrix']} / tensor_map {p['tensor_map']} do not match "
             f"layout {p['layout']} on mesh {list(mesh_shape)}"
         )
     return ParamChoice(
-        p["node"], tuple(p["fqns"]), tuple(p["shape"]), layout, tuple(p["grad_sync_axes"]), p["is_buffer"], p["time_s"], dtype=p["dtype"]
+        p["node"], seq(p["fqns"]), seq(p["shape"]), layout, seq(p["grad_sync_axes"]), p["is_buffer"], p["time_s"], dtype=p["dtype"]
     )

@@ -30,6 +30,8 @@ class Edge:
     """For each strategy of `dst`, the layout it needs the tensor in."""
     cost: dict[tuple[Hashable, Hashable], float]
     """Cost of each (given, needed) layout pair; a missing pair is impossible."""
+    memory: dict[tuple[Hashable, Hashable], float] = field(default_factory=dict)
+    """Bytes per device the move leaves resident (a resharded copy saved for backward); absent = 0."""
 
 
 @dataclass(slots=True)
@@ -39,12 +41,19 @@ class Problem:
     edges: list[Edge] = field(default_factory=list)
     fixed: dict[str, int] = field(default_factory=dict)
     """Nodes whose strategy is decided already (annotations, forced plans)."""
+    node_memory: dict[str, list[float]] = field(default_factory=dict)
+    """node -> bytes per device each strategy keeps resident at the peak; absent = 0."""
+    memory_budget: float | None = None
+    """Bytes per device: the sum of node and edge memory of the chosen strategies may not exceed it."""
 
 
 @dataclass(frozen=True, slots=True)
 class Solution:
     choice: dict[str, int]
     objective: float
+    """Seconds (or bytes, when the solve minimised memory)."""
+    memory: float
+    """Predicted bytes per device of the chosen strategies (node + edge memory)."""
     status: str
     """'optimal', or 'feasible' with `gap` > 0 when the time limit was hit."""
     gap: float
@@ -57,19 +66,27 @@ class InfeasiblePlan(ValueError):
     """No combination of candidate strategies is consistent (for example, conflicting forced layouts)."""
 
 
-def solve(problem: Problem, *, time_limit_s: float = 60.0, backend: str = "HIGHS", merge: bool = True) -> Solution:
-    """Optimal strategies for `problem`; with `merge`, single-input followers are folded first."""
+def solve(
+    problem: Problem, *, time_limit_s: float = 60.0, backend: str = "HIGHS", merge: bool = True, minimize: str = "time"
+) -> Solution:
+    """Optimal strategies for `problem`; with `merge`, single-input followers are folded first.
+
+    `minimize="memory"` finds the smallest peak any choice reaches (the budget is then ignored):
+    what an infeasible budget's error message reports.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if minimize not in ("time", "memory"):
+        raise ValueError(f"minimize={minimize!r}; allowed: time, memory")
     start = time.perf_counter()
     if merge:
         problem, merged = merge_followers(problem)
-        sol = _solve(problem, time_limit_s, backend, start)
+        sol = _solve(problem, time_limit_s, backend, start, minimize)
         choice = dict(sol.choice)
         for node, (root, pick) in merged.items():
             choice[node] = pick[choice[root]]
-        return Solution(choice, sol.objective, sol.status, sol.gap, time.perf_counter() - start, sol.backend, sol.variables)
-    return _solve(problem, time_limit_s, backend, start)
+        return Solution(choice, sol.objective, sol.memory, sol.status, sol.gap, time.perf_counter() - start, sol.backend, sol.variables)
+    return _solve(problem, time_limit_s, backend, start, minimize)
 
 
 def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, list[int]]]]:
@@ -81,7 +98,8 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
     it takes for each strategy of the root.
     """
     node_costs = {k: list(v) for k, v in problem.node_costs.items()}
-    edges = [Edge(e.src, e.dst, list(e.src_layouts), e.dst_layouts, e.cost) for e in problem.edges]
+    node_memory = {k: list(problem.node_memory.get(k) or [0.0] * len(v)) for k, v in node_costs.items()}
+    edges = [Edge(e.src, e.dst, list(e.src_layouts), e.dst_layouts, e.cost, e.memory) for e in problem.edges]
     incoming: dict[str, list[Edge]] = {}
     outgoing: dict[str, list[Edge]] = {}
     for e in edges:
@@ -96,13 +114,14 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
         pick: list[int] = []
         for layout in e.src_layouts:
             options = [t for t, need in enumerate(e.dst_layouts) if need == layout]
-            if not options or e.cost.get((layout, layout)) != 0.0:
+            if not options or e.cost.get((layout, layout)) != 0.0 or e.memory.get((layout, layout), 0.0) != 0.0:
                 break
-            pick.append(min(options, key=lambda t: node_costs[v][t]))
+            pick.append(min(options, key=lambda t: (node_costs[v][t], node_memory[v][t])))
         else:
             u = e.src
             node_costs[u] = [c + node_costs[v][pick[s]] for s, c in enumerate(node_costs[u])]
-            del node_costs[v]
+            node_memory[u] = [m + node_memory[v][pick[s]] for s, m in enumerate(node_memory[u])]
+            del node_costs[v], node_memory[v]
             outgoing[u].remove(e)
             edges.remove(e)
             for out in outgoing.pop(v, []):
@@ -117,10 +136,10 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
             pick = [pick[pick2[s]] for s in range(len(pick2))]
             u = u2
         merged[v] = (u, pick)
-    return Problem(node_costs, edges, dict(problem.fixed)), merged
+    return Problem(node_costs, edges, dict(problem.fixed), node_memory, problem.memory_budget), merged
 
 
-def _solve(problem: Problem, time_limit_s: float, backend: str, start: float) -> Solution:
+def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, minimize: str) -> Solution:
     solver = pywraplp.Solver.CreateSolver(backend)
     assert solver is not None, f"OR-Tools has no {backend} backend"
     solver.SetNumThreads(1)  # deterministic: every rank must get the identical plan
@@ -132,20 +151,28 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float) ->
     x: dict[str, list] = {}
     objective = solver.Objective()
     const = 0.0
+    # memory = mem_const + sum(coefficient * variable); constrained by the budget, or minimised
+    mem_terms: list[tuple] = []
+    mem_const = 0.0
+    by_memory = minimize == "memory"
     for node, costs in problem.node_costs.items():
         if not costs:
             raise InfeasiblePlan(f"node {node} has no candidate strategy")
+        mems = problem.node_memory.get(node) or [0.0] * len(costs)
         if node in problem.fixed or len(costs) == 1:
             k = problem.fixed.get(node, 0)
             x[node] = [1.0 if i == k else 0.0 for i in range(len(costs))]
-            const += costs[k]
+            const += mems[k] if by_memory else costs[k]
+            mem_const += mems[k]
             continue
         x[node] = [solver.BoolVar(f"x[{node},{i}]") for i in range(len(costs))]
         one = solver.Constraint(1.0, 1.0)
         for v in x[node]:
             one.SetCoefficient(v, 1.0)
-        for v, c in zip(x[node], costs):
-            objective.SetCoefficient(v, c)
+        for v, c, m in zip(x[node], costs, mems):
+            objective.SetCoefficient(v, m if by_memory else c)
+            if m:
+                mem_terms.append((v, m))
 
     for e in problem.edges:
         src_mass = _layout_mass(x[e.src], e.src_layouts)
@@ -157,15 +184,19 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float) ->
                 c = e.cost.get((a, b))
                 if c is None:
                     continue
+                m = e.memory.get((a, b), 0.0)
                 if _is_const(src_mass[a]) and _is_const(dst_mass[b]):
                     # both ends decided: the edge is a constant if both layouts are the chosen ones
                     if _value(src_mass[a]) and _value(dst_mass[b]):
-                        const += c
+                        const += m if by_memory else c
+                        mem_const += m
                         flows.setdefault(a, []).append(1.0)
                         into.setdefault(b, []).append(1.0)
                     continue
                 y = solver.NumVar(0.0, inf, "")
-                objective.SetCoefficient(y, c)
+                objective.SetCoefficient(y, m if by_memory else c)
+                if m:
+                    mem_terms.append((y, m))
                 flows.setdefault(a, []).append(y)
                 into.setdefault(b, []).append(y)
         for a, mass in src_mass.items():
@@ -173,13 +204,17 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float) ->
         for b, mass in dst_mass.items():
             _add_equal(solver, into.get(b, []), mass, f"{e.src}->{e.dst}")
 
+    if problem.memory_budget is not None and not by_memory:
+        budget = solver.Constraint(-inf, problem.memory_budget - mem_const)
+        for v, m in mem_terms:
+            budget.SetCoefficient(v, budget.GetCoefficient(v) + m)
     objective.SetMinimization()
     status = solver.Solve()
     seconds = time.perf_counter() - start
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         raise InfeasiblePlan(
             "no consistent choice of strategies exists (solver status "
-            f"{status}); check forced layouts and divisibility of the sharded dims"
+            f"{status}); check forced layouts, divisibility of the sharded dims and the memory budget"
         )
     choice = {}
     for node, vs in x.items():
@@ -188,8 +223,9 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float) ->
     obj = objective.Value() + const
     bound = objective.BestBound() + const if status == pywraplp.Solver.FEASIBLE else obj
     gap = 0.0 if status == pywraplp.Solver.OPTIMAL else abs(obj - bound) / max(abs(obj), 1e-30)
+    memory = mem_const + sum(m * v.solution_value() for v, m in mem_terms)
     return Solution(
-        choice, obj, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds, backend, solver.NumVariables()
+        choice, obj, memory, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds, backend, solver.NumVariables()
     )
 
 

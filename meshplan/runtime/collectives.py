@@ -2,15 +2,18 @@
 
 Each step's backward is its dual step (see cost_model/redistribution.py), so autograd carries
 gradients across layouts with exactly the collectives the plan lists. Every collective the
-runtime issues goes through `_collective`, which counts it: the counters are how tests check that
+runtime issues goes through `count_collective`, which counts it: the counters are how tests check that
 the plan is the truth.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import os
 from collections import Counter
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,20 +25,75 @@ COUNTS: Counter = Counter()
 """'forward:all_gather', 'backward:reduce_scatter', 'grad_sync:all_reduce', ... since the last reset."""
 
 
+TIMEOUT_ENV = "MESHPLAN_TIMEOUT"
+"""Environment variable: seconds a collective may wait for the other ranks (when `timeout=` is not given)."""
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""NCCL's default: long enough for a slow first step, short enough that a lost rank is noticed."""
+
+
 def reset_counts() -> None:
     COUNTS.clear()
 
 
-class MeshComm:
-    """This rank's place on the mesh and a process group for every line of axes it needs."""
+def resolve_timeout(timeout: timedelta | float | None = None) -> timedelta:
+    """`timeout` (a timedelta or seconds), else $MESHPLAN_TIMEOUT seconds, else `DEFAULT_TIMEOUT`."""
+    source = "timeout"
+    if timeout is None:
+        env = os.environ.get(TIMEOUT_ENV)
+        if env is None:
+            return DEFAULT_TIMEOUT
+        source = TIMEOUT_ENV
+        try:
+            timeout = float(env)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={env!r} is not a number; give the collective timeout in seconds, e.g. 300") from None
+    given = timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout) if math.isfinite(timeout) else timedelta(0)
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"{source}={given!r} is not allowed; give a positive number of seconds or a datetime.timedelta")
+    return timeout
 
-    def __init__(self, mesh: MeshSpec, rank: int, world_size: int) -> None:
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: a rank died, never joined, or ran a different sequence of collectives."""
+
+
+class MeshComm:
+    """This rank's place on the mesh and a process group for every line of axes it needs.
+
+    Every group is created with `timeout`: a collective that waits longer for another rank raises
+    `CollectiveError` on this rank instead of hanging (gloo and NCCL both honour a group's timeout).
+    """
+
+    def __init__(self, mesh: MeshSpec, rank: int, world_size: int, timeout: timedelta | float | None = None) -> None:
         if mesh.size != world_size:
             raise ValueError(f"plan is for {mesh.size} devices (mesh {mesh}) but the process group has {world_size} ranks")
         self.mesh = mesh
         self.rank = rank
         self.coord = mesh.coordinate(rank)
+        self.timeout = resolve_timeout(timeout)
         self._groups: dict[tuple[int, ...], object] = {}
+
+    @property
+    def world(self):
+        """The group of every rank of the mesh (created by the first `create_groups`)."""
+        return self.group(tuple(range(self.mesh.ndim)))
+
+    @contextlib.contextmanager
+    def guard(self, what: str):
+        """Turn a failed or timed-out collective into a `CollectiveError` that says what waited and why."""
+        try:
+            yield
+        except CollectiveError:
+            raise
+        except RuntimeError as e:  # gloo/NCCL/store failures and timeouts arrive as RuntimeError subclasses
+            raise CollectiveError(
+                f"rank {self.rank} (mesh coordinate {self.coord} on {self.mesh}): {what} failed after waiting at most "
+                f"{self.timeout.total_seconds():g} s for the other ranks: another rank died, failed to join, or ran a "
+                f"different sequence of collectives. Cause: {str(e).strip()[:400]}. "
+                f"(Set the limit with auto_parallelize(..., timeout=) or ${TIMEOUT_ENV}.)"
+            ) from e
 
     def group(self, axes: tuple[int, ...]):
         """The group of ranks that differ from this one only on `axes` (created on first use by all ranks)."""
@@ -50,15 +108,17 @@ class MeshComm:
         for axes in sorted({tuple(sorted(a)) for a in axis_sets}):
             if axes in self._groups:
                 continue
-            if len(axes) == self.mesh.ndim:
-                self._groups[axes] = dist.group.WORLD
+            if len(axes) == self.mesh.ndim:  # not dist.group.WORLD: its timeout is not ours
+                with self.guard("creating the process group of all ranks"):
+                    self._groups[axes] = dist.new_group(list(range(self.mesh.size)), timeout=self.timeout)
                 continue
             others = [a for a in range(self.mesh.ndim) if a not in axes]
             for fixed in itertools.product(*(range(shape[a]) for a in others)):
                 ranks = [
                     r for r in range(self.mesh.size) if all(self.mesh.coordinate(r)[a] == v for a, v in zip(others, fixed))
                 ]
-                pg = dist.new_group(ranks)
+                with self.guard(f"creating the process group for mesh axes {axes} (ranks {ranks})"):
+                    pg = dist.new_group(ranks, timeout=self.timeout)
                 if self.rank in ranks:
                     self._groups[axes] = pg
 
@@ -66,7 +126,7 @@ class MeshComm:
         return math.prod(self.mesh.shape[a] for a in axes)
 
 
-def _collective(phase: str, kind: str) -> None:
+def count_collective(phase: str, kind: str) -> None:
     COUNTS[f"{phase}:{kind}"] += 1
 
 
@@ -85,7 +145,15 @@ def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str) -> tor
         return out
     if step.kind == "to_partial":
         return x if me == 0 else torch.zeros_like(x)
-    _collective(phase, step.kind)
+    count_collective(phase, step.kind)
+    with comm.guard(f"{phase} {step} over mesh axis {comm.mesh.axis_names[step.axis]}"):
+        out = _communicate(step, x, n, group)
+    if step.reduce == "avg":
+        out = out / n
+    return out
+
+
+def _communicate(step: CommStep, x: torch.Tensor, n: int, group) -> torch.Tensor:
     if step.kind == "all_reduce":
         out = x.contiguous().clone()
         dist.all_reduce(out, group=group)
@@ -105,8 +173,6 @@ def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str) -> tor
         out = torch.cat(recv.unbind(0), dim=step.dim)
     else:
         raise AssertionError(f"unknown step kind {step.kind}")
-    if step.reduce == "avg":
-        out = out / n
     return out
 
 
@@ -134,12 +200,6 @@ class ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.factor, None
-
-
-def all_reduce_grad(grad: torch.Tensor, comm: MeshComm, axes: tuple[int, ...]) -> None:
-    """Sum a parameter's gradient over the axes where it is replicated (in place)."""
-    _collective("grad_sync", "all_reduce")
-    dist.all_reduce(grad, group=comm.group(axes))
 
 
 def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:

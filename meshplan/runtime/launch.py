@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["free_port", "is_torchrun", "run_local"]
+__all__ = ["free_port", "init_torchrun_group", "is_torchrun", "run_local"]
 
 _stack_file = None  # keeps the child's faulthandler file open
 
@@ -39,6 +39,32 @@ def free_port() -> int:
 def is_torchrun() -> bool:
     """Whether this process was started by torchrun (or run_local): RANK and WORLD_SIZE are set."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_torchrun_group(backend: str | None = None, timeout: timedelta | float | None = None) -> None:
+    """`init_process_group` from torchrun's environment, safe across torchrun's restarts.
+
+    torchrun's c10d rendezvous shares one TCPStore across restarts, and the keys a process group
+    writes there (gloo's peer addresses, NCCL's unique id) outlive the attempt that wrote them: a
+    restarted rank can read a dead peer's address and fail to connect (pytorch/pytorch#135712).
+    Each attempt therefore gets its own key prefix (TORCHELASTIC_RESTART_COUNT, the same on every
+    rank when the whole group restarts together, as torchrun does on one node).
+    """
+    from meshplan.runtime.collectives import resolve_timeout
+
+    if not is_torchrun():
+        raise ValueError("init_torchrun_group needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    timeout = resolve_timeout(timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"meshplan/attempt_{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
 
 
 def _worker(rank, world_size, port, backend, timeout, fn, args, conn, stack_path) -> None:

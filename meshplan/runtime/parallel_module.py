@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,8 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Shard, local_shape
 from meshplan.planner.plan import Plan
 from meshplan.runtime import collectives
-from meshplan.runtime.collectives import MeshComm, all_reduce_grad
+from meshplan.runtime.collectives import MeshComm
+from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.rewrite import local_program
 
 
@@ -28,9 +30,14 @@ def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int)
 
 
 class ParallelModule(nn.Module):
-    """Runs `plan` on this rank. Parameters are local shards registered under the model's own FQNs."""
+    """Runs `plan` on this rank. Parameters are local shards registered under the model's own FQNs.
 
-    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, *, group=None) -> None:
+    `state_dict()` holds those local shards; `meshplan.runtime.checkpoint` views them as DTensors
+    so a checkpoint saved under one plan loads under another. `timeout` bounds every collective
+    (see `collectives.resolve_timeout`).
+    """
+
+    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, *, group=None, timeout: timedelta | float | None = None) -> None:
         super().__init__()
         if plan.graph_fingerprint != graph.fingerprint():
             raise ValueError(
@@ -38,45 +45,39 @@ class ParallelModule(nn.Module):
                 f"{graph.fingerprint()}); re-plan or load the plan made for this model"
             )
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.comm = MeshComm(plan.mesh, rank, world)
-        _check_same_plan(plan, rank, world)
+        self.comm = MeshComm(plan.mesh, rank, world, timeout)
+        self.comm.create_groups([tuple(range(plan.mesh.ndim))])  # first: the plan check runs on it
+        _check_same_plan(plan, self.comm)
         self.plan = plan
         self._traced = graph.fx
         self._inputs = {i.name: i for i in plan.inputs}
         self._placeholders = [n.name for n in graph.fx.gm.graph.nodes if n.op == "placeholder"]
 
-        axis_sets = [(a,) for a in range(plan.mesh.ndim)] + [p.grad_sync_axes for p in plan.params if p.grad_sync_axes]
+        axis_sets = [(a,) for a in range(plan.mesh.ndim)] + [b.axes for b in plan.buckets]
         self.comm.create_groups(axis_sets)
 
         full = dict(model.named_parameters(remove_duplicate=False))
         full.update(dict(model.named_buffers(remove_duplicate=False)))
+        persistent = set(model.state_dict(keep_vars=True))  # so state_dict() has the model's own keys
         self._leaf: dict[str, torch.Tensor] = {}
         for p in plan.params:
             whole = full[p.fqns[0]].detach()
             # every rank starts from rank 0's weights, as DDP does
             whole = whole.clone()
-            dist.broadcast(whole, src=0)
+            with self.comm.guard(f"broadcasting {p.fqns[0]} from rank 0"):
+                dist.broadcast(whole, src=0, group=self.comm.world)
             local = shard_tensor(whole, p.layout, plan.mesh, rank).contiguous()
             if p.is_buffer:
                 tensor: torch.Tensor = local
                 for fqn in p.fqns:
-                    _owner(self, fqn).register_buffer(fqn.rsplit(".", 1)[-1], local)
+                    _owner(self, fqn).register_buffer(fqn.rsplit(".", 1)[-1], local, persistent=fqn in persistent)
             else:
                 tensor = nn.Parameter(local, requires_grad=full[p.fqns[0]].requires_grad)
                 for fqn in p.fqns:
                     setattr(_owner(self, fqn), fqn.rsplit(".", 1)[-1], tensor)
-                if p.grad_sync_axes and tensor.requires_grad:
-                    tensor.register_post_accumulate_grad_hook(self._grad_sync_hook(p.grad_sync_axes))
             self._leaf[p.node] = tensor
+        self._grad_buckets = GradBuckets(plan.buckets, self._leaf, self.comm)
         self.program = local_program(graph.fx, plan, self.comm)
-
-    def _grad_sync_hook(self, axes: tuple[int, ...]):
-        comm = self.comm
-
-        def hook(param: torch.Tensor) -> None:
-            all_reduce_grad(param.grad, comm, axes)
-
-        return hook
 
     def forward(self, *args, **kwargs):
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -133,13 +134,14 @@ def _owner(root: nn.Module, fqn: str) -> nn.Module:
     return mod
 
 
-def _check_same_plan(plan: Plan, rank: int, world: int) -> None:
+def _check_same_plan(plan: Plan, comm: MeshComm) -> None:
     """Every rank must run the identical plan: compare hashes before the first collective of a step."""
     h = int(plan.hash()[:15], 16)
     t = torch.tensor([h, -h], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with comm.guard("comparing plan hashes"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.world)
     if t[0].item() != h or -t[1].item() != h:
         raise ValueError(
-            f"ranks computed different plans (rank {rank} has plan hash {plan.hash()}); all ranks must plan the same "
+            f"ranks computed different plans (rank {comm.rank} has plan hash {plan.hash()}); all ranks must plan the same "
             "model with the same inputs and options, or load one plan file"
         )

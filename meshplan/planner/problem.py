@@ -1,0 +1,140 @@
+"""The MIP of one mesh: what each node's strategies cost in time and memory, and what each edge's
+resharding costs, with repeated layers tied into one class (see `tying.py`).
+
+The same functions price the chosen plan afterwards (`node_memory`, `Tables.move_time`), so the
+plan's predicted time and memory are exactly the quantities the solver minimised and bounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshplan.cost_model.compute import is_view
+from meshplan.cost_model.estimate import compute_time, grad_sync_time, local_bytes, transfer_time
+from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
+from meshplan.cost_model.presets import ClusterPreset
+from meshplan.cost_model.redistribution import InfeasibleRedistribution
+from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
+from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.placement import Placements
+from meshplan.planner.solver import Edge, Problem
+from meshplan.planner.strategy import Strategy
+from meshplan.planner.tying import Tying, tie_repeated_layers
+
+INFEASIBLE_S = 1e9
+"""Cost that marks a strategy the solver must not pick (a tied class that cannot feed itself)."""
+
+
+def grad_flows(graph: Graph, ref: TensorRef, consumer: Node) -> bool:
+    """A gradient comes back along this edge: the tensor needs one and the consumer passes one on."""
+    if not graph[ref.node].grad(ref.index):
+        return False
+    return consumer.kind == "output" or any(consumer.requires_grad)
+
+
+def node_memory(node: Node, strategy: Strategy, mesh_shape: tuple[int, ...], optimizer: str) -> MemoryBreakdown:
+    """Bytes one device holds for this node at the peak of a step (the end of forward, with every
+    gradient and optimizer state resident: a conservative sum until liveness is modelled)."""
+    if node.kind in ("param", "buffer"):
+        nbytes = local_bytes(node.out, strategy.outputs[0], mesh_shape)
+        if node.kind == "param" and node.grad(0):
+            numel = nbytes // node.out.itemsize
+            return MemoryBreakdown(params=nbytes, grads=nbytes, optimizer=optimizer_state_bytes(numel, optimizer), activations=0)
+        return MemoryBreakdown(params=nbytes, grads=0, optimizer=0, activations=0)
+    if node.kind == "op" and any(node.requires_grad) and not is_view(node.target):
+        acts = sum(local_bytes(m, p, mesh_shape) for m, p in zip(node.outputs, strategy.outputs) if m is not None and p is not None)
+        return MemoryBreakdown(params=0, grads=0, optimizer=0, activations=acts)
+    return MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
+
+
+def transfer_memory(meta: TensorMeta, src: Placements, dst: Placements, consumer: Node, mesh_shape: tuple[int, ...]) -> int:
+    """A resharded copy feeding an op that needs gradients stays alive for its backward (this is
+    where an all-gathered ZeRO/FSDP parameter is held)."""
+    if src == dst or consumer.kind != "op" or not any(consumer.requires_grad):
+        return 0
+    return local_bytes(meta, dst, mesh_shape)
+
+
+@dataclass(slots=True)
+class Tables:
+    """The problem handed to the solver, and what is needed to read its solution back."""
+
+    problem: Problem
+    tying: Tying
+    unit_costs: dict[str, list[float]]
+    """Class representative -> one member's own seconds per strategy (compute or gradient sync)."""
+    mesh_shape: tuple[int, ...]
+    cluster: ClusterPreset
+    _moves: dict[tuple, float | None] = field(default_factory=dict)
+
+    def move_time(self, meta: TensorMeta, src: Placements, dst: Placements, backward: bool) -> float | None:
+        """Seconds to reshard (None if impossible); cached: repeated layers move the same tensors the same ways."""
+        key = (meta, src, dst, backward)
+        if key not in self._moves:
+            try:
+                self._moves[key] = transfer_time(meta, src, dst, self.mesh_shape, self.cluster, backward=backward)
+            except InfeasibleRedistribution:
+                self._moves[key] = None
+        return self._moves[key]
+
+
+def build_tables(
+    graph: Graph,
+    mesh: MeshSpec,
+    cluster: ClusterPreset,
+    by_node: dict[str, list[Strategy]],
+    *,
+    optimizer: str,
+    memory_budget: float | None,
+    tie_layers: bool = True,
+) -> Tables:
+    shape = mesh.shape
+    tying = tie_repeated_layers(graph, by_node, enabled=tie_layers)
+    rep, count = tying.rep, tying.count
+    unit_costs: dict[str, list[float]] = {}
+    node_mem: dict[str, list[float]] = {}
+    for node in graph.nodes:
+        if rep[node.name] != node.name:
+            continue
+        strategies = by_node[node.name]
+        if node.kind == "op":
+            in_metas = [graph.meta(r) for r in node.inputs]
+            grad = any(node.requires_grad)
+            costs = [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad) for s in strategies]
+        elif node.kind == "param" and node.grad(0):
+            costs = [grad_sync_time(node.out, s.outputs[0], shape, cluster) for s in strategies]
+        else:
+            costs = [0.0] * len(strategies)
+        unit_costs[node.name] = costs
+        node_mem[node.name] = [float(node_memory(node, s, shape, optimizer).total * count[node.name]) for s in strategies]
+    node_costs = {name: [c * count[name] for c in costs] for name, costs in unit_costs.items()}
+    tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget), tying, unit_costs, shape, cluster)
+
+    # every graph edge, as an edge between the classes it joins, counted as often as it occurs
+    edge_count: dict[tuple, int] = {}
+    for node in graph.nodes:
+        for pos, ref in enumerate(node.inputs):
+            key = (rep[ref.node], ref.index, rep[node.name], pos, graph.meta(ref), grad_flows(graph, ref, node))
+            edge_count[key] = edge_count.get(key, 0) + 1
+    for (src, index, dst, pos, meta, backward), times in edge_count.items():
+        consumer = graph[dst]  # stands for its class: tied members agree on kind and requires_grad
+        src_layouts = [s.outputs[index] for s in by_node[src]]
+        dst_layouts = [s.inputs[pos] for s in by_node[dst]]
+        if src == dst:  # layer k feeds the same position of layer k+1: a cost of the class's own choice
+            for i, (a, b) in enumerate(zip(src_layouts, dst_layouts)):
+                c = tables.move_time(meta, a, b, backward)
+                node_costs[src][i] += INFEASIBLE_S if c is None else c * times
+                node_mem[src][i] += transfer_memory(meta, a, b, consumer, shape) * times
+            continue
+        cost, mem = {}, {}
+        # ordered de-duplication: set order varies between processes, and every rank must build the same model
+        for a in dict.fromkeys(src_layouts):
+            for b in dict.fromkeys(dst_layouts):
+                c = tables.move_time(meta, a, b, backward)
+                if c is not None:
+                    cost[(a, b)] = c * times
+                    m = transfer_memory(meta, a, b, consumer, shape)
+                    if m:
+                        mem[(a, b)] = float(m * times)
+        tables.problem.edges.append(Edge(src, dst, src_layouts, dst_layouts, cost, mem))
+    return tables

@@ -1,0 +1,378 @@
+"""Checkpoints that load under any plan: torch.distributed.checkpoint (DCP) over DTensor views.
+
+A `ParallelModule` holds each parameter as this rank's local shard. Here each shard (and each
+optimizer state tensor shaped like it) is wrapped, without a copy, in a DTensor on a DeviceMesh
+built from the plan's own process groups, so DCP records where every shard sits in the whole
+tensor. A checkpoint saved under one plan (tp=4, say) therefore loads under any other plan of the
+same model (dp=2 x tp=2, or another world size): DCP reads the overlapping pieces.
+
+A checkpoint is a directory: DCP's shard files and `.metadata`, plus `meshplan.json` (step,
+optimizer hyper-parameters, the saving plan's hash and mesh, user `extra`), written last, so a
+directory without it is an incomplete save. Nothing in it is unpickled except DCP's `.metadata`,
+through an unpickler that admits only DCP's metadata classes; tensors load with
+`weights_only=True` (DCP's reader) and byte payloads are refused.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from meshplan.ir.placement import Partial, to_dtensor
+from meshplan.planner.plan import ParamChoice
+
+__all__ = [
+    "CheckpointInfo", "device_mesh", "latest_checkpoint", "load_checkpoint", "load_model_state_dict",
+    "load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict", "save_checkpoint",
+]
+
+INFO_FILE = "meshplan.json"
+FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointInfo:
+    """What `load_checkpoint` found next to the tensors."""
+
+    step: int | None
+    """The `step` given to `save_checkpoint`."""
+    plan_hash: str
+    """Hash of the plan the checkpoint was saved under (it may differ from the loading plan)."""
+    mesh_shape: tuple[int, ...]
+    """Mesh of the saving plan."""
+    extra: Any
+    """The JSON-serialisable `extra` given to `save_checkpoint`."""
+
+
+# ------------------------------------------------------------------ DTensor views of local shards
+
+
+def device_mesh(pmodel) -> DeviceMesh:
+    """A DeviceMesh for `pmodel.plan.mesh` over the ParallelModule's own groups (no new group, no collective)."""
+    comm, mesh = pmodel.comm, pmodel.plan.mesh
+    ranks = torch.arange(mesh.size, dtype=torch.int).view(mesh.shape)
+    device = "cuda" if next(iter(pmodel.parameters()), torch.empty(0)).is_cuda else "cpu"
+    if mesh.ndim == 1:
+        return DeviceMesh.from_group(comm.world, device, mesh=ranks, mesh_dim_names=mesh.axis_names)
+    groups = [comm.group((a,)) for a in range(mesh.ndim)]
+    return DeviceMesh.from_group(groups, device, mesh=ranks, mesh_dim_names=mesh.axis_names)
+
+
+def _view(local: torch.Tensor, p: ParamChoice, mesh: DeviceMesh) -> DTensor:
+    if any(isinstance(q, Partial) for q in p.layout):
+        raise AssertionError(f"parameter {p.fqns[0]} has a partial layout {p.layout}; parameters are never partial")
+    shape = torch.Size(p.shape)
+    return DTensor.from_local(local, mesh, [to_dtensor(q) for q in p.layout], run_check=False,
+                              shape=shape, stride=torch.empty(shape, device="meta").stride())
+
+
+def _by_fqn(pmodel) -> dict[str, ParamChoice]:
+    return {f: p for p in pmodel.plan.params for f in p.fqns}
+
+
+def model_state_dict(pmodel) -> dict[str, torch.Tensor]:
+    """`pmodel.state_dict()` with every value a DTensor over this rank's shard (no copy).
+
+    The keys are the original model's (`model.state_dict()`), so a single process can load the
+    model part of a checkpoint into the unsharded model with plain `dcp.load`.
+    """
+    mesh, choice = device_mesh(pmodel), _by_fqn(pmodel)
+    return {k: _view(v, choice[k], mesh) for k, v in pmodel.state_dict(keep_vars=True).items()}
+
+
+def load_model_state_dict(pmodel, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy `state_dict` into `pmodel`'s shards; values are DTensors (any layout) or whole tensors."""
+    own = pmodel.state_dict(keep_vars=True)
+    _check_keys("model state dict", set(state_dict), set(own))
+    choice = _by_fqn(pmodel)
+    with torch.no_grad():
+        for k, target in own.items():
+            target.copy_(_local_part(state_dict[k], choice[k], pmodel, k))
+
+
+def _local_part(value: torch.Tensor, p: ParamChoice, pmodel, what: str) -> torch.Tensor:
+    from meshplan.runtime.parallel_module import shard_tensor  # parallel_module imports nothing of ours
+
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(f"{what} has shape {list(value.shape)} but this model's {p.fqns[0]} is {list(p.shape)}")
+    if isinstance(value, DTensor):
+        want = [to_dtensor(q) for q in p.layout]
+        if list(value.placements) == want and value.device_mesh.shape == tuple(pmodel.plan.mesh.shape):
+            return value.to_local()
+        value = value.full_tensor()  # another layout: gather, then take our block
+    return shard_tensor(value, p.layout, pmodel.plan.mesh, pmodel.comm.rank)
+
+
+def _check_keys(what: str, got: set[str], want: set[str]) -> None:
+    if got != want:
+        missing, unexpected = sorted(want - got), sorted(got - want)
+        raise ValueError(f"{what} does not fit this model: missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+                         f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+
+
+# ------------------------------------------------------------------ optimizer state by FQN
+
+
+def _optimizer_params(pmodel, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """FQNs of the optimizer's parameters, group by group (the key optimizer state is stored under)."""
+    fqn_of = {id(t): fqn for fqn, t in pmodel.named_parameters()}
+    groups = []
+    for g in optimizer.param_groups:
+        names = []
+        for t in g["params"]:
+            if id(t) not in fqn_of:
+                raise ValueError(f"the optimizer holds a tensor of shape {list(t.shape)} that is not a parameter of the "
+                                 "ParallelModule; build the optimizer from pmodel.parameters()")
+            names.append(fqn_of[id(t)])
+        groups.append(names)
+    return groups
+
+
+def optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`{"state": {fqn: {key: value}}, "param_groups": [...]}`, keyed by parameter FQN as in
+    `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`; state tensors shaped like
+    the local shard are DTensors with the parameter's layout, other tensors (Adam's `step`) stay plain."""
+    mesh, choice = device_mesh(pmodel), _by_fqn(pmodel)
+    params = dict(pmodel.named_parameters())
+    groups = _optimizer_params(pmodel, optimizer)
+    state: dict[str, dict[str, Any]] = {}
+    for fqn in (f for g in groups for f in g):
+        local = params[fqn]
+        for key, value in optimizer.state.get(local, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local.shape:
+                value = _view(value, choice[fqn], mesh)
+            state.setdefault(fqn, {})[key] = value
+    param_groups = []
+    for names, g in zip(groups, optimizer.param_groups):
+        param_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+    return {"state": state, "param_groups": param_groups}
+
+
+def load_optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Inverse of `optimizer_state_dict`: sharded state as DTensors (any layout), other values as they are."""
+    groups = _optimizer_params(pmodel, optimizer)
+    saved_groups = [list(g["params"]) for g in state_dict["param_groups"]]
+    if saved_groups != groups:
+        raise ValueError(f"optimizer parameter groups {saved_groups} do not match this optimizer's {groups}; build "
+                         "the optimizer with the same parameters and groups as the one that was saved")
+    choice, index = _by_fqn(pmodel), {}
+    for fqn in (f for g in groups for f in g):
+        index[fqn] = len(index)
+    state = {}
+    for fqn, entries in state_dict["state"].items():
+        if fqn not in index:
+            raise ValueError(f"optimizer state for {fqn!r}, which this optimizer does not hold")
+        state[index[fqn]] = {
+            k: _local_part(v, choice[fqn], pmodel, f"optimizer state {fqn}.{k}") if isinstance(v, DTensor) else v
+            for k, v in entries.items()
+        }
+    param_groups = []
+    for names, g, current in zip(groups, state_dict["param_groups"], optimizer.param_groups):
+        restored = {k: (tuple(v) if isinstance(current.get(k), tuple) and isinstance(v, list) else v) for k, v in g.items()}
+        param_groups.append({**restored, "params": [index[f] for f in names]})
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+# ------------------------------------------------------------------ save / load
+
+
+def save_checkpoint(path: str | os.PathLike, pmodel, optimizer: torch.optim.Optimizer | None = None, *,
+                    step: int | None = None, extra: Any = None) -> None:
+    """Save `pmodel` (and `optimizer`) to directory `path`; call on every rank.
+
+    Returns once the checkpoint is complete on disk on every rank (`meshplan.json` written last).
+    `extra` must be JSON-serialisable (no pickle in a checkpoint).
+    """
+    path = os.fspath(path)
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise ValueError(f"step must be an int or None, got {step!r}")
+    state: dict[str, Any] = {"model": model_state_dict(pmodel)}
+    info: dict[str, Any] = {
+        "format": FORMAT, "step": step, "plan_hash": pmodel.plan.hash(), "mesh_shape": list(pmodel.plan.mesh.shape),
+        "params": {p.fqns[0]: list(p.shape) for p in pmodel.plan.params}, "extra": extra,
+    }
+    if optimizer is not None:
+        osd = optimizer_state_dict(pmodel, optimizer)
+        state["optim"] = {"state": {}}
+        layout: dict[str, dict[str, Any]] = {}
+        for fqn, entries in osd["state"].items():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    state["optim"]["state"].setdefault(fqn, {})[key] = value
+                    layout.setdefault(fqn, {})[key] = {
+                        "sharded": isinstance(value, DTensor), "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+                else:
+                    layout.setdefault(fqn, {})[key] = {"value": value}
+        info["optimizer"] = {"class": type(optimizer).__name__, "param_groups": osd["param_groups"], "state": layout}
+    try:
+        text = json.dumps(info, indent=1, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint metadata must be JSON (extra, optimizer hyper-parameters): {e}") from None
+    comm = pmodel.comm
+    _dcp(comm, f"saving checkpoint {path}", lambda: dcp.save(state, storage_writer=FileSystemWriter(path), process_group=comm.world))
+    with comm.guard(f"saving checkpoint {path}"):
+        if comm.rank == 0:
+            tmp = os.path.join(path, INFO_FILE + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, os.path.join(path, INFO_FILE))
+        dist.barrier(group=comm.world)
+
+
+def read_info(path: str | os.PathLike) -> dict[str, Any]:
+    """`meshplan.json` of a checkpoint directory, checked for the fields `load_checkpoint` reads."""
+    file = os.path.join(os.fspath(path), INFO_FILE)
+    try:
+        with open(file) as f:
+            info = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not a complete meshplan checkpoint: {INFO_FILE} is missing "
+                         "(the save was interrupted, or the directory is not a checkpoint)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"checkpoint file {file} is not valid JSON: {e}") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        got = info.get("format") if isinstance(info, dict) else type(info).__name__
+        raise ValueError(f"checkpoint {path} has format {got!r}; this meshplan reads format {FORMAT}")
+    if not isinstance(info.get("params"), dict) or not isinstance(info.get("mesh_shape"), list):
+        raise ValueError(f"checkpoint file {file} is malformed: 'params' and 'mesh_shape' are required")
+    return info
+
+
+def load_checkpoint(path: str | os.PathLike, pmodel, optimizer: torch.optim.Optimizer | None = None) -> CheckpointInfo:
+    """Load a checkpoint saved by `save_checkpoint` under any plan of the same model; call on every rank."""
+    info = read_info(path)
+    have = {p.fqns[0]: list(p.shape) for p in pmodel.plan.params}
+    if info["params"] != have:
+        diff = sorted(k for k in set(have) | set(info["params"]) if have.get(k) != info["params"].get(k))
+        shown = "; ".join(f"{k}: {info['params'].get(k, 'absent')} in the checkpoint, {have.get(k, 'absent')} here" for k in diff[:3])
+        raise ValueError(f"checkpoint {path} was saved from a different model: {len(diff)} parameters differ in name or "
+                         f"shape ({shown}{'; ...' if len(diff) > 3 else ''})")
+    state: dict[str, Any] = {"model": model_state_dict(pmodel)}
+    plain: dict[str, dict[str, Any]] = {}
+    if optimizer is not None:
+        saved = info.get("optimizer")
+        if not isinstance(saved, dict):
+            raise ValueError(f"checkpoint {path} holds no optimizer state; load it without optimizer=")
+        if saved.get("class") != type(optimizer).__name__:
+            raise ValueError(f"checkpoint {path} holds {saved.get('class')} state but the optimizer is "
+                             f"{type(optimizer).__name__}")
+        state["optim"] = {"state": {}}
+        mesh, choice, params = device_mesh(pmodel), _by_fqn(pmodel), dict(pmodel.named_parameters())
+        for fqn, entries in saved["state"].items():
+            if fqn not in params:
+                raise ValueError(f"checkpoint {path} has optimizer state for {fqn!r}, not a parameter of this model")
+            for key, spec in entries.items():
+                if "value" in spec:
+                    plain.setdefault(fqn, {})[key] = spec["value"]
+                    continue
+                dtype = getattr(torch, spec["dtype"], None)
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(f"checkpoint {path}: optimizer state {fqn}.{key} has unknown dtype {spec['dtype']!r}")
+                local = params[fqn]
+                target = (_view(torch.empty(local.shape, dtype=dtype, device=local.device), choice[fqn], mesh)
+                          if spec["sharded"] else torch.empty(spec["shape"], dtype=dtype, device=local.device))
+                state["optim"]["state"].setdefault(fqn, {})[key] = target
+    SafeFileSystemReader(path).read_metadata()  # a corrupt or unsafe .metadata is a ValueError here, on every rank
+    comm = pmodel.comm
+    _dcp(comm, f"loading checkpoint {path}", lambda: dcp.load(
+        state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=comm.world))
+    if optimizer is not None:
+        osd = {"state": {f: {**state["optim"]["state"].get(f, {}), **plain.get(f, {})}
+                         for f in set(state["optim"]["state"]) | set(plain)},
+               "param_groups": info["optimizer"]["param_groups"]}
+        load_optimizer_state_dict(pmodel, optimizer, osd)
+    return CheckpointInfo(step=info.get("step"), plan_hash=str(info.get("plan_hash")),
+                          mesh_shape=tuple(info["mesh_shape"]), extra=info.get("extra"))
+
+
+def _dcp(comm, what: str, call) -> None:
+    """Run a DCP save/load; its `CheckpointException` (a BaseException) becomes the first rank's error."""
+    try:
+        with comm.guard(what):
+            call()
+    except CheckpointException as e:
+        rank, (first, _) = next(iter(e.failures.items()))
+        kind = ValueError if isinstance(first, ValueError) else RuntimeError
+        raise kind(f"{what} failed on ranks {sorted(e.failures)}; rank {rank}: {type(first).__name__}: {first}") from e
+
+
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
+    """The complete checkpoint directory under `root` whose name sorts last (`step_000012` style), or None."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return None
+    done = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, INFO_FILE)))
+    return os.path.join(root, done[-1]) if done else None
+
+
+# ------------------------------------------------------------------ loading without arbitrary pickle
+
+
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+}
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only what DCP's `.metadata` holds: DCP's own metadata classes, torch dtypes/layouts, Size, paths."""
+
+    def find_class(self, module: str, name: str):
+        obj = None
+        if "." not in name:
+            if (module, name) in _ALLOWED_GLOBALS:
+                obj = super().find_class(module, name)
+            elif module == "torch":
+                value = getattr(torch, name, None)
+                obj = value if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)) else None
+            elif module in _DCP_MODULES:
+                value = super().find_class(module, name)
+                obj = value if isinstance(value, type) and value.__module__ in _DCP_MODULES else None
+        if obj is None:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return obj
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with `.metadata` read by `_MetadataUnpickler` (tensor data: `weights_only=True`)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise ValueError(f"{self.path} has no DCP metadata file {os.path.basename(path)}") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError) as e:
+            raise ValueError(f"checkpoint metadata {path} is corrupt or unsafe: {e}") from None
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"checkpoint metadata {path} holds {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Refuses pickled (non-tensor) entries: meshplan checkpoints keep those in JSON."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; meshplan loads only tensors")

@@ -1,0 +1,68 @@
+"""Determinism: planning twice gives the same plan, in one process and across processes whose
+Python hash seeds differ (set and dict iteration orders must not leak into the plan). Ranks
+compare plan hashes before running: tests/test_errors.py::test_ranks_with_different_plans_fail_before_any_step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+from _parity import build, megatron_layouts
+
+import meshplan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _without_solve_time(plan) -> dict:
+    d = plan.to_dict()
+    d["solver"].pop("seconds")  # wall-clock time of the solve: the one field allowed to differ
+    return d
+
+
+def _plan(name: str, devices: int, **kw):
+    model, x, _ = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return meshplan.plan(model, devices=devices, example_inputs=(x,), **kw)
+
+
+@pytest.mark.parametrize("name,devices,kw", [
+    ("mlp", 4, {}),  # searches mesh (4,) and (2, 2)
+    ("gpt", 2, {}),
+    ("gpt", 4, {"mesh_shape": (2, 2), "param_layouts": megatron_layouts("gpt", 2)[0]}),
+], ids=["mlp-mesh-search", "gpt-w2", "gpt-2x2-forced"])
+def test_planning_twice_gives_the_same_plan(name, devices, kw):
+    first, second = _plan(name, devices, **kw), _plan(name, devices, **kw)
+    assert first.hash() == second.hash()
+    assert _without_solve_time(first) == _without_solve_time(second)
+    assert first == meshplan.Plan.from_json(first.to_json())
+
+
+_PRINT_HASH = """
+import sys, warnings
+sys.path.insert(0, {tests!r})
+warnings.simplefilter("ignore")
+from _parity import build
+import meshplan
+model, x, _ = build("gpt")
+print(meshplan.plan(model, devices=4, example_inputs=(x,), mesh_shape=(4,)).hash())
+"""
+
+
+def test_plan_does_not_depend_on_the_hash_seed():
+    code = _PRINT_HASH.format(tests=os.path.join(ROOT, "tests"))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+        for seed in ("1", "2")
+    ]
+    hashes = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        hashes.append(out.strip().splitlines()[-1])
+    assert hashes[0] == hashes[1] == _plan("gpt", 4, mesh_shape=(4,)).hash()
