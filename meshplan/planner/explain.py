@@ -6,7 +6,8 @@ and op whose compute is not negligible it keeps:
 
 - the candidates the solver could pick, each with its *local cost delta*: how much the predicted
   step time changes if this node alone switched strategy while its neighbours kept theirs (its own
-  compute or gradient sync, plus resharding on its edges, priced as the solver priced them). A
+  compute or gradient sync, plus resharding on its edges, priced as the search priced them, so in
+  units of `plan.solver.objective_s` rather than the bucket-priced `plan.step_time_s`). A
   negative delta means the node's choice was made for more than itself: repeated layers tied to one
   choice (`PlanOptions.tie_layers`), a solve stopped short of optimal, or a memory constraint;
 - the candidates ruled out before the solve, with the reason: `annotation` (a forced layout:
