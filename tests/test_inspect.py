@@ -234,7 +234,7 @@ def test_load_plan_errors(mlp_plans, tmp_path):
     d["version"] = 2
     d["params"][0]["tensor_map"] = [1, -1] if d["params"][0]["tensor_map"] != [1, -1] else [-1, -1]
     (tmp_path / "edited.json").write_text(json.dumps(d))
-    with pytest.raises(ValueError, match="do not match layout"):
+    with pytest.raises(ValueError, match=r"params\[0\] .* do not match layout"):
         meshplan.load_plan(str(tmp_path / "edited.json"), model, (x,))
     with pytest.raises(ValueError, match="cannot read plan file"):
         meshplan.load_plan(str(tmp_path / "missing.json"), model, (x,))
