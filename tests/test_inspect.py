@@ -244,11 +244,12 @@ def test_load_plan_errors(mlp_plans, tmp_path):
 
 
 def test_code_shows_every_planned_collective(mlp_plans):
-    model, x, plan, _ = mlp_plans
+    model, x, _, _ = mlp_plans
+    plan = make(model, x, (2, 2), param_layouts={"layers.0.weight": "RS(0)", "layers.0.bias": "RS(0)", "layers.1.weight": "RS(1)"})
     code = plan.code(3, model=model, example_inputs=(x,))
     assert "rank 3 of mesh dp=2 x tp=2 at (dp=1, tp=1)" in code
     moves = [line for line in code.splitlines() if "self.move_" in line]
-    assert len(moves) == sum(1 for t in plan.transfers if t.forward)
+    assert moves and len(moves) == sum(1 for t in plan.transfers if t.forward)
     planned = sorted(re.sub(r"ax(\d)", lambda m: plan.mesh.axis_names[int(m.group(1))], str(s)) for t in plan.transfers for s in t.forward)
     shown = sorted(s for line in moves for s in re.findall(r"\w+\((?:dp|tp)[^)]*\)", line.split("#", 1)[1].split("(backward")[0]))
     assert shown == planned
