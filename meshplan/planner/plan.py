@@ -124,10 +124,10 @@ class Plan:
     comm_s: float
     solver: SolverInfo
     fallbacks: tuple[str, ...] = ()
-    alternatives: tuple[NodeAlternatives, ...] = ()
-    """Per parameter, input and costly op: the other candidates and what ruled some out (`explain`)."""
     buckets: tuple[GradBucket, ...] = ()
     """Gradient all-reduce buckets, launched in this order during backward."""
+    alternatives: tuple[NodeAlternatives, ...] = ()
+    """Per parameter, input and costly op: the other candidates and what ruled some out (`explain`)."""
     version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ queries
@@ -274,14 +274,14 @@ def _decode_plan(d: dict) -> Plan:
             for t in d["transfers"]
         ),
         params=tuple(_decode_param(p, seq) for p in seq(d["params"])),
-        inputs=tuple(InputChoice(i["name"], seq(i["shape"]), parse(i["layout"])) for i in d["inputs"]),
+        inputs=tuple(InputChoice(i["name"], seq(i["shape"]), parse(i["layout"])) for i in seq(d["inputs"])),
         memory=MemoryBreakdown.from_dict(d["memory"]),
         compute_s=d["compute_s"],
         comm_s=d["comm_s"],
         solver=SolverInfo(**d["solver"], seconds=None),
         fallbacks=seq(d["fallbacks"]),
-        alternatives=tuple(NodeAlternatives.from_dict(a) for a in seq(d["alternatives"])),
         buckets=tuple(GradBucket(seq(b["axes"]), seq(b["params"]), b["nbytes"], b["time_s"]) for b in seq(d["buckets"])),
+        alternatives=tuple(NodeAlternatives.from_dict(a) for a in seq(d["alternatives"])),
         version=d["version"],
     )
 
