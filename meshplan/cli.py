@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import logging
 import os
-import re
 import sys
 from collections.abc import Sequence
 
 MODELS = ("gpt", "llama")
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-"""`--memory` suffixes: decimal (GB) and binary (GiB) units, case-insensitive."""
 
 
 def _positive_int(text: str) -> int:
@@ -39,12 +35,13 @@ def parse_mesh(text: str) -> tuple[int, ...]:
 
 
 def parse_size(text: str) -> int:
-    """`80GB` -> 80e9 bytes, `80GiB` -> 80 * 2**30, `1024` -> 1024."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).upper() if m else None
-    if m is None or unit not in SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"memory size {text!r} is not a number with a unit such as 80GB, 80GiB or 512MiB")
-    return int(float(m.group(1)) * SIZE_UNITS[unit])
+    """`80GB` -> 80e9 bytes, `80GiB` -> 80 * 2**30, `1024` -> 1024 (meshplan's own `parse_bytes`)."""
+    from meshplan.cost_model.memory import parse_bytes
+
+    try:
+        return parse_bytes(int(text) if text.strip().isdigit() else text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="MODULE:FACTORY")
     p.add_argument("--devices", type=_positive_int, required=True, help="number of devices to plan for")
     p.add_argument("--mesh", type=parse_mesh, help="mesh shape such as 8x8 (default: try every shape of up to 3 axes whose inner axis fits in a node)")
-    p.add_argument("--axis-names", help="comma-separated mesh axis names (default dp / dp,tp)")
+    p.add_argument("--axis-names", help="comma-separated mesh axis names (default dp / dp,tp / dp0,dp1,tp)")
     p.add_argument("--cluster", help="hardware preset (see meshplan.cost_model.presets.CLUSTERS; default cpu, or h100 with CUDA)")
     p.add_argument("--memory", type=parse_size, help="per-device memory budget such as 80GB or 80GiB")
     p.add_argument("--mode", default="auto", help="auto, data_parallel, semi_auto or manual (default auto)")
@@ -180,11 +177,6 @@ def _plan(args: argparse.Namespace) -> int:
 
     kwargs: dict = {}
     if args.memory is not None:
-        if "memory_budget" not in inspect.signature(meshplan.plan).parameters:
-            raise ValueError(
-                f"--memory {args.memory} bytes was given, but this meshplan's planner has no per-device memory budget yet "
-                "(meshplan.plan takes no memory_budget); leave --memory out"
-            )
         kwargs["memory_budget"] = args.memory
     if args.axis_names:
         kwargs["axis_names"] = tuple(a.strip() for a in args.axis_names.split(","))

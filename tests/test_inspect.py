@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
-import types
 import warnings
 
 import pytest
@@ -14,13 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import meshplan
-from meshplan.cost_model.presets import get_cluster
-from meshplan.ir import MeshSpec, trace
 from meshplan.ir.placement import Partial, Replicate, Shard, fmt, parse
 from meshplan.ir.tensor_map import from_tensor_map, to_tensor_map
 from meshplan.models import MLP
 from meshplan.planner.plan import Plan
-from meshplan.planner.planner import PlanOptions, make_plan
 from meshplan.planner.summary import grouped_units, layer_units
 
 
@@ -97,8 +92,14 @@ def test_summary_has_mesh_layers_collectives_time_and_memory(mlp_plans):
         layer, name = p.fqns[0].rsplit(".", 1)
         row = next(line for line in text.splitlines() if f"│ {layer} " in line or f"│ {layer}-" in line)
         assert row and f"{name} {fmt(p.layout)}" in text
-    for v in ("all_gather(dp)", "all_gather(tp)"):
-        assert v in text
+    names = plan.mesh.axis_names
+    for t in plan.transfers:  # every collective appears in its layer's row with its mesh axis
+        for phase, steps in (("fwd", t.forward), ("bwd", t.backward)):
+            for step in steps:
+                if step.communicates:
+                    assert f"{phase} {step.kind}({names[step.axis]})" in text
+    for b in plan.buckets:
+        assert f"grad sync({','.join(names[a] for a in b.axes)})" in text
 
 
 def test_repeated_layers_with_equal_plans_print_once():
@@ -135,8 +136,8 @@ def test_explain_alternatives_bound_the_cost_of_forcing_them(mlp_plans):
     assert weight.chosen.outputs[0] == chosen
     deltas = [a.delta_s for a in weight.alternatives]
     assert deltas == sorted(deltas) and all(d >= -1e-12 for d in deltas)  # optimal solve: no cheaper local move
-    # forcing an alternative costs at least 0 (the plan is optimal) and at most its local delta
-    # (the planner can keep every other node as it was)
+    # forcing an alternative raises the solver's objective by at least 0 (the plan is optimal) and
+    # at most its local delta (the planner can keep every other node as it was)
     alt = weight.alternatives[0]
     forced = make(model, x, (2, 2), input_layouts={"x": "S(0)S(0)"}, param_layouts={"layers.1.weight": alt.strategy.outputs[0]})
     # in the solver's objective (gradients priced by their share of a bucket, as the deltas are)
@@ -153,20 +154,20 @@ def test_explain_names_divisibility_and_annotation():
     assert reasons[(Shard(0),)] == "divisibility: output dim 0 of size 6 does not split evenly over 4 devices"
     forced = plan.explain("layers.0.weight").entries[0]
     assert forced.candidates == 1 and not forced.alternatives
-    assert {r.reason for r in forced.ruled_out} == {"annotation: param_layouts['layers.0.weight'] forces another layout"}
+    assert {r.reason for r in forced.ruled_out} == {"annotation: param_layouts['layers.0.weight']='R'"}
     assert {r.strategy.outputs[0] for r in forced.ruled_out} == {(Shard(0),), (Shard(1),)}
     op = next(a for a in plan.explain("layers.2").entries if a.kind == "op")
     assert any(r.reason.startswith("divisibility: ") for r in op.ruled_out)
+    styled = make(model, x, 4, mesh_shape=(4,), parallelize_plan={"layers.0": "colwise"})
+    bias = styled.explain("layers.0.bias").entries[0]
+    assert bias.chosen.outputs[0] == (Shard(0),)
+    assert {r.reason for r in bias.ruled_out} == {"annotation: parallelize_plan['layers.0']='colwise'"}
 
 
 def test_explain_names_memory_when_a_budget_is_set():
     model, x = mlp()
-    graph = trace(model, (x,))
-    # an options object with a per-device budget (the planner's budget plugs in under this name):
-    # 40 KiB fits layers.1.weight (64x64 fp32 + grad + Adam) sharded 2 or 4 ways, not replicated (64 KiB)
-    opts = types.SimpleNamespace(**{f.name: getattr(PlanOptions(), f.name) for f in dataclasses.fields(PlanOptions)})
-    opts.memory_budget = 40 * 1024
-    plan = make_plan(graph, MeshSpec((2, 2)), get_cluster("cpu"), opts)
+    # 40 KiB fits layers.1.weight (64x64 fp32 + grad + Adam state) sharded 2 or 4 ways, not replicated (64 KiB)
+    plan = make(model, x, (2, 2), memory_budget=40 * 1024)
     entry = plan.explain("layers.1.weight").entries[0]
     mem = {r.strategy.outputs[0]: r.reason for r in entry.ruled_out if r.reason.startswith("memory")}
     assert mem[(Replicate(), Replicate())] == "memory: needs 64.0 KiB per device on its own, over the budget of 40.0 KiB"
@@ -235,7 +236,7 @@ def test_load_plan_errors(mlp_plans, tmp_path):
     d["version"] = 2
     d["params"][0]["tensor_map"] = [0, -1] if d["params"][0]["tensor_map"] == [-1, -1] else [-1, -1]
     (tmp_path / "edited.json").write_text(json.dumps(d))
-    with pytest.raises(ValueError, match="do not match layout"):
+    with pytest.raises(ValueError, match=r"params\[0\] .* do not match layout"):
         meshplan.load_plan(str(tmp_path / "edited.json"), model, (x,))
     with pytest.raises(ValueError, match="cannot read plan file"):
         meshplan.load_plan(str(tmp_path / "missing.json"), model, (x,))
@@ -245,11 +246,12 @@ def test_load_plan_errors(mlp_plans, tmp_path):
 
 
 def test_code_shows_every_planned_collective(mlp_plans):
-    model, x, plan, _ = mlp_plans
+    model, x, _, _ = mlp_plans
+    plan = make(model, x, (2, 2), param_layouts={"layers.0.weight": "RS(0)", "layers.0.bias": "RS(0)", "layers.1.weight": "RS(1)"})
     code = plan.code(3, model=model, example_inputs=(x,))
     assert "rank 3 of mesh dp=2 x tp=2 at (dp=1, tp=1)" in code
     moves = [line for line in code.splitlines() if "self.move_" in line]
-    assert len(moves) == sum(1 for t in plan.transfers if t.forward)
+    assert moves and len(moves) == sum(1 for t in plan.transfers if t.forward)
     planned = sorted(re.sub(r"ax(\d)", lambda m: plan.mesh.axis_names[int(m.group(1))], str(s)) for t in plan.transfers for s in t.forward)
     shown = sorted(s for line in moves for s in re.findall(r"\w+\((?:dp|tp)[^)]*\)", line.split("#", 1)[1].split("(backward")[0]))
     assert shown == planned

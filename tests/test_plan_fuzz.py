@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import meshplan
-from meshplan.planner.plan import Plan
+from meshplan.planner.plan import SCHEMA_VERSION, Plan
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -111,7 +111,7 @@ def test_the_valid_plan_round_trips():
         (lambda d: d["transfers"][0]["forward"][0].update(axis=7), "plan file is malformed: transfers[0].forward[0].axis names mesh axis 7; the mesh has axes 0..1"),
         (lambda d: d["transfers"][0]["forward"][0].update(kind="broadcast"), "plan file is malformed: transfers[0].forward[0].kind is 'broadcast'; allowed: all_gather"),
         (lambda d: d["mesh"].update(shape=[2, "2"]), "plan file is malformed: ValueError: mesh shape"),
-        (lambda d: d.update(version=2), "plan schema version 2 is not supported; this meshplan reads version 1"),
+        (lambda d: d.update(version=SCHEMA_VERSION + 1), f"plan schema version {SCHEMA_VERSION + 1} is not supported; this meshplan reads version {SCHEMA_VERSION}"),
     ],
     ids=["deleted-key", "wrong-type", "string-for-list", "layout-rank", "shard-dim", "mesh-axis", "step-kind", "mesh-shape", "schema"],
 )

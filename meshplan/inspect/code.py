@@ -9,7 +9,6 @@ coordinate, its parameter shards, and the gradient all-reduces that run after ba
 
 from __future__ import annotations
 
-import math
 import re
 
 from torch import nn
@@ -67,12 +66,11 @@ def plan_code(
     head.append("# parameters on this rank (local shard shapes):")
     for p in plan.params:
         head.append(f"#   {' = '.join(p.fqns)}: {fmt(p.layout)} {list(local_shape(p.shape, p.layout, plan.mesh.shape))} of {list(p.shape)}")
-    syncs = [p for p in plan.params if p.grad_sync_axes]
-    head.append("# after backward, each gradient below is all-reduced (summed) over its replicated axes:")
+    fqns = {p.node: " = ".join(p.fqns) for p in plan.params}
+    head.append("# after backward, the gradients are summed over their replicated axes in these bucketed all-reduces:")
     head += [
-        f"#   all_reduce({','.join(names[a] for a in p.grad_sync_axes)}) {' = '.join(p.fqns)} "
-        f"[{math.prod(local_shape(p.shape, p.layout, plan.mesh.shape))} elements]"
-        for p in syncs
+        f"#   all_reduce({','.join(names[a] for a in b.axes)}) of {b.nbytes} bytes: {', '.join(fqns[n] for n in b.params)}"
+        for b in plan.buckets
     ] or ["#   (none)"]
     head.append("# move_N(...) calls run the collectives named in their comment; outputs are scaled by 1/devices in backward")
     return "\n".join(head + body)

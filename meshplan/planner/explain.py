@@ -6,7 +6,8 @@ and op whose compute is not negligible it keeps:
 
 - the candidates the solver could pick, each with its *local cost delta*: how much the predicted
   step time changes if this node alone switched strategy while its neighbours kept theirs (its own
-  compute or gradient sync, plus resharding on its edges, priced as the solver priced them). A
+  compute or gradient sync, plus resharding on its edges, priced as the search priced them, so in
+  units of `plan.solver.objective_s` rather than the bucket-priced `plan.step_time_s`). A
   negative delta means the node's choice was made for more than itself: repeated layers tied to one
   choice (`PlanOptions.tie_layers`), a solve stopped short of optimal, or a memory constraint;
 - the candidates ruled out before the solve, with the reason: `annotation` (a forced layout:
@@ -19,20 +20,17 @@ Both lists are capped (`MAX_LISTED`) and the totals are kept, so a capped list s
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from meshplan.cost_model.estimate import local_bytes
-from meshplan.cost_model.memory import format_bytes, optimizer_state_bytes
+from meshplan.cost_model.memory import format_bytes
 from meshplan.ir.placement import fmt
 from meshplan.planner.strategy import Strategy
 
 if TYPE_CHECKING:  # the planner builds plans; this module only reads them
     from meshplan.ir.graph import Graph, Node, TensorRef
-    from meshplan.ir.mesh import MeshSpec
     from meshplan.ir.placement import Placements
     from meshplan.planner.plan import Plan
 
@@ -96,15 +94,19 @@ class NodeAlternatives:
 
 
 def record_alternatives(
-    graph: Graph, mesh: MeshSpec, cands, before_forced: dict[str, list[Strategy]], choice: dict[str, int], options, *,
-    own_cost: Callable[[str, int], float], move_cost: Callable[[TensorRef, Node, Placements, Placements], float | None],
+    graph: Graph, cands, before_constraints: dict[str, list[Strategy]], choice: dict[str, int],
+    constraints: list, *, own_cost: Callable[[str, int], float],
+    move_cost: Callable[[TensorRef, Node, Placements, Placements], float | None],
+    memory: Callable[[Node, Strategy], float], memory_budget: float | None,
 ) -> tuple[NodeAlternatives, ...]:
     """What `explain` needs, for the nodes worth explaining (see the module docstring).
 
-    `choice[node]` indexes `cands.by_node[node]`; `own_cost(node, i)` is the node's own cost under
-    its candidate `i` (compute, or gradient sync); `move_cost(ref, consumer, src, dst)` the cost of
-    moving tensor `ref` to `consumer` between two layouts (None when impossible). Both are the
-    planner's, so deltas are priced exactly as the solve priced them.
+    `choice[node]` indexes `cands.by_node[node]` (the candidates left after `constraints`, the
+    annotations bound to the graph; `before_constraints` holds them all). The planner passes its
+    own pricing, so deltas are priced exactly as the search priced them: `own_cost(node, i)` is the
+    node's own seconds under candidate `i` (compute, or gradient sync), `move_cost(ref, consumer,
+    src, dst)` the seconds to move tensor `ref` to `consumer` (None when impossible) and
+    `memory(node, strategy)` the bytes per device the node holds under that strategy.
     """
     consumers = graph.consumers()
     chosen = {name: cands.by_node[name][i] for name, i in choice.items()}
@@ -121,7 +123,9 @@ def record_alternatives(
 
     op_costs = [own_cost(n.name, choice[n.name]) for n in graph.nodes if n.kind == "op"]
     threshold = SIGNIFICANT_COMPUTE * max(op_costs, default=0.0)
-    budget = getattr(options, "memory_budget", None)
+    sources: dict[str, list[str]] = {}
+    for c in constraints:
+        sources.setdefault(c.node, []).append(c.source)
     out: list[NodeAlternatives] = []
     for node in graph.nodes:
         if node.kind not in ("op", "param", "buffer", "input"):
@@ -132,13 +136,14 @@ def record_alternatives(
         mine = choice[node.name]
         chosen_cost = local_cost(node, kept[mine], mine)
         alts: list[Alternative] = []
-        ruled: list[RuledOut] = [RuledOut(s, _annotation_reason(node, options)) for s in before_forced[node.name] if s not in kept]
+        why = "annotation: " + "; ".join(dict.fromkeys(sources.get(node.name, ["a constraint on a neighbouring op"])))
+        ruled: list[RuledOut] = [RuledOut(s, why) for s in before_constraints[node.name] if s not in kept]
         for i, s in enumerate(kept):
             if i == mine:
                 continue
-            too_big = _memory_reason(node, s, mesh, options, budget)
-            if too_big:
-                ruled.append(RuledOut(s, too_big))
+            need = memory(node, s)
+            if memory_budget is not None and need > memory_budget:
+                ruled.append(RuledOut(s, f"memory: needs {format_bytes(need)} per device on its own, over the budget of {format_bytes(memory_budget)}"))
                 continue
             c = local_cost(node, s, i)
             alts.append(Alternative(s, None if math.isinf(c) else c - chosen_cost))
@@ -161,35 +166,6 @@ def record_alternatives(
 
 def _or_inf(cost: float | None) -> float:
     return math.inf if cost is None else cost
-
-
-def _annotation_reason(node: Node, options) -> str:
-    for pattern in getattr(options, "param_layouts", {}) or {}:
-        if any(fnmatch.fnmatchcase(f, pattern) for f in node.fqns):
-            return f"annotation: param_layouts[{pattern!r}] forces another layout"
-    if node.name in (getattr(options, "input_layouts", {}) or {}):
-        return f"annotation: input_layouts[{node.name!r}] forces another layout"
-    mode = getattr(options, "mode", "")
-    if mode != "auto":
-        return f"annotation: mode={mode!r} forces another layout"
-    return "annotation: a forced layout excludes it"
-
-
-def _memory_reason(node: Node, s: Strategy, mesh: MeshSpec, options, budget) -> str:
-    """'memory: ...' when this candidate alone needs more than the per-device budget, else ''."""
-    if budget is None:
-        return ""
-    shape = mesh.shape
-    if node.kind in ("param", "buffer"):
-        n = local_bytes(node.out, s.outputs[0], shape)
-        need = n
-        if node.kind == "param" and node.grad(0):
-            need += n + optimizer_state_bytes(n // node.out.itemsize, getattr(options, "optimizer", "adam"))
-    else:
-        need = sum(local_bytes(m, p, shape) for m, p in zip(node.outputs, s.outputs) if m is not None and p is not None)
-    if need > budget:
-        return f"memory: needs {format_bytes(need)} per device on its own, over the budget of {format_bytes(budget)}"
-    return ""
 
 
 # ---------------------------------------------------------------- explaining (reader side)

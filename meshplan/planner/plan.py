@@ -219,6 +219,7 @@ class Plan:
         from meshplan.planner.plan_check import check_plan
 
         check_plan(plan)
+        _check_tensor_maps(d, plan)
         return plan
 
     def save(self, path: str) -> None:
@@ -272,7 +273,7 @@ def _decode_plan(d: dict) -> Plan:
             Transfer(t["tensor"], t["consumer"], t["position"], parse(t["src"]), parse(t["dst"]), steps(t["forward"]), steps(t["backward"]), t["time_s"])
             for t in d["transfers"]
         ),
-        params=tuple(_decode_param(p, seq(d["mesh"]["shape"]), seq) for p in seq(d["params"])),
+        params=tuple(_decode_param(p, seq) for p in seq(d["params"])),
         inputs=tuple(InputChoice(i["name"], seq(i["shape"]), parse(i["layout"])) for i in seq(d["inputs"])),
         memory=MemoryBreakdown.from_dict(d["memory"]),
         compute_s=d["compute_s"],
@@ -285,15 +286,24 @@ def _decode_plan(d: dict) -> Plan:
     )
 
 
-def _decode_param(p: dict, mesh_shape: tuple[int, ...], seq) -> ParamChoice:
-    layout = parse(p["layout"])
-    # the tensor map is derived data: a file whose two forms disagree was edited by hand, wrongly
-    tmap = tuple(tuple(e) if isinstance(e, list) else e for e in seq(p["tensor_map"]))
-    if seq(p["device_matrix"]) != mesh_shape or from_tensor_map(seq(p["device_matrix"]), tmap) != layout:
-        raise ValueError(
-            f"parameter {p['fqns'][0]}: device_matrix {p['device_matrix']} / tensor_map {p['tensor_map']} do not match "
-            f"layout {p['layout']} on mesh {list(mesh_shape)}"
-        )
+def _decode_param(p: dict, seq) -> ParamChoice:
     return ParamChoice(
-        p["node"], seq(p["fqns"]), seq(p["shape"]), layout, seq(p["grad_sync_axes"]), p["is_buffer"], p["time_s"], dtype=p["dtype"]
+        p["node"], seq(p["fqns"]), seq(p["shape"]), parse(p["layout"]), seq(p["grad_sync_axes"]), p["is_buffer"], p["time_s"], dtype=p["dtype"]
     )
+
+
+def _check_tensor_maps(d: dict, plan: Plan) -> None:
+    """The MindSpore form is derived data: a file whose two forms disagree was edited by hand, wrongly."""
+    for i, (entry, p) in enumerate(zip(d["params"], plan.params)):
+        dm, tmap = entry.get("device_matrix"), entry.get("tensor_map")
+        try:
+            ok = list(dm) == list(plan.mesh.shape) and from_tensor_map(
+                tuple(dm), tuple(tuple(e) if isinstance(e, list) else e for e in tmap)
+            ) == p.layout
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"plan file is malformed: params[{i}] ({p.fqns[0]}) device_matrix {dm!r} / tensor_map {tmap!r} do not match "
+                f"layout {fmt(p.layout)} on mesh {list(plan.mesh.shape)}"
+            )

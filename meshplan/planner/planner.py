@@ -11,7 +11,6 @@ from meshplan.cost_model.redistribution import backward_steps, redistribution_st
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
-from meshplan.progress import phase
 from meshplan.planner.constraints import Annotations, constrain
 from meshplan.planner.explain import record_alternatives
 from meshplan.planner.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
@@ -19,6 +18,7 @@ from meshplan.planner.problem import INFEASIBLE_S, build_tables, grad_flows, nod
 from meshplan.planner.propagation import propagate
 from meshplan.planner.solver import InfeasiblePlan, solve
 from meshplan.planner.strategies import generate
+from meshplan.progress import phase
 
 MODES = ("auto", "data_parallel", "semi_auto", "manual")
 SEARCHES = ("ilp", "propagation")
@@ -79,8 +79,8 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         raise ValueError(f"search={options.search!r} is not supported; allowed: {', '.join(SEARCHES)}")
     phase(f"candidate strategies on mesh {mesh}")
     cands = generate(graph, mesh, inputs=options.inputs, strict=options.strict)
-    before_forced = dict(cands.by_node)  # what annotations rule out, for Plan.explain
-    constrain(
+    before_constraints = dict(cands.by_node)  # what annotations rule out, for Plan.explain
+    constraints = constrain(
         graph, mesh, cands.by_node, mode=options.mode, annotations=options.annotations,
         param_layouts=options.param_layouts, input_layouts=options.input_layouts,
     )
@@ -92,7 +92,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
     tie = options.tie_layers and search == "ilp"
     tables = build_tables(graph, mesh, cluster, cands.by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie)
     rep = tables.tying.rep
-    phase(f"solving on mesh {mesh}")
+    phase(f"{search} search on mesh {mesh}")
     try:
         solution = propagate(tables.problem) if search == "propagation" else solve(tables.problem, time_limit_s=options.time_limit_s)
     except InfeasiblePlan:
@@ -161,8 +161,11 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         fallbacks=tuple(cands.fallbacks),
         buckets=tuple(buckets),
         alternatives=record_alternatives(
-            graph, mesh, cands, before_forced, choice, options, own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
+            graph, cands, before_constraints, choice, constraints,
+            own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
             move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
+            memory=lambda node, s: node_memory(node, s, shape, options.optimizer).total,
+            memory_budget=budget,
         ),
     )
 

@@ -75,9 +75,8 @@ def comm_volume(plan: Plan) -> list[CommVolume]:
             for s in steps:
                 if s.communicates:
                     add(names[s.axis], phase, s.kind, s.nbytes)
-    for p in plan.params:
-        if p.grad_sync_axes:
-            add(",".join(names[a] for a in p.grad_sync_axes), "grad_sync", "all_reduce", grad_sync_bytes(plan, p))
+    for b in plan.buckets:  # gradients are all-reduced in buckets, one collective each
+        add(",".join(names[a] for a in b.axes), "grad_sync", "all_reduce", b.nbytes)
     return [CommVolume(a, ph, k, c, b) for (a, ph, k), (c, b) in sorted(acc.items())]
 
 
@@ -115,8 +114,8 @@ def layer_units(plan: Plan) -> list[_Unit]:
         label = " = ".join(rel(f, u.name) for f in p.fqns)
         u.params.append(f"{label} {fmt(p.layout)}")
         sig.setdefault(u.name, []).append(("p", label, p.shape, fmt(p.layout)))
-        if p.grad_sync_axes:
-            key = f"grad all_reduce({','.join(names[a] for a in p.grad_sync_axes)})"
+        if p.grad_sync_axes:  # per-parameter share of the bucketed gradient all-reduces
+            key = f"grad sync({','.join(names[a] for a in p.grad_sync_axes)})"
             u.comm[key] += 1
             u.comm_bytes[key] += grad_sync_bytes(plan, p)
     top = max((n.time_s for n in plan.nodes), default=0.0)
@@ -190,7 +189,11 @@ def format_summary(plan: Plan, *, ops: bool = False) -> str:
     for col in ("layer", "parameters", "activations (significant ops)", "collectives: kind(axis) count bytes", "compute"):
         table.add_column(col)
     for label, count, u in grouped_units(plan):
-        comm = "\n".join(f"{k} x{u.comm[k]} {format_bytes(u.comm_bytes[k])}" for k in sorted(u.comm)) or "-"
+        comm = "\n".join(
+            f"{k} {u.comm[k]} grads {format_bytes(u.comm_bytes[k])} (bucketed)" if k.startswith("grad ")
+            else f"{k} x{u.comm[k]} {format_bytes(u.comm_bytes[k])}"
+            for k in sorted(u.comm)
+        ) or "-"
         ms = format_seconds(u.compute_s) + (" each" if count > 1 else "")
         table.add_row(label + (f" (x{count})" if count > 1 else ""), "\n".join(u.params) or "-", "\n".join(u.acts) or "-", comm, ms)
     con.print(table)
