@@ -5,13 +5,15 @@
 """
 
 from meshplan.api import auto_parallelize, plan
+from meshplan.inspect import load_plan, plan_code
 from meshplan.ir.placement import Partial, Replicate, Shard
+from meshplan.planner.annotations import Layout, shard
 from meshplan.planner.plan import Plan
 from meshplan.runtime.checkpoint import load_checkpoint, save_checkpoint
 from meshplan.runtime.collectives import CollectiveError
 from meshplan.runtime.parallel_module import ParallelModule
 
 __all__ = [
-    "CollectiveError", "ParallelModule", "Partial", "Plan", "Replicate", "Shard", "auto_parallelize", "load_checkpoint",
-    "plan", "save_checkpoint",
+    "CollectiveError", "Layout", "ParallelModule", "Partial", "Plan", "Replicate", "Shard", "auto_parallelize",
+    "load_checkpoint", "load_plan", "plan", "plan_code", "save_checkpoint", "shard",
 ]

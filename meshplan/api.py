@@ -15,11 +15,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshplan.cost_model.presets import ClusterPreset, get_cluster
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
+from meshplan.planner.annotations import AnnotationError, module_annotations
+from meshplan.planner.constraints import Annotations
 from meshplan.planner.plan import Plan
 from meshplan.cost_model.memory import format_bytes
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
 from meshplan.runtime.collectives import resolve_timeout
 from meshplan.runtime.launch import init_torchrun_group
+from meshplan.progress import phase
 from meshplan.runtime.parallel_module import ParallelModule
 
 log = logging.getLogger("meshplan")
@@ -96,6 +99,9 @@ def plan(
     input_layouts: dict | None = None,
     optimizer: str = "adam",
     memory_budget: int | str | None = None,
+    search: str | None = None,
+    parameter_plan: dict | None = None,
+    parallelize_plan: dict | None = None,
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
@@ -103,17 +109,26 @@ def plan(
     innermost within a node of the cluster) is planned and the plan with the lowest predicted step
     time is returned. `memory_budget` bounds the predicted peak per device ('80GB', '16GiB' or
     bytes; default: the cluster device's memory); if no plan fits, the `MemoryBudgetError` says
-    the smallest budget that would.
+    the smallest budget that would. Meshes on which the annotations cannot hold (a split factor
+    no axis has) are skipped.
+
+    Modes (`mode=`), `search=` and the annotations (`meshplan.shard` on submodules,
+    `parameter_plan`, `parallelize_plan`, `input_layouts`) are described in docs/modes.md.
     """
     cluster_preset = get_cluster(cluster or ("h100" if torch.cuda.is_available() else "cpu"))
     meshes = resolve_mesh(devices, mesh_shape, axis_names, cluster_preset.devices_per_node)
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
-        input_layouts=dict(input_layouts or {}), optimizer=optimizer, memory_budget=memory_budget,
+        input_layouts=dict(input_layouts or {}), optimizer=optimizer, memory_budget=memory_budget, search=search,
+        annotations=Annotations(
+            parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=module_annotations(model)
+        ),
     )
+    phase(f"tracing {type(model).__name__}")
     graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs)
     best: Plan | None = None
     too_small: list[MemoryBudgetError] = []
+    unfit: list[str] = []
     for mesh in meshes:
         try:
             p = make_plan(graph, mesh, cluster_preset, options, model_name=type(model).__name__)
@@ -121,9 +136,16 @@ def plan(
             log.info("mesh %s: %s", mesh, e)
             too_small.append(e)
             continue
+        except AnnotationError as e:
+            if len(meshes) == 1:
+                raise
+            unfit.append(f"mesh {mesh.shape}: {e}")
+            continue
         log.info("mesh %s: predicted step %.3f ms, peak %s", mesh, p.step_time_s * 1e3, format_bytes(p.memory.total))
         if best is None or p.step_time_s < best.step_time_s:
             best = p
+    if best is None and not too_small:
+        raise AnnotationError("the annotations hold on none of the candidate meshes:\n  " + "\n  ".join(unfit))
     if best is None:
         raise min(too_small, key=lambda e: e.smallest)
     return best

@@ -70,6 +70,9 @@ def plan_kwargs(name: str, kind: str, mesh_shape: tuple[int, ...]) -> dict:
         kw["mode"] = "data_parallel"
     elif kind == "megatron":
         kw["param_layouts"], kw["input_layouts"] = megatron_layouts(name, len(mesh_shape))
+    elif kind == "fsdp":  # every parameter stored sharded on every axis, gathered where it is used
+        kw["param_layouts"] = {"*": "S(0)" * len(mesh_shape)}
+        kw["input_layouts"] = {"x" if name == "mlp" else "tokens": "S(0)" * len(mesh_shape)}
     return kw
 
 

@@ -34,6 +34,16 @@ def test_parity(name, world, mesh_shape, kind):
     check_parity(name, plan, results)
 
 
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_parity_of_fsdp_style_sharded_parameters(name):
+    """ZeRO/FSDP: parameters, gradients and optimizer state live sharded; each use all-gathers."""
+    plan = _plan(name, "fsdp", (4,))
+    assert all(p.layout == (meshplan.Shard(0),) for p in plan.params if not p.is_buffer)
+    assert plan.collectives()["forward:all_gather"] > 0
+    results = run_local(4, rank_worker, name, plan, timeout=600)
+    check_parity(name, plan, results)
+
+
 def test_forced_plans_have_the_requested_layouts():
     dp = _plan("gpt", "data_parallel", (2, 2))
     assert {p.layout for p in dp.params} == {(meshplan.Replicate(), meshplan.Replicate())}

@@ -13,7 +13,7 @@ import meshplan
 from meshplan.cost_model.redistribution import InfeasibleRedistribution, backward_steps, redistribution_steps
 from meshplan.ir import MeshSpec, TensorMeta, trace
 from meshplan.ir.placement import fmt, parse
-from meshplan.planner.plan import Plan
+from meshplan.planner.plan import SCHEMA_VERSION, Plan
 from meshplan.planner.solver import Edge, Problem, merge_followers, solve
 from meshplan.planner.strategies import generate
 
@@ -119,7 +119,7 @@ def test_plan_rejects_bad_files(gpt_plan):
     with pytest.raises(ValueError, match="schema version 99 is not supported"):
         Plan.from_json(json.dumps(d))
     del d["params"]
-    d["version"] = 1
+    d["version"] = SCHEMA_VERSION
     with pytest.raises(ValueError, match="malformed"):
         Plan.from_json(json.dumps(d))
 
@@ -127,7 +127,7 @@ def test_plan_rejects_bad_files(gpt_plan):
 def test_plan_prints_mesh_layouts_collectives_time_and_memory(gpt_plan):
     text = str(gpt_plan)
     assert "mesh dp=2 x tp=2 (4 devices" in text
-    assert "predicted step" in text and "memory/device params" in text
+    assert "predicted step" in text and "memory per device: params" in text
     assert "wte.weight = lm_head.weight" in text
     for kind in gpt_plan.collectives():
         assert kind in text

@@ -70,14 +70,30 @@ def grad_sync_axes(layout: Placements) -> tuple[int, ...]:
     return tuple(a for a, p in enumerate(layout) if isinstance(p, Replicate))
 
 
-def grad_sync_time(meta: TensorMeta, layout: Placements, mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
-    """One all-reduce of the local gradient over every replicated axis at once."""
+GRAD_BUCKET_BYTES = 25 * 2**20
+"""Gradients are all-reduced in buckets of about this size (DDP's default `bucket_cap_mb=25`)."""
+
+
+def grad_sync_time(
+    meta: TensorMeta, layout: Placements, mesh_shape: tuple[int, ...], cluster: ClusterPreset, *, bucket_bytes: int = GRAD_BUCKET_BYTES
+) -> float:
+    """A parameter's share of the bucketed gradient all-reduce over its replicated axes: all of its
+    bandwidth term, and the fixed (latency + call) part in proportion to the bucket it fills."""
     axes = grad_sync_axes(layout)
     group = math.prod(mesh_shape[a] for a in axes)
     if group == 1:
         return 0.0
     nbytes = math.prod(local_shape(meta.shape, layout, mesh_shape)) * meta.itemsize
-    return collective_time("all_reduce", nbytes, group, cluster.link_for_axes(mesh_shape, axes))
+    link = cluster.link_for_axes(mesh_shape, axes)
+    fixed = collective_time("all_reduce", 1, group, link)
+    share = min(1.0, nbytes / bucket_bytes)
+    return collective_time("all_reduce", nbytes, group, link) - fixed + fixed * share
+
+
+def bucket_time(nbytes: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
+    """One bucket's all-reduce over `axes`."""
+    group = math.prod(mesh_shape[a] for a in axes)
+    return collective_time("all_reduce", nbytes, group, cluster.link_for_axes(mesh_shape, axes)) if group > 1 else 0.0
 
 
 def local_bytes(meta: TensorMeta, layout: Placements, mesh_shape: tuple[int, ...]) -> int:

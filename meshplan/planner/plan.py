@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from meshplan.cost_model.memory import MemoryBreakdown, format_bytes
+from meshplan.cost_model.memory import MemoryBreakdown
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, fmt, parse
+from meshplan.ir.tensor_map import from_tensor_map, to_tensor_map
+from meshplan.planner.explain import Explanation, NodeAlternatives, explain
 from meshplan.planner.strategy import Strategy
 
-SCHEMA_VERSION = 1
+if TYPE_CHECKING:
+    from meshplan.planner.plan_diff import PlanDiff
+
+SCHEMA_VERSION = 2
+"""2: alternatives per node (explain), dtype and MindSpore tensor map per parameter, no solve time in the file."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,20 @@ class ParamChoice:
     """Mesh axes over which the gradient is all-reduced after backward (one collective)."""
     is_buffer: bool
     time_s: float
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class GradBucket:
+    """Gradients all-reduced together in one collective once all of them are ready (as DDP's buckets)."""
+
+    axes: tuple[int, ...]
+    """Mesh axes the all-reduce spans (where these parameters are replicated)."""
+    params: tuple[str, ...]
+    """Parameter nodes, in the order their gradients are expected (reverse of first use)."""
+    nbytes: int
+    """Bytes of the flattened bucket on one device."""
+    time_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +99,8 @@ class SolverInfo:
     status: str
     gap: float
     objective_s: float
-    seconds: float
+    seconds: float | None = dataclasses.field(compare=False)
+    """Wall time of the solve; None for a plan read from a file (timing is not part of the plan)."""
     backend: str
     variables: int
 
@@ -103,13 +124,22 @@ class Plan:
     comm_s: float
     solver: SolverInfo
     fallbacks: tuple[str, ...] = ()
+    buckets: tuple[GradBucket, ...] = ()
+    """Gradient all-reduce buckets, launched in this order during backward."""
+    alternatives: tuple[NodeAlternatives, ...] = ()
+    """Per parameter, input and costly op: the other candidates and what ruled some out (`explain`)."""
     version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ queries
 
     @property
+    def bubble_s(self) -> float:
+        """Pipeline bubble per step: 0 while plans have a single stage."""
+        return 0.0
+
+    @property
     def step_time_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.comm_s + self.bubble_s
 
     def strategy_of(self, node: str) -> Strategy:
         for n in self.nodes:
@@ -124,20 +154,45 @@ class Plan:
             c.update(f"forward:{s.kind}" for s in t.forward if s.communicates)
             c.update(f"backward:{s.kind}" for s in t.backward if s.communicates)
         if include_grad_sync:
-            c.update("grad_sync:all_reduce" for p in self.params if p.grad_sync_axes)
+            c.update("grad_sync:all_reduce" for _ in self.buckets)
         return c
 
     def hash(self) -> str:
-        """Identifies the plan (all but how long the solve took): ranks compare it before their first collective."""
-        d = self.to_dict()
-        d["solver"] = {k: v for k, v in d["solver"].items() if k != "seconds"}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        """Identifies the plan (its file contents, which leave out timing): ranks compare it before their first collective."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def explain(self, query: str) -> Explanation:
+        """Chosen strategy, alternatives with cost deltas, and what ruled others out, for a module path, FQN or node."""
+        return explain(self, query)
+
+    def diff(self, other: Plan) -> PlanDiff:
+        """What changed from this plan to `other` and what it costs."""
+        from meshplan.planner.plan_diff import diff_plans
+
+        return diff_plans(self, other)
+
+    def code(self, rank: int = 0, *, model=None, example_inputs: tuple = (), example_kwargs: dict | None = None, graph=None) -> str:
+        """The program rank `rank` runs, with its collectives visible; needs the traced model (`model` +
+        `example_inputs`, or the `ir.Graph` it was planned from). See `meshplan.plan_code`."""
+        from meshplan.inspect.code import plan_code  # the runtime builds it; planner stays below it
+
+        return plan_code(self, model, example_inputs, rank=rank, example_kwargs=example_kwargs, graph=graph)
+
+    def report(self, path: str) -> str:
+        """Write a self-contained HTML report to `path` and return the path."""
+        from meshplan.inspect.report import write_report
+
+        return write_report(self, path)
 
     # ------------------------------------------------------------ JSON
 
     def to_dict(self) -> dict:
+        """The strategy file: deterministic (no timing), so planning twice gives identical bytes."""
         d = _encode(self)
         d["memory"] = self.memory.to_dict()
+        del d["solver"]["seconds"]
+        for entry, p in zip(d["params"], self.params):
+            entry["device_matrix"], entry["tensor_map"] = to_tensor_map(p.layout, self.mesh.shape, len(p.shape))
         return d
 
     def to_json(self) -> str:
@@ -167,58 +222,20 @@ class Plan:
         return plan
 
     def save(self, path: str) -> None:
+        """Write the strategy file (`meshplan.load_plan` reads it back for the same model)."""
         with open(path, "w") as f:
-            f.write(self.to_json())
+            f.write(self.to_json() + "\n")
 
     # ------------------------------------------------------------ printing
 
+    def summary(self, *, ops: bool = False) -> str:
+        """Mesh, per-layer layouts and collectives, time and memory split (`ops=True` adds every costly op)."""
+        from meshplan.planner.summary import format_summary
+
+        return format_summary(self, ops=ops)
+
     def __str__(self) -> str:
-        from rich.console import Console
-        from rich.table import Table
-
-        buf = io.StringIO()
-        con = Console(file=buf, width=120, no_color=True, highlight=False)
-        con.print(
-            f"meshplan plan for {self.model} on mesh {self.mesh} ({self.mesh.size} devices, cluster {self.cluster}), "
-            f"mode {self.mode}, inputs {self.inputs_mode}"
-        )
-        con.print(
-            f"predicted step {self.step_time_s * 1e3:.3f} ms = compute {self.compute_s * 1e3:.3f} ms + "
-            f"communication {self.comm_s * 1e3:.3f} ms; memory/device {self.memory}"
-        )
-        con.print(f"solver {self.solver.backend} {self.solver.status} (gap {self.solver.gap:.2%}) in {self.solver.seconds:.2f} s")
-        coll = self.collectives()
-        con.print("collectives per step: " + (", ".join(f"{k} x{v}" for k, v in sorted(coll.items())) or "none"))
-        if self.fallbacks:
-            con.print("replicated for lack of a rule: " + "; ".join(self.fallbacks))
-        con.print("inputs: " + ", ".join(f"{i.name}{list(i.shape)} {fmt(i.layout)}" for i in self.inputs))
-
-        params = Table(title="parameters", title_justify="left")
-        for col in ("parameter", "shape", "layout", "grad sync"):
-            params.add_column(col)
-        for p in self.params:
-            sync = "-" if not p.grad_sync_axes else "all_reduce over " + ",".join(self.mesh.axis_names[a] for a in p.grad_sync_axes)
-            params.add_row(" = ".join(p.fqns), str(list(p.shape)), fmt(p.layout), "buffer" if p.is_buffer else sync)
-        con.print(params)
-
-        moves: dict[str, list[Transfer]] = {}
-        for t in self.transfers:
-            moves.setdefault(t.consumer, []).append(t)
-        ops = Table(title="ops (compute ops and every op whose inputs move)", title_justify="left")
-        for col in ("module", "op", "strategy", "collectives fwd | bwd", "ms"):
-            ops.add_column(col)
-        for n in self.nodes:
-            ts = moves.get(n.name, [])
-            if not ts and n.time_s < 0.01 * max(self.compute_s, 1e-12):
-                continue
-            fwd = " ".join(str(s) for t in ts for s in t.forward)
-            bwd = " ".join(str(s) for t in ts for s in t.backward)
-            ops.add_row(n.module_path or "-", n.target.removeprefix("aten."), str(n.strategy), f"{fwd or '-'} | {bwd or '-'}", f"{n.time_s * 1e3:.3f}")
-        out_moves = moves.get("output", [])
-        if out_moves:
-            ops.add_row("(output)", "gather to user", "", " ".join(str(s) for t in out_moves for s in t.forward), "")
-        con.print(ops)
-        return buf.getvalue().rstrip()
+        return self.summary()
 
     def __repr__(self) -> str:
         return f"Plan(model={self.model!r}, mesh={self.mesh!r}, hash={self.hash()!r}, step_time_s={self.step_time_s:.3e})"
@@ -255,15 +272,28 @@ def _decode_plan(d: dict) -> Plan:
             Transfer(t["tensor"], t["consumer"], t["position"], parse(t["src"]), parse(t["dst"]), steps(t["forward"]), steps(t["backward"]), t["time_s"])
             for t in d["transfers"]
         ),
-        params=tuple(
-            ParamChoice(p["node"], seq(p["fqns"]), seq(p["shape"]), parse(p["layout"]), seq(p["grad_sync_axes"]), p["is_buffer"], p["time_s"])
-            for p in d["params"]
-        ),
-        inputs=tuple(InputChoice(i["name"], seq(i["shape"]), parse(i["layout"])) for i in d["inputs"]),
+        params=tuple(_decode_param(p, seq(d["mesh"]["shape"]), seq) for p in seq(d["params"])),
+        inputs=tuple(InputChoice(i["name"], seq(i["shape"]), parse(i["layout"])) for i in seq(d["inputs"])),
         memory=MemoryBreakdown.from_dict(d["memory"]),
         compute_s=d["compute_s"],
         comm_s=d["comm_s"],
-        solver=SolverInfo(**d["solver"]),
+        solver=SolverInfo(**d["solver"], seconds=None),
         fallbacks=seq(d["fallbacks"]),
+        buckets=tuple(GradBucket(seq(b["axes"]), seq(b["params"]), b["nbytes"], b["time_s"]) for b in seq(d["buckets"])),
+        alternatives=tuple(NodeAlternatives.from_dict(a) for a in seq(d["alternatives"])),
         version=d["version"],
+    )
+
+
+def _decode_param(p: dict, mesh_shape: tuple[int, ...], seq) -> ParamChoice:
+    layout = parse(p["layout"])
+    # the tensor map is derived data: a file whose two forms disagree was edited by hand, wrongly
+    tmap = tuple(tuple(e) if isinstance(e, list) else e for e in seq(p["tensor_map"]))
+    if seq(p["device_matrix"]) != mesh_shape or from_tensor_map(seq(p["device_matrix"]), tmap) != layout:
+        raise ValueError(
+            f"parameter {p['fqns'][0]}: device_matrix {p['device_matrix']} / tensor_map {p['tensor_map']} do not match "
+            f"layout {p['layout']} on mesh {list(mesh_shape)}"
+        )
+    return ParamChoice(
+        p["node"], seq(p["fqns"]), seq(p["shape"]), layout, seq(p["grad_sync_axes"]), p["is_buffer"], p["time_s"], dtype=p["dtype"]
     )

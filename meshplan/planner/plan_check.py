@@ -64,6 +64,13 @@ def check_plan(plan) -> None:
             axis(a, f"params[{i}].grad_sync_axes")
     for i, inp in enumerate(plan.inputs):
         layout(inp.layout, f"inputs[{i}].layout", len(inp.shape))
+    trainable = {p.node for p in plan.params if not p.is_buffer}
+    for i, b in enumerate(plan.buckets):
+        for a in b.axes:
+            axis(a, f"buckets[{i}].axes")
+        for name in b.params:
+            if name not in trainable:
+                raise _bad(f"buckets[{i}].params", f"names {name!r}, which is not a parameter of the plan")
 
 
 def _bad(path: str, what: str) -> ValueError:

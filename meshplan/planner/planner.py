@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 
-from meshplan.cost_model.estimate import grad_sync_axes
+from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, grad_sync_axes, local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, parse_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import backward_steps, redistribution_steps
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.placement import Placements, Replicate, Shard, fmt, parse
-from meshplan.planner.plan import InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
+from meshplan.ir.placement import Placements
+from meshplan.progress import phase
+from meshplan.planner.constraints import Annotations, constrain
+from meshplan.planner.explain import record_alternatives
+from meshplan.planner.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
 from meshplan.planner.problem import INFEASIBLE_S, build_tables, grad_flows, node_memory, transfer_memory
+from meshplan.planner.propagation import propagate
 from meshplan.planner.solver import InfeasiblePlan, solve
 from meshplan.planner.strategies import generate
 
-MODES = ("auto", "data_parallel")
+MODES = ("auto", "data_parallel", "semi_auto", "manual")
+SEARCHES = ("ilp", "propagation")
 
 
 class MemoryBudgetError(ValueError):
@@ -41,7 +45,13 @@ INPUT_MODES = ("global", "local")
 @dataclass(kw_only=True, slots=True)
 class PlanOptions:
     mode: str = "auto"
-    """'auto' searches everything; 'data_parallel' replicates parameters and shards inputs' dim 0 on every axis."""
+    """'auto' searches everything not annotated; 'data_parallel' replicates parameters and shards inputs' dim 0 on
+    every axis; 'semi_auto' fixes the (required) annotations and searches the rest; 'manual' needs a layout for
+    every parameter and input and completes the ops from them. See docs/modes.md."""
+    search: str | None = None
+    """'ilp' (exact) or 'propagation' (greedy, no solver); None: 'propagation' in manual mode, else 'ilp'."""
+    annotations: Annotations = field(default_factory=Annotations)
+    """parameter_plan, parallelize_plan and meshplan.shard annotations (see planner/constraints.py)."""
     inputs: str = "global"
     """'global': every rank passes the whole batch; 'local': each rank passes its own slice."""
     strict: bool = False
@@ -64,17 +74,27 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         raise ValueError(f"mode={options.mode!r} is not supported; allowed: {', '.join(MODES)}")
     if options.inputs not in INPUT_MODES:
         raise ValueError(f"inputs={options.inputs!r} is not supported; allowed: {', '.join(INPUT_MODES)}")
+    search = options.search or ("propagation" if options.mode == "manual" else "ilp")
+    if search not in SEARCHES:
+        raise ValueError(f"search={options.search!r} is not supported; allowed: {', '.join(SEARCHES)}")
+    phase(f"candidate strategies on mesh {mesh}")
     cands = generate(graph, mesh, inputs=options.inputs, strict=options.strict)
-    _apply_forced(graph, mesh, cands.by_node, options)
+    before_forced = dict(cands.by_node)  # what annotations rule out, for Plan.explain
+    constrain(
+        graph, mesh, cands.by_node, mode=options.mode, annotations=options.annotations,
+        param_layouts=options.param_layouts, input_layouts=options.input_layouts,
+    )
     shape = mesh.shape
 
+    phase(f"costing {len(graph.nodes)} nodes on mesh {mesh}")
     budget = _budget(options.memory_budget, cluster)
-    tables = build_tables(
-        graph, mesh, cluster, cands.by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=options.tie_layers
-    )
+    # propagation walks the real graph (layer k hands its layouts to layer k+1); tying serves the solver
+    tie = options.tie_layers and search == "ilp"
+    tables = build_tables(graph, mesh, cluster, cands.by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie)
     rep = tables.tying.rep
+    phase(f"solving on mesh {mesh}")
     try:
-        solution = solve(tables.problem, time_limit_s=options.time_limit_s)
+        solution = propagate(tables.problem) if search == "propagation" else solve(tables.problem, time_limit_s=options.time_limit_s)
     except InfeasiblePlan:
         smallest = solve(tables.problem, time_limit_s=options.time_limit_s, minimize="memory")
         if smallest.objective <= budget:
@@ -114,9 +134,11 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             comm_s += cost
             axes = grad_sync_axes(layout) if trainable else ()
             axes = tuple(a for a in axes if shape[a] > 1)
-            params.append(ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost))
+            params.append(ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype))
         elif node.kind == "input":
             inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
+    buckets = _grad_buckets(graph, params, shape, cluster)
+    comm_s += sum(b.time_s for b in buckets) - sum(p.time_s for p in params)
     assert abs(memory.total - solution.memory) <= 1e-6 * max(memory.total, 1.0) + 1, (
         f"plan memory {memory.total} differs from the solver's {solution.memory}"
     )
@@ -137,37 +159,31 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         comm_s=comm_s,
         solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables),
         fallbacks=tuple(cands.fallbacks),
+        buckets=tuple(buckets),
+        alternatives=record_alternatives(
+            graph, mesh, cands, before_forced, choice, options, own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
+            move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
+        ),
     )
 
 
-def _apply_forced(graph: Graph, mesh: MeshSpec, by_node: dict, options: PlanOptions) -> None:
-    """Restrict leaf candidates to forced layouts (mode presets and explicit layouts)."""
-    forced: dict[str, Placements] = {}
-    if options.mode == "data_parallel":
-        for node in graph.nodes:
-            if node.kind in ("param", "buffer"):
-                forced[node.name] = (Replicate(),) * mesh.ndim
-            elif node.kind == "input" and node.out.shape:
-                forced[node.name] = (Shard(0),) * mesh.ndim
-    for pattern, layout in options.param_layouts.items():
-        layout = parse(layout) if isinstance(layout, str) else tuple(layout)
-        hits = [n for n in graph.nodes if n.kind in ("param", "buffer") and any(fnmatch.fnmatchcase(f, pattern) for f in n.fqns)]
-        if not hits:
-            raise ValueError(f"param_layouts pattern {pattern!r} matches no parameter or buffer of the model")
-        for n in hits:
-            forced[n.name] = layout
-    for name, layout in options.input_layouts.items():
-        if name not in graph.input_names:
-            raise ValueError(f"input_layouts names input {name!r}; the model's inputs are {list(graph.input_names)}")
-        forced[name] = parse(layout) if isinstance(layout, str) else tuple(layout)
-    for name, layout in forced.items():
-        if len(layout) != mesh.ndim:
-            raise ValueError(f"layout {fmt(layout)} for {name} has {len(layout)} placements; the mesh has {mesh.ndim} axes")
-        keep = [s for s in by_node[name] if s.outputs[0] == layout]
-        if not keep:
-            node = graph[name]
-            raise ValueError(
-                f"layout {fmt(layout)} for {' = '.join(node.fqns) or name} of shape {list(node.out.shape)} is not an even "
-                f"sharding on mesh {mesh}; allowed: {', '.join(fmt(s.outputs[0]) for s in by_node[name])}"
-            )
-        by_node[name] = keep
+def _grad_buckets(graph: Graph, params: list[ParamChoice], shape: tuple[int, ...], cluster: ClusterPreset) -> list[GradBucket]:
+    """Fill buckets per set of sync axes in reverse parameter order (gradients of the last layers
+    are ready first), closing one when it reaches `GRAD_BUCKET_BYTES`."""
+    open_: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+    closed: list[tuple[tuple[int, ...], list[tuple[str, int]]]] = []
+    for p in reversed(params):
+        if not p.grad_sync_axes:
+            continue
+        node = graph[p.node]
+        nbytes = local_bytes(node.out, p.layout, shape)
+        bucket = open_.setdefault(p.grad_sync_axes, [])
+        bucket.append((p.node, nbytes))
+        if sum(b for _, b in bucket) >= GRAD_BUCKET_BYTES:
+            closed.append((p.grad_sync_axes, open_.pop(p.grad_sync_axes)))
+    closed += list(open_.items())
+    out = []
+    for axes, members in closed:
+        nbytes = sum(b for _, b in members)
+        out.append(GradBucket(axes, tuple(n for n, _ in members), nbytes, bucket_time(nbytes, axes, shape, cluster)))
+    return out

@@ -2,7 +2,8 @@
 
 DTensor's rules are queried without devices (a DeviceMesh with no process group, TensorMeta for
 tensors). Layouts meshplan does not execute (strided or masked shards, max/min partials) and
-uneven shards are filtered out, so every candidate is one the runtime runs as a local op.
+uneven shards are filtered out, so every candidate is one the runtime runs as a local op; the
+uneven ones are kept in `Candidates.rejected` with the reason, so a plan can explain them.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Candidates:
     by_node: dict[str, list[Strategy]]
     fallbacks: list[str] = field(default_factory=list)
     """'op at module.path' for every op planned replicated for lack of a rule."""
+    rejected: dict[str, list[tuple[Strategy, str]]] = field(default_factory=dict)
+    """Per node, strategies dropped because a tensor does not split evenly, with the reason."""
 
 
 def generate(graph: Graph, mesh: MeshSpec, *, inputs: str = "global", strict: bool = False) -> Candidates:
@@ -55,13 +58,15 @@ def generate(graph: Graph, mesh: MeshSpec, *, inputs: str = "global", strict: bo
     dmesh = _device_mesh(mesh.shape)
     by_node: dict[str, list[Strategy]] = {}
     fallbacks: list[str] = []
+    rejected: dict[str, list[tuple[Strategy, str]]] = {}
     for node in graph.nodes:
         if node.kind in LEAF_KINDS:
             by_node[node.name] = _leaf_strategies(node, mesh)
+            rejected[node.name] = _leaf_rejected(node, mesh)
         elif node.kind == "output":
             by_node[node.name] = _output_strategies(graph, node, mesh, inputs)
         else:
-            found = _op_strategies(graph, node, fx_nodes[node.name], mesh, dmesh)
+            found, rejected[node.name] = _op_strategies(graph, node, fx_nodes[node.name], mesh, dmesh)
             if not found:
                 where = f"{node.target} ({node.name}) at {node.module_path or '<top>'}"
                 if strict:
@@ -73,7 +78,7 @@ def generate(graph: Graph, mesh: MeshSpec, *, inputs: str = "global", strict: bo
                 fallbacks.append(where)
                 found = [_replicated(node, graph, mesh, "fallback")]
             by_node[node.name] = found
-    return Candidates(by_node, fallbacks)
+    return Candidates(by_node, fallbacks, rejected)
 
 
 def _replicated(node: Node, graph: Graph, mesh: MeshSpec, source: str) -> Strategy:
@@ -96,6 +101,29 @@ def _leaf_strategies(node: Node, mesh: MeshSpec) -> list[Strategy]:
     return [Strategy((), (p,), "leaf") for p in layouts(meta, mesh)]
 
 
+def _leaf_rejected(node: Node, mesh: MeshSpec) -> list[tuple[Strategy, str]]:
+    meta = node.outputs[0]
+    if node.kind == "constant" or meta is None:
+        return []
+    options: list = [Replicate()] + [Shard(d) for d in range(len(meta.shape))]
+    return [
+        (Strategy((), (p,), "leaf"), uneven_reason(meta.shape, p, mesh.shape, "output"))
+        for p in itertools.product(options, repeat=mesh.ndim)
+        if not is_even(meta.shape, p, mesh.shape)
+    ]
+
+
+def uneven_reason(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...], what: str) -> str:
+    """Why `placements` is not an even layout of a tensor of `shape` (for explanations)."""
+    for d, size in enumerate(shape):
+        n = 1
+        for p, m in zip(placements, mesh_shape):
+            n *= m if p == Shard(d) else 1
+        if size % n:
+            return f"divisibility: {what} dim {d} of size {size} does not split evenly over {n} devices"
+    return f"divisibility: {what} {list(shape)} has no dim for {''.join(map(str, placements))}"
+
+
 def _output_strategies(graph: Graph, node: Node, mesh: MeshSpec, inputs: str) -> list[Strategy]:
     rep = (Replicate(),) * mesh.ndim
     if inputs == "global":
@@ -114,22 +142,27 @@ def _device_mesh(shape: tuple[int, ...]) -> DeviceMesh:
     return DeviceMesh("cpu", torch.arange(int(torch.tensor(shape).prod())).view(shape), _init_backend=False, _rank=0)
 
 
-def _op_strategies(graph: Graph, node: Node, fxn: fx.Node, mesh: MeshSpec, dmesh: DeviceMesh) -> list[Strategy]:
+def _op_strategies(
+    graph: Graph, node: Node, fxn: fx.Node, mesh: MeshSpec, dmesh: DeviceMesh
+) -> tuple[list[Strategy], list[tuple[Strategy, str]]]:
+    """The node's even strategies, and the uneven ones with their reason."""
     if not node.inputs:  # factory ops (arange, zeros, ...) are computed whole on every device
-        return [_replicated(node, graph, mesh, "meshplan")]
+        return [_replicated(node, graph, mesh, "meshplan")], []
     args_and_kwargs = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: n.meta["val"])
     # repeated layers ask the same question many times: key on op, shapes and static args
     static = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: TensorMeta.of(n.meta["val"]))
     key = (node.target, node.outputs, repr(static), mesh.shape)
     if key not in _CACHE:
-        _CACHE[key] = _compute_op_strategies(fxn.target, args_and_kwargs, node, mesh, dmesh)
-    return list(_CACHE[key])
+        rejected: list[tuple[Strategy, str]] = []
+        _CACHE[key] = (_compute_op_strategies(fxn.target, args_and_kwargs, node, mesh, dmesh, rejected), rejected)
+    kept, rejected = _CACHE[key]
+    return list(kept), list(rejected)
 
 
-_CACHE: dict[tuple, list[Strategy]] = {}
+_CACHE: dict[tuple, tuple[list[Strategy], list[tuple[Strategy, str]]]] = {}
 
 
-def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmesh: DeviceMesh) -> list[Strategy]:
+def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmesh: DeviceMesh, rejected: list) -> list[Strategy]:
     args, kwargs = args_and_kwargs
     in_metas = [TensorMeta.of(t) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     rows: list | None = None
@@ -145,9 +178,9 @@ def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmes
             log.debug("DTensor single-dim rule for %s failed: %s", op, e)
             return []
     if rows is not None:
-        return _expand_rows(rows, node, in_metas, mesh, source)
+        return _expand_rows(rows, node, in_metas, mesh, source, rejected)
     if op in prop.op_strategy_funcs:
-        return _from_op_strategy(prop.op_strategy_funcs[op], op, args, kwargs, node, in_metas, mesh, dmesh)
+        return _from_op_strategy(prop.op_strategy_funcs[op], op, args, kwargs, node, in_metas, mesh, dmesh, rejected)
     return []
 
 
@@ -155,7 +188,7 @@ def _dt_meta(t: torch.Tensor) -> DTMeta:
     return DTMeta(t.shape, t.stride(), t.dtype)
 
 
-def _expand_rows(rows: list, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec, source: str) -> list[Strategy]:
+def _expand_rows(rows: list, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec, source: str, rejected: list) -> list[Strategy]:
     """Single-axis rows (with DTensor's shard placeholders) -> full-mesh strategies."""
     n_out, n_in = len(node.outputs), len(in_metas)
     axis_rows: list[list] = [[Replicate() if m is not None else None for m in node.outputs] + [Replicate()] * n_in]
@@ -181,13 +214,13 @@ def _expand_rows(rows: list, node: Node, in_metas: list[TensorMeta], mesh: MeshS
         per_tensor = list(zip(*combo))  # tensor -> placements over axes
         outs = tuple(None if node.outputs[i] is None else tuple(per_tensor[i]) for i in range(n_out))
         ins = tuple(tuple(per_tensor[n_out + j]) for j in range(n_in))
-        s = Strategy(ins, outs, source)
-        if _valid(s, node, in_metas, mesh) and s not in out:
-            out.append(s)
+        _keep_even(Strategy(ins, outs, source), node, in_metas, mesh, out, rejected)
     return out
 
 
-def _from_op_strategy(fn, op, args, kwargs, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec, dmesh: DeviceMesh) -> list[Strategy]:
+def _from_op_strategy(
+    fn, op, args, kwargs, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec, dmesh: DeviceMesh, rejected: list
+) -> list[Strategy]:
     def as_strategy(t):
         meta = TensorMeta.of(t)
         specs = [OpSpec(DTensorSpec(dmesh, tuple(to_dtensor(p) for p in ps), _dt_meta(t))) for ps in layouts(meta, mesh, partial=True)]
@@ -227,8 +260,7 @@ def _from_op_strategy(fn, op, args, kwargs, node: Node, in_metas: list[TensorMet
         if any(p is False for p in conv_in + conv_out) or len(conv_out) != len(node.outputs):
             continue
         s = Strategy(tuple(conv_in), tuple(None if m is None else c for m, c in zip(node.outputs, conv_out)), "dtensor")
-        if _valid(s, node, in_metas, mesh) and s not in out:
-            out.append(s)
+        _keep_even(s, node, in_metas, mesh, out, rejected)
     return out
 
 
@@ -249,7 +281,14 @@ def _conv(placements) -> Placements | bool:
     return False if any(p is None for p in conv) else conv
 
 
-def _valid(s: Strategy, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec) -> bool:
-    """Every input and output layout is an even one."""
-    pairs = list(zip(s.outputs, node.outputs)) + list(zip(s.inputs, in_metas))
-    return all(p is None or m is None or is_even(m.shape, p, mesh.shape) for p, m in pairs)
+def _keep_even(s: Strategy, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec, out: list, rejected: list) -> None:
+    """Append `s` to `out` when every input and output layout is even, else to `rejected` with the reason."""
+    if s in out:
+        return
+    pairs = [(p, m, f"output {i}") for i, (p, m) in enumerate(zip(s.outputs, node.outputs))]
+    pairs += [(p, m, f"input {i}") for i, (p, m) in enumerate(zip(s.inputs, in_metas))]
+    for p, m, what in pairs:
+        if p is not None and m is not None and not is_even(m.shape, p, mesh.shape):
+            rejected.append((s, uneven_reason(m.shape, p, mesh.shape, what)))
+            return
+    out.append(s)

@@ -2,7 +2,7 @@
 
 Each step's backward is its dual step (see cost_model/redistribution.py), so autograd carries
 gradients across layouts with exactly the collectives the plan lists. Every collective the
-runtime issues goes through `_collective`, which counts it: the counters are how tests check that
+runtime issues goes through `count_collective`, which counts it: the counters are how tests check that
 the plan is the truth.
 """
 
@@ -126,7 +126,7 @@ class MeshComm:
         return math.prod(self.mesh.shape[a] for a in axes)
 
 
-def _collective(phase: str, kind: str) -> None:
+def count_collective(phase: str, kind: str) -> None:
     COUNTS[f"{phase}:{kind}"] += 1
 
 
@@ -145,7 +145,7 @@ def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str) -> tor
         return out
     if step.kind == "to_partial":
         return x if me == 0 else torch.zeros_like(x)
-    _collective(phase, step.kind)
+    count_collective(phase, step.kind)
     with comm.guard(f"{phase} {step} over mesh axis {comm.mesh.axis_names[step.axis]}"):
         out = _communicate(step, x, n, group)
     if step.reduce == "avg":
@@ -200,13 +200,6 @@ class ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.factor, None
-
-
-def all_reduce_grad(grad: torch.Tensor, comm: MeshComm, axes: tuple[int, ...]) -> None:
-    """Sum a parameter's gradient over the axes where it is replicated (in place)."""
-    _collective("grad_sync", "all_reduce")
-    with comm.guard(f"gradient all_reduce over mesh axes {[comm.mesh.axis_names[a] for a in axes]}"):
-        dist.all_reduce(grad, group=comm.group(axes))
 
 
 def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:

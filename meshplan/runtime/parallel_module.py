@@ -15,7 +15,8 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Shard, local_shape
 from meshplan.planner.plan import Plan
 from meshplan.runtime import collectives
-from meshplan.runtime.collectives import MeshComm, all_reduce_grad
+from meshplan.runtime.collectives import MeshComm
+from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.rewrite import local_program
 
 
@@ -52,7 +53,7 @@ class ParallelModule(nn.Module):
         self._inputs = {i.name: i for i in plan.inputs}
         self._placeholders = [n.name for n in graph.fx.gm.graph.nodes if n.op == "placeholder"]
 
-        axis_sets = [(a,) for a in range(plan.mesh.ndim)] + [p.grad_sync_axes for p in plan.params if p.grad_sync_axes]
+        axis_sets = [(a,) for a in range(plan.mesh.ndim)] + [b.axes for b in plan.buckets]
         self.comm.create_groups(axis_sets)
 
         full = dict(model.named_parameters(remove_duplicate=False))
@@ -74,18 +75,9 @@ class ParallelModule(nn.Module):
                 tensor = nn.Parameter(local, requires_grad=full[p.fqns[0]].requires_grad)
                 for fqn in p.fqns:
                     setattr(_owner(self, fqn), fqn.rsplit(".", 1)[-1], tensor)
-                if p.grad_sync_axes and tensor.requires_grad:
-                    tensor.register_post_accumulate_grad_hook(self._grad_sync_hook(p.grad_sync_axes))
             self._leaf[p.node] = tensor
+        self._grad_buckets = GradBuckets(plan.buckets, self._leaf, self.comm)
         self.program = local_program(graph.fx, plan, self.comm)
-
-    def _grad_sync_hook(self, axes: tuple[int, ...]):
-        comm = self.comm
-
-        def hook(param: torch.Tensor) -> None:
-            all_reduce_grad(param.grad, comm, axes)
-
-        return hook
 
     def forward(self, *args, **kwargs):
         leaves, _ = pytree.tree_flatten((args, kwargs))

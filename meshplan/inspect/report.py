@@ -1,0 +1,210 @@
+"""`Plan.report("plan.html")`: one self-contained HTML file (inline CSS, SVG and JS; nothing fetched).
+
+Sections: the predicted step (compute / communication / bubble), the layer list coloured by
+placement (one coloured segment per mesh axis: grey R, orange P, one hue per sharded tensor dim),
+memory per device as stacked bars, the pipeline schedule (a single stage until pipelining exists,
+and the page says so), and the communication volume per mesh axis. Everything is read from the
+Plan alone, so `meshplan report plan.json` needs no model.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+
+from meshplan.cost_model.memory import format_bytes
+from meshplan.ir.placement import Partial, Placements, Shard, fmt
+from meshplan.planner.plan import Plan
+from meshplan.planner.summary import comm_volume, format_seconds, grouped_units, layer_of
+
+SHARD_COLOURS = ("#2f6fdf", "#2a9d5c", "#8e44ad", "#16a3a3", "#c0392b", "#7f8c2d")
+"""Hue of Shard(0), Shard(1), ... (cycled for higher dims)."""
+REPLICATE_COLOUR = "#b9bec7"
+PARTIAL_COLOUR = "#e67e22"
+MEMORY_COLOURS = {"params": "#2f6fdf", "grads": "#2a9d5c", "optimizer": "#8e44ad", "activations": "#e67e22"}
+PHASE_COLOURS = {"forward": "#2f6fdf", "backward": "#8e44ad", "grad_sync": "#2a9d5c"}
+MAX_DEVICE_BARS = 64
+"""Devices drawn one bar each; larger meshes draw one bar per distinct memory figure."""
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1d2430;background:#fafbfc}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px;border-bottom:1px solid #dde1e6;padding-bottom:4px}
+.muted{color:#5b6472}.card{background:#fff;border:1px solid #dde1e6;border-radius:6px;padding:12px 16px;margin:8px 0}
+table{border-collapse:collapse;width:100%;background:#fff}td,th{border-bottom:1px solid #eef0f3;padding:4px 8px;text-align:left;vertical-align:top}
+th{background:#f2f4f7;font-weight:600}.chip{display:inline-flex;border-radius:3px;overflow:hidden;margin:1px 4px 1px 0;vertical-align:middle}
+.seg{display:inline-block;padding:0 5px;color:#fff;font:12px/18px ui-monospace,monospace}.name{font-family:ui-monospace,monospace;font-size:12px}
+.legend span{margin-right:14px}.layer-row.hidden{display:none}input[type=search]{padding:4px 8px;width:280px;margin:4px 0}
+svg text{font:12px system-ui,sans-serif;fill:#1d2430}
+"""
+
+_JS = """
+(function(){
+  var box = document.getElementById('layer-filter');
+  var rows = Array.prototype.slice.call(document.querySelectorAll('.layer-row'));
+  box.addEventListener('input', function(){
+    var q = box.value.toLowerCase();
+    rows.forEach(function(r){ r.classList.toggle('hidden', q !== '' && r.textContent.toLowerCase().indexOf(q) < 0); });
+    document.getElementById('layer-count').textContent = rows.filter(function(r){ return !r.classList.contains('hidden'); }).length;
+  });
+  document.getElementById('layer-count').textContent = rows.length;
+  document.body.setAttribute('data-rendered', 'ok');
+})();
+"""
+
+
+def _placement_colour(p) -> str:
+    if isinstance(p, Shard):
+        return SHARD_COLOURS[p.dim % len(SHARD_COLOURS)]
+    if isinstance(p, Partial):
+        return PARTIAL_COLOUR
+    return REPLICATE_COLOUR
+
+
+def chip(layout: Placements, axis_names: tuple[str, ...]) -> str:
+    segs = "".join(
+        f'<span class="seg" style="background:{_placement_colour(p)}" title="{html.escape(a)}: {p}">{html.escape(str(p))}</span>'
+        for p, a in zip(layout, axis_names)
+    )
+    return f'<span class="chip" title="{html.escape(fmt(layout))}">{segs}</span>'
+
+
+def _bar_svg(rows: list[tuple[str, list[tuple[str, float, str]]]], unit) -> str:
+    """Horizontal stacked bars: rows of (label, [(part, value, colour)]); `unit` formats a value."""
+    top = max((sum(v for _, v, _ in parts) for _, parts in rows), default=0.0) or 1.0
+    width, label_w, h = 900, 170, 22
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{len(rows) * (h + 6) + 6}" role="img">']
+    for i, (label, parts) in enumerate(rows):
+        y = 6 + i * (h + 6)
+        out.append(f'<text x="0" y="{y + 15}">{html.escape(label)}</text>')
+        x = float(label_w)
+        for part, value, colour in parts:
+            w = (width - label_w - 110) * value / top
+            if w > 0:
+                out.append(
+                    f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{h}" fill="{colour}"><title>{html.escape(part)}: '
+                    f"{html.escape(unit(value))}</title></rect>"
+                )
+            x += w
+        out.append(f'<text x="{x + 6:.1f}" y="{y + 15}">{html.escape(unit(sum(v for _, v, _ in parts)))}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _legend(items: list[tuple[str, str]]) -> str:
+    return '<div class="legend">' + "".join(
+        f'<span><svg width="12" height="12"><rect width="12" height="12" fill="{c}"/></svg> {html.escape(t)}</span>' for t, c in items
+    ) + "</div>"
+
+
+def render(plan: Plan) -> str:
+    mesh = plan.mesh
+    e = html.escape
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>meshplan plan {e(plan.model)} on {e(str(mesh))}</title><style>{_CSS}</style></head><body>",
+        f"<h1>meshplan plan for {e(plan.model)}</h1>",
+        f'<div class="muted">mesh {e(str(mesh))} ({mesh.size} devices), cluster {e(plan.cluster)}, mode {e(plan.mode)}, '
+        f"inputs {e(plan.inputs_mode)}, solver {e(plan.solver.backend)} {e(plan.solver.status)}, plan hash {plan.hash()}</div>",
+    ]
+    # ---- step time
+    parts.append("<h2>Predicted step time</h2>")
+    parts.append(
+        _bar_svg(
+            [("one step", [("compute", plan.compute_s, "#2f6fdf"), ("communication", plan.comm_s, "#e67e22"), ("bubble", plan.bubble_s, "#c0392b")])],
+            lambda v: f"{v * 1e3:.3f} ms",
+        )
+    )
+    parts.append(
+        _legend([(f"compute {plan.compute_s * 1e3:.3f} ms", "#2f6fdf"), (f"communication {plan.comm_s * 1e3:.3f} ms", "#e67e22"),
+                 (f"bubble {plan.bubble_s * 1e3:.3f} ms", "#c0392b")])
+    )
+    # ---- layers
+    parts.append("<h2>Layers, coloured by placement</h2>")
+    parts.append(
+        '<div class="muted">Each chip has one segment per mesh axis (' + e(", ".join(mesh.axis_names)) + "). Identical repeated "
+        "layers are shown once.</div>"
+    )
+    parts.append(_legend([("R replicate", REPLICATE_COLOUR), ("P partial sum", PARTIAL_COLOUR)]
+                         + [(f"S({d}) shard tensor dim {d}", c) for d, c in enumerate(SHARD_COLOURS[:4])]))
+    parts.append('<input type="search" id="layer-filter" placeholder="filter layers, e.g. mlp or S(1)"> '
+                 '<span class="muted"><span id="layer-count"></span> layers shown</span>')
+    op_rows = _op_rows(plan)
+    parts.append("<table><tr><th>layer</th><th>parameters</th><th>ops and their output layout</th><th>compute</th></tr>")
+    for label, count, unit in grouped_units(plan):
+        params = "<br>".join(
+            f'{chip(p.layout, mesh.axis_names)}<span class="name">{e(" = ".join(p.fqns))}</span>'
+            for p in plan.params if layer_of(p.fqns[0]) == unit.name
+        ) or "-"
+        ops = "<br>".join(op_rows.get(unit.name, [])) or "-"
+        name = e(label) + (f" <span class='muted'>(x{count})</span>" if count > 1 else "")
+        ms = format_seconds(unit.compute_s) + (" each" if count > 1 else "")
+        parts.append(f'<tr class="layer-row"><td class="name">{name}</td><td>{params}</td><td>{ops}</td><td>{ms}</td></tr>')
+    parts.append("</table>")
+    # ---- memory
+    parts.append("<h2>Memory per device</h2>")
+    mem = plan.memory
+    segs = [(k, float(getattr(mem, k)), c) for k, c in MEMORY_COLOURS.items()]
+    if mesh.size <= MAX_DEVICE_BARS:
+        rows = [(f"device {r}", segs) for r in range(mesh.size)]
+        note = "Every device holds the same amount under this plan (one stage; shards are even)."
+    else:
+        rows = [(f"devices 0..{mesh.size - 1}", segs)]
+        note = f"All {mesh.size} devices hold the same amount under this plan (one stage; shards are even): one bar shown."
+    parts.append(f'<div class="muted">{e(note)} Total {e(format_bytes(mem.total))} per device.</div>')
+    parts.append(_bar_svg(rows, format_bytes))
+    parts.append(_legend([(f"{k} {format_bytes(getattr(mem, k))}", c) for k, c in MEMORY_COLOURS.items()]))
+    # ---- pipeline
+    parts.append("<h2>Pipeline schedule</h2>")
+    parts.append(
+        f'<div class="card" id="pipeline">No pipeline stages: this plan runs as a single stage on all {mesh.size} devices, so '
+        "there is no pipeline schedule and the bubble is 0.</div>"
+    )
+    # ---- communication
+    parts.append("<h2>Communication volume per mesh axis</h2>")
+    vol = comm_volume(plan)
+    if vol:
+        per_axis: dict[str, list] = {}
+        for v in vol:
+            per_axis.setdefault(v.axes, []).append((f"{v.phase} {v.kind} x{v.count}", float(v.nbytes), PHASE_COLOURS[v.phase]))
+        parts.append('<div class="muted">Bytes each device moves per training step, by the mesh axes its collectives run over.</div>')
+        parts.append(_bar_svg([(f"axis {a}", segs) for a, segs in per_axis.items()], format_bytes))
+        parts.append(_legend([(k.replace("_", " "), c) for k, c in PHASE_COLOURS.items()]))
+        parts.append("<table><tr><th>axes</th><th>phase</th><th>collective</th><th>count</th><th>bytes</th></tr>")
+        for v in vol:
+            parts.append(f"<tr><td>{e(v.axes)}</td><td>{e(v.phase)}</td><td>{e(v.kind)}</td><td>{v.count}</td><td>{e(format_bytes(v.nbytes))}</td></tr>")
+        parts.append("</table>")
+    else:
+        parts.append('<div class="card">This plan needs no communication.</div>')
+    if plan.fallbacks:
+        parts.append("<h2>Replicated for lack of a rule</h2><ul>" + "".join(f"<li>{e(f)}</li>" for f in plan.fallbacks) + "</ul>")
+    parts.append(f"<details><summary>Plan summary (text)</summary><pre>{e(plan.summary())}</pre></details>")
+    parts.append(f'<script type="application/json" id="plan-meta">{e(json.dumps({"hash": plan.hash(), "devices": mesh.size}))}</script>')
+    parts.append(f"<script>{_JS}</script></body></html>")
+    return "\n".join(parts)
+
+
+def _op_rows(plan: Plan) -> dict[str, list[str]]:
+    """Per layer unit: the significant ops with a chip of their first output layout."""
+    top = max((n.time_s for n in plan.nodes), default=0.0)
+    out: dict[str, list[str]] = {}
+    for n in plan.nodes:
+        layout = n.strategy.outputs[0] if n.strategy.outputs else None
+        if layout is None or top == 0 or n.time_s < 0.01 * top:
+            continue
+        op = n.target.removeprefix("aten.").split(".")[0]
+        out.setdefault(layer_of(n.module_path), []).append(
+            f'{chip(layout, plan.mesh.axis_names)}<span class="name">{html.escape(n.module_path or "-")} {html.escape(op)}</span>'
+        )
+    return out
+
+
+def write_report(plan: Plan, path: str) -> str:
+    """Write `render(plan)` to `path`; returns `path`."""
+    text = render(plan)
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as err:
+        raise ValueError(f"cannot write the report to {path!r}: {err.strerror}") from None
+    return path

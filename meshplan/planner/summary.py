@@ -1,0 +1,220 @@
+"""`str(plan)` / `Plan.summary()`: the plan per layer, with its collectives, time and memory.
+
+Repeated blocks (`layers.0`, `layers.1`, ...) that were planned identically are shown once with a
+count; a block planned differently from its neighbours gets its own row. Everything here is read
+from the Plan alone, so a plan loaded from JSON prints the same as the one just made.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from meshplan.cost_model.memory import format_bytes
+from meshplan.ir.placement import fmt, local_shape
+
+if TYPE_CHECKING:
+    from meshplan.planner.plan import Plan
+
+TOP = "(top)"
+OUTPUT = "(output)"
+SIGNIFICANT = 0.01
+"""Ops whose compute is at least this share of the largest op's are listed with their activation layout."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommVolume:
+    """Collectives of one kind on one mesh axis (or set of axes) per step."""
+
+    axes: str
+    """Axis names, `dp` or `dp,tp` for one collective over several axes."""
+    phase: str
+    """'forward', 'backward' or 'grad_sync'."""
+    kind: str
+    count: int
+    nbytes: int
+
+
+def format_seconds(s: float) -> str:
+    """Three significant digits in ms, or in µs below 0.1 ms (per-layer figures are often tiny)."""
+    return f"{s * 1e3:.3g} ms" if s >= 1e-4 or s == 0 else f"{s * 1e6:.3g} µs"
+
+
+def layer_of(path: str) -> str:
+    """The unit a module path belongs to: its repeated layer (`layers.3`) or its top-level module."""
+    m = re.match(r"^(.*?\.\d+)(\.|$)", path)
+    if m:
+        return m.group(1)
+    return path.split(".", 1)[0] if path else TOP
+
+
+def grad_sync_bytes(plan: Plan, p) -> int:
+    itemsize = _ITEMSIZE.get(getattr(p, "dtype", "float32"), 4)
+    return math.prod(local_shape(p.shape, p.layout, plan.mesh.shape)) * itemsize
+
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
+
+
+def comm_volume(plan: Plan) -> list[CommVolume]:
+    """Every communicating collective of one step, grouped by axes, phase and kind."""
+    acc: dict[tuple[str, str, str], list[int]] = {}
+    names = plan.mesh.axis_names
+
+    def add(axes: str, phase: str, kind: str, nbytes: int) -> None:
+        slot = acc.setdefault((axes, phase, kind), [0, 0])
+        slot[0] += 1
+        slot[1] += nbytes
+
+    for t in plan.transfers:
+        for phase, steps in (("forward", t.forward), ("backward", t.backward)):
+            for s in steps:
+                if s.communicates:
+                    add(names[s.axis], phase, s.kind, s.nbytes)
+    for p in plan.params:
+        if p.grad_sync_axes:
+            add(",".join(names[a] for a in p.grad_sync_axes), "grad_sync", "all_reduce", grad_sync_bytes(plan, p))
+    return [CommVolume(a, ph, k, c, b) for (a, ph, k), (c, b) in sorted(acc.items())]
+
+
+@dataclass(slots=True)
+class _Unit:
+    name: str
+    params: list[str]
+    acts: list[str]
+    comm: Counter
+    comm_bytes: Counter
+    compute_s: float = 0.0
+    signature: tuple = ()
+
+
+def layer_units(plan: Plan) -> list[_Unit]:
+    """One unit per top-level module or repeated layer, in plan order. A unit's signature lists its
+    parameters (relative name, shape, layout), ops (relative path, op, strategy) and collectives (with
+    bytes): two layers with equal signatures were planned identically."""
+    units: dict[str, _Unit] = {}
+
+    def unit(name: str) -> _Unit:
+        return units.setdefault(name, _Unit(name, [], [], Counter(), Counter()))
+
+    def rel(path: str, name: str) -> str:
+        # inside a repeated layer, paths are relative (they read the same for every copy)
+        if re.search(r"\.\d+$", name) is None:
+            return path
+        return "" if path == name else path[len(name) + 1 :] if path.startswith(name + ".") else path
+
+    names = plan.mesh.axis_names
+    where = {n.name: n.module_path for n in plan.nodes}
+    sig: dict[str, list] = {}
+    for p in plan.params:
+        u = unit(layer_of(p.fqns[0]))
+        label = " = ".join(rel(f, u.name) for f in p.fqns)
+        u.params.append(f"{label} {fmt(p.layout)}")
+        sig.setdefault(u.name, []).append(("p", label, p.shape, fmt(p.layout)))
+        if p.grad_sync_axes:
+            key = f"grad all_reduce({','.join(names[a] for a in p.grad_sync_axes)})"
+            u.comm[key] += 1
+            u.comm_bytes[key] += grad_sync_bytes(plan, p)
+    top = max((n.time_s for n in plan.nodes), default=0.0)
+    for n in plan.nodes:
+        u = unit(layer_of(n.module_path))
+        u.compute_s += n.time_s
+        sig.setdefault(u.name, []).append(("o", rel(n.module_path, u.name), n.target, str(n.strategy)))
+        if top > 0 and n.time_s >= SIGNIFICANT * top and n.strategy.outputs and n.strategy.outputs[0] is not None:
+            u.acts.append(f"{rel(n.module_path, u.name) or '-'} {n.target.removeprefix('aten.').split('.')[0]} {fmt(n.strategy.outputs[0])}")
+    for t in plan.transfers:
+        u = unit(OUTPUT if t.consumer == "output" else layer_of(where.get(t.consumer, "")))
+        for phase, steps in (("fwd", t.forward), ("bwd", t.backward)):
+            for s in steps:
+                if s.communicates:
+                    key = f"{phase} {s.kind}({names[s.axis]})"
+                    u.comm[key] += 1
+                    u.comm_bytes[key] += s.nbytes
+                    sig.setdefault(u.name, []).append(("t", rel(where.get(t.consumer, ""), u.name), t.position, str(s), s.nbytes))
+    for u in units.values():
+        u.signature = tuple(sig.get(u.name, ()))
+    return list(units.values())
+
+
+def grouped_units(plan: Plan) -> list[tuple[str, int, _Unit]]:
+    """(label, count, unit): consecutive layers of one group with the same signature merged."""
+    out: list[tuple[str, int, _Unit]] = []
+    for u in layer_units(plan):
+        m = re.match(r"^(.*\.)(\d+)$", u.name)
+        if out and m:
+            label, count, prev = out[-1]
+            pm = re.match(r"^(.*\.)(\d+)$", prev.name)
+            if pm and pm.group(1) == m.group(1) and prev.signature == u.signature and int(m.group(2)) == int(pm.group(2)) + count:
+                first = label.split(" ")[0].split("-")[0]
+                out[-1] = (f"{first}-{m.group(2)}", count + 1, prev)
+                continue
+        out.append((u.name, 1, u))
+    return out
+
+
+def format_summary(plan: Plan, *, ops: bool = False) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    buf = io.StringIO()
+    con = Console(file=buf, width=140, no_color=True, highlight=False)
+    mesh = plan.mesh
+    con.print(
+        f"meshplan plan for {plan.model} on mesh {mesh} ({mesh.size} devices; axes {', '.join(mesh.axis_names)}; "
+        f"cluster {plan.cluster}), mode {plan.mode}, inputs {plan.inputs_mode}"
+    )
+    con.print(
+        f"predicted step {plan.step_time_s * 1e3:.3f} ms = compute {plan.compute_s * 1e3:.3f} ms + communication "
+        f"{plan.comm_s * 1e3:.3f} ms + bubble {plan.bubble_s * 1e3:.3f} ms (no pipeline stages)"
+    )
+    con.print(f"memory per device: {plan.memory}")
+    took = "" if plan.solver.seconds is None else f" in {plan.solver.seconds:.2f} s"
+    con.print(f"solver {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.2%}){took}")
+    coll = plan.collectives()
+    con.print("collectives per step: " + (", ".join(f"{k} x{v}" for k, v in sorted(coll.items())) or "none"))
+    vol = comm_volume(plan)
+    if vol:
+        per_axis: dict[str, int] = {}
+        for v in vol:
+            per_axis[v.axes] = per_axis.get(v.axes, 0) + v.nbytes
+        con.print("bytes moved per step and device, by mesh axis: " + ", ".join(f"{a} {format_bytes(b)}" for a, b in per_axis.items()))
+    if plan.fallbacks:
+        con.print("replicated for lack of a rule: " + "; ".join(plan.fallbacks))
+    con.print("inputs: " + ", ".join(f"{i.name}{list(i.shape)} {fmt(i.layout)}" for i in plan.inputs))
+
+    table = Table(title="per layer (identical repeated layers shown once)", title_justify="left")
+    for col in ("layer", "parameters", "activations (significant ops)", "collectives: kind(axis) count bytes", "compute"):
+        table.add_column(col)
+    for label, count, u in grouped_units(plan):
+        comm = "\n".join(f"{k} x{u.comm[k]} {format_bytes(u.comm_bytes[k])}" for k in sorted(u.comm)) or "-"
+        ms = format_seconds(u.compute_s) + (" each" if count > 1 else "")
+        table.add_row(label + (f" (x{count})" if count > 1 else ""), "\n".join(u.params) or "-", "\n".join(u.acts) or "-", comm, ms)
+    con.print(table)
+    if ops:
+        con.print(_ops_table(plan))
+    return buf.getvalue().rstrip()
+
+
+def _ops_table(plan: Plan):
+    from rich.table import Table
+
+    moves: dict[str, list] = {}
+    for t in plan.transfers:
+        moves.setdefault(t.consumer, []).append(t)
+    table = Table(title="ops (compute ops and every op whose inputs move)", title_justify="left")
+    for col in ("module", "op", "strategy", "collectives fwd | bwd", "ms"):
+        table.add_column(col)
+    for n in plan.nodes:
+        ts = moves.get(n.name, [])
+        if not ts and n.time_s < 0.01 * max(plan.compute_s, 1e-12):
+            continue
+        fwd = " ".join(str(s) for t in ts for s in t.forward)
+        bwd = " ".join(str(s) for t in ts for s in t.backward)
+        table.add_row(n.module_path or "-", n.target.removeprefix("aten."), str(n.strategy), f"{fwd or '-'} | {bwd or '-'}", f"{n.time_s * 1e3:.3f}")
+    if moves.get("output"):
+        table.add_row(OUTPUT, "gather to user", "", " ".join(str(s) for t in moves["output"] for s in t.forward), "")
+    return table

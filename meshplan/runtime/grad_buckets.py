@@ -1,0 +1,71 @@
+"""Bucketed gradient all-reduce, overlapped with the rest of backward (what DDP does).
+
+The plan fixes the buckets (`Plan.buckets`): which parameters share one all-reduce and the order
+the all-reduces are issued in. A bucket is launched asynchronously as soon as all of its gradients
+are accumulated and every earlier bucket has been launched, so all ranks issue the same collectives
+in the same order; the end of backward waits for them and writes the sums back into `.grad`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meshplan.planner.plan import GradBucket
+from meshplan.runtime.collectives import MeshComm, count_collective
+
+
+class GradBuckets:
+    def __init__(self, buckets: tuple[GradBucket, ...], params: dict[str, torch.Tensor], comm: MeshComm) -> None:
+        self._buckets = buckets
+        self._params = [[params[n] for n in b.params] for b in buckets]
+        self._comm = comm
+        self._where = {id(params[n]): i for i, b in enumerate(buckets) for n in b.params}
+        self._reset()
+        for group in self._params:
+            for p in group:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _reset(self) -> None:
+        self._ready = [0] * len(self._buckets)
+        self._next = 0  # first bucket not launched yet
+        self._pending: list[tuple[int, torch.Tensor, object]] = []
+        self._armed = False
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            # runs once the whole backward pass is done, on the thread that started it
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._armed = True
+        i = self._where[id(param)]
+        self._ready[i] += 1
+        while self._next < len(self._buckets) and self._ready[self._next] == len(self._params[self._next]):
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, i: int) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        count_collective("grad_sync", "all_reduce")
+        with self._comm.guard(f"gradient bucket {i} all_reduce over mesh axes {self._axis_names(i)}"):
+            work = dist.all_reduce(flat, group=self._comm.group(self._buckets[i].axes), async_op=True)
+        self._pending.append((i, flat, work))
+
+    def _axis_names(self, i: int) -> list[str]:
+        return [self._comm.mesh.axis_names[a] for a in self._buckets[i].axes]
+
+    def _finish(self) -> None:
+        # parameters that got no gradient this step still take part: every rank must issue every bucket
+        while self._next < len(self._buckets):
+            self._launch(self._next)
+            self._next += 1
+        for i, flat, work in self._pending:
+            with self._comm.guard(f"gradient bucket {i} all_reduce over mesh axes {self._axis_names(i)}"):
+                work.wait(self._comm.timeout)
+            offset = 0
+            for p in self._params[i]:
+                n = p.numel()
+                if p.grad is not None:
+                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+        self._reset()

@@ -1,0 +1,98 @@
+"""The HTML report renders in headless Chromium without console errors (Debian's `chromium` package).
+
+Chromium is required, not optional: .ci/run installs it (`apt-get install -y chromium`); without it
+this test fails with that instruction instead of skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import warnings
+
+import pytest
+import torch
+
+import meshplan
+from meshplan.models import MLP
+from meshplan.planner.summary import grouped_units
+
+# Runs before the report's own script: records uncaught errors and console.error/warn into the DOM,
+# which `--dump-dom` then shows (chromium's own stderr logging of console lines is checked too).
+HOOK = """<script>
+window.__problems = [];
+window.addEventListener('error', function (e) { window.__problems.push('error: ' + (e.message || e.type)); }, true);
+['error', 'warn'].forEach(function (k) { var f = console[k]; console[k] = function () {
+  window.__problems.push(k + ': ' + Array.prototype.join.call(arguments, ' ')); f.apply(console, arguments); }; });
+window.addEventListener('load', function () {
+  document.documentElement.setAttribute('data-problems', JSON.stringify(window.__problems)); });
+</script>"""
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail("headless Chromium is required for the report test: apt-get install -y chromium (.ci/run does this)")
+
+
+def run_chromium(*args: str) -> subprocess.CompletedProcess:
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    torch.manual_seed(0)
+    model = MLP()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        plan = meshplan.plan(model, (2, 2), (torch.randn(8, 32),))
+    d = tmp_path_factory.mktemp("report")
+    return plan, plan.report(str(d / "plan.html"))
+
+
+def test_report_is_self_contained(report):
+    plan, path = report
+    text = open(path, encoding="utf-8").read()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", text), "the report must fetch nothing"
+    assert "@import" not in text and "url(" not in text
+    for section in ("Layers, coloured by placement", "Memory per device", "Pipeline schedule", "Communication volume per mesh axis"):
+        assert section in text
+    assert "No pipeline stages" in text  # the truth until pipelining exists
+    assert text.count('class="layer-row"') == len(grouped_units(plan))
+    assert text.count("device ") >= plan.mesh.size  # one memory bar per device
+
+
+def test_report_renders_in_headless_chromium_without_console_errors(report, tmp_path):
+    plan, path = report
+    checked = tmp_path / "checked.html"
+    checked.write_text(open(path, encoding="utf-8").read().replace("<head>", "<head>" + HOOK, 1), encoding="utf-8")
+    dom = run_chromium("--dump-dom", checked.as_uri())
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert 'data-rendered="ok"' in dom.stdout, "the report's script did not run to the end"
+    problems = re.search(r"data-problems=\"([^\"]*)\"", dom.stdout)
+    assert problems is not None, "the load hook did not run"
+    assert json.loads(problems.group(1).replace("&quot;", '"')) == []
+    assert [line for line in dom.stderr.splitlines() if ":CONSOLE" in line] == []
+
+    shot = tmp_path / "plan.png"
+    res = run_chromium("--window-size=1280,1600", f"--screenshot={shot}", "file://" + path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = shot.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 20_000  # a blank page compresses to a few KB
+    assert [line for line in res.stderr.splitlines() if ":CONSOLE" in line] == []
+
+
+def test_hook_catches_a_broken_page(tmp_path):
+    """The console check can fail: a page with a script error is reported."""
+    bad = tmp_path / "bad.html"
+    bad.write_text("<html><head></head><body><script>console.error('boom'); undefinedCall();</script></body></html>")
+    checked = tmp_path / "bad_checked.html"
+    checked.write_text(bad.read_text().replace("<head>", "<head>" + HOOK, 1))
+    dom = run_chromium("--dump-dom", checked.as_uri())
+    problems = json.loads(re.search(r"data-problems=\"([^\"]*)\"", dom.stdout).group(1).replace("&quot;", '"'))
+    assert problems[0] == "error: boom" and "undefinedCall" in problems[1]
