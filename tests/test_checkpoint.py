@@ -13,15 +13,24 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
-from _parity import build, loss_fn, megatron_layouts
+from _parity import BATCH, loss_fn, megatron_layouts
 
 import meshplan
+import meshplan.models
 from meshplan.runtime import checkpoint
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.parallel_module import shard_tensor
 
 NAME = "gpt"  # tied embedding: one tensor under two FQNs
 SAVE_AT, MORE = 2, 2
+
+
+def build(name: str = NAME):
+    """A one-layer GPT (the parity tests' GPT has two): 4-rank runs on 2 shared cores are slow."""
+    torch.manual_seed(0)
+    model = meshplan.models.GPT(meshplan.models.GPTConfig(layers=1))
+    tokens = torch.randint(0, 128, (BATCH, 16), generator=torch.Generator().manual_seed(1))
+    return model, tokens, tokens
 
 
 def _plan(mesh_shape, megatron: bool):
@@ -60,7 +69,10 @@ def _save_worker(rank, world, plan, path):
     # load back into the same plan: the continuation repeats exactly
     info = meshplan.load_checkpoint(path, pmodel, opt)
     again = _steps(pmodel, opt, x, y, MORE)
-    return before, after, again, info, whole, whole_state
+    # whole tensors in, this rank's blocks out
+    checkpoint.load_model_state_dict(pmodel, whole)
+    reloaded = {k: v.detach().clone() for k, v in pmodel.state_dict().items()}
+    return before, after, again, info, whole, whole_state, reloaded
 
 
 def _load_worker(rank, world, plan, path):
@@ -90,11 +102,16 @@ def test_checkpoint_reshards_across_plans_and_world_sizes(tmp_path):
     tp4 = _plan((4,), megatron=True)
     saved = run_local(4, _save_worker, tp4, path, timeout=600)
     ref_losses = _reference()
-    for before, after, again, info, _, _ in saved:
+    tp4_layouts = {f: p.layout for p in tp4.params for f in p.fqns}
+    for rank, (before, after, again, info, whole, _, reloaded) in enumerate(saved):
         torch.testing.assert_close(torch.tensor(before + after), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
         assert again == after, "reloading under the same plan must repeat the continuation exactly"
         assert info == checkpoint.CheckpointInfo(step=SAVE_AT, plan_hash=tp4.hash(), mesh_shape=(4,), extra={"data": "epoch 0"})
+        assert set(reloaded) == set(whole)
+        for k, v in reloaded.items():  # load_model_state_dict with whole tensors keeps this rank's block
+            assert torch.equal(v, shard_tensor(whole[k], tp4_layouts[k], tp4.mesh, rank)), k
     uninterrupted, saved_params, saved_state = saved[0][1], saved[0][4], saved[0][5]
+    assert any(tp4_layouts[k] != (meshplan.Replicate(),) for k in saved_params)  # tp=4 really shards
     assert set(saved_state) == {k for k, _ in build(NAME)[0].named_parameters()}
     assert all(set(d) == {"step", "exp_avg", "exp_avg_sq"} for d in saved_state.values())
 
@@ -125,7 +142,7 @@ def test_checkpoint_reshards_across_plans_and_world_sizes(tmp_path):
 
 def test_checkpoint_metadata_is_unpickled_safely(tmp_path):
     """DCP's .metadata is a pickle: only DCP's metadata classes may appear in it."""
-    model, _, _ = build("mlp")
+    model = meshplan.models.MLP()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path))

@@ -27,8 +27,8 @@ def _plan(name: str, devices: int, **kw):
 @pytest.mark.parametrize("name,devices,kw", [
     ("mlp", 4, {}),  # searches mesh (4,) and (2, 2)
     ("gpt", 2, {}),
-    ("gpt", 4, {"mesh_shape": (2, 2), "param_layouts": megatron_layouts("gpt", 2)[0]}),
-], ids=["mlp-mesh-search", "gpt-w2", "gpt-2x2-forced"])
+    ("mlp", 4, {"mesh_shape": (2, 2), "param_layouts": megatron_layouts("mlp", 2)[0]}),
+], ids=["mlp-mesh-search", "gpt-w2", "mlp-2x2-forced"])
 def test_planning_twice_gives_the_same_plan(name, devices, kw):
     first, second = _plan(name, devices, **kw), _plan(name, devices, **kw)
     assert first.hash() == second.hash()
@@ -48,15 +48,11 @@ print(meshplan.plan(model, devices=4, example_inputs=(x,), mesh_shape=(4,)).hash
 
 
 def test_plan_does_not_depend_on_the_hash_seed():
+    """This process runs under a random hash seed (pytest does not fix it); the child under seed 1."""
     code = _PRINT_HASH.format(tests=os.path.join(ROOT, "tests"))
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
-        for seed in ("1", "2")
-    ]
-    hashes = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-2000:]
-        hashes.append(out.strip().splitlines()[-1])
-    assert hashes[0] == hashes[1] == _plan("gpt", 4, mesh_shape=(4,)).hash()
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONHASHSEED": "1", "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    here = _plan("gpt", 4, mesh_shape=(4,)).hash()
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err[-2000:]
+    assert out.strip().splitlines()[-1] == here

@@ -140,7 +140,6 @@ def test_explain_alternatives_bound_the_cost_of_forcing_them(mlp_plans):
     # at most its local delta (the planner can keep every other node as it was)
     alt = weight.alternatives[0]
     forced = make(model, x, (2, 2), input_layouts={"x": "S(0)S(0)"}, param_layouts={"layers.1.weight": alt.strategy.outputs[0]})
-    # in the solver's objective (gradients priced by their share of a bucket, as the deltas are)
     assert -1e-12 <= forced.solver.objective_s - plan.solver.objective_s <= alt.delta_s + 1e-12
     text = str(e)
     assert "layers.1.weight" in text and "alternatives" in text and "addmm" in text

@@ -10,7 +10,7 @@ import re
 import warnings
 
 import pytest
-from _parity import build
+from _parity import build, megatron_layouts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +31,8 @@ def valid_plan() -> Plan:
     model, x, _ = build("mlp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return meshplan.plan(model, devices=4, example_inputs=(x,), mesh_shape=(2, 2))
+        params, inputs = megatron_layouts("mlp", 2)  # forced tensor parallelism: the plan has transfers
+        return meshplan.plan(model, devices=4, example_inputs=(x,), mesh_shape=(2, 2), param_layouts=params, input_layouts=inputs)
 
 
 def _paths(obj, prefix=()):
@@ -96,8 +97,14 @@ def test_valid_plan_text_truncated_or_flipped(data):
 
 def test_the_valid_plan_round_trips():
     plan = valid_plan()
+    assert plan.transfers and plan.nodes and plan.params
     assert Plan.from_json(plan.to_json()) == plan
     assert Plan.from_json(plan.to_json().encode()) == plan
+
+
+def _first_step(d: dict) -> dict:
+    """The first communication step of the first transfer that has one."""
+    return next(t for t in d["transfers"] if t["forward"])["forward"][0]
 
 
 @pytest.mark.parametrize(
@@ -106,14 +113,15 @@ def test_the_valid_plan_round_trips():
         (lambda d: d.pop("mesh"), "plan file is malformed: missing field 'mesh'"),
         (lambda d: d["nodes"][1].update(time_s="fast"), "plan file is malformed: nodes[1].time_s is 'fast'; expected a number"),
         (lambda d: d["params"][0].update(fqns="layers.0.weight"), "plan file is malformed: TypeError: expected a list, got 'layers.0.weight'"),
-        (lambda d: d["params"][0].update(layout="S(0)"), "plan file is malformed: params[0].layout has 1 placements for a 2-axis mesh"),
-        (lambda d: d["params"][0].update(layout="S(5)R"), "plan file is malformed: params[0].layout shards tensor dim 5 of a 2-dim tensor"),
-        (lambda d: d["transfers"][0]["forward"][0].update(axis=7), "plan file is malformed: transfers[0].forward[0].axis names mesh axis 7; the mesh has axes 0..1"),
-        (lambda d: d["transfers"][0]["forward"][0].update(kind="broadcast"), "plan file is malformed: transfers[0].forward[0].kind is 'broadcast'; allowed: all_gather"),
+        (lambda d: d["inputs"][0].update(layout="S(0)"), "plan file is malformed: inputs[0].layout has 1 placements for a 2-axis mesh"),
+        (lambda d: d["inputs"][0].update(layout="S(5)R"), "plan file is malformed: inputs[0].layout shards tensor dim 5 of a 2-dim tensor"),
+        (lambda d: d["params"][0].update(layout="S(0)R"), "plan file is malformed: ValueError: parameter layers.0.weight: device_matrix [2, 2] / tensor_map"),
+        (lambda d: _first_step(d).update(axis=7), "].forward[0].axis names mesh axis 7; the mesh has axes 0..1"),
+        (lambda d: _first_step(d).update(kind="broadcast"), "].forward[0].kind is 'broadcast'; allowed: all_gather"),
         (lambda d: d["mesh"].update(shape=[2, "2"]), "plan file is malformed: ValueError: mesh shape"),
-        (lambda d: d.update(version=SCHEMA_VERSION + 1), f"plan schema version {SCHEMA_VERSION + 1} is not supported; this meshplan reads version {SCHEMA_VERSION}"),
+        (lambda d: d.update(version=999), f"plan schema version 999 is not supported; this meshplan reads version {SCHEMA_VERSION}"),
     ],
-    ids=["deleted-key", "wrong-type", "string-for-list", "layout-rank", "shard-dim", "mesh-axis", "step-kind", "mesh-shape", "schema"],
+    ids=["deleted-key", "wrong-type", "string-for-list", "layout-rank", "shard-dim", "tensor-map", "mesh-axis", "step-kind", "mesh-shape", "schema"],
 )
 def test_corrupted_plan_names_the_field(mutate, message):
     d = copy.deepcopy(valid_plan().to_dict())

@@ -269,22 +269,11 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer: torch.optim.Opti
         if saved.get("class") != type(optimizer).__name__:
             raise ValueError(f"checkpoint {path} holds {saved.get('class')} state but the optimizer is "
                              f"{type(optimizer).__name__}")
-        state["optim"] = {"state": {}}
-        mesh, choice, params = device_mesh(pmodel), _by_fqn(pmodel), dict(pmodel.named_parameters())
-        for fqn, entries in saved["state"].items():
-            if fqn not in params:
-                raise ValueError(f"checkpoint {path} has optimizer state for {fqn!r}, not a parameter of this model")
-            for key, spec in entries.items():
-                if "value" in spec:
-                    plain.setdefault(fqn, {})[key] = spec["value"]
-                    continue
-                dtype = getattr(torch, spec["dtype"], None)
-                if not isinstance(dtype, torch.dtype):
-                    raise ValueError(f"checkpoint {path}: optimizer state {fqn}.{key} has unknown dtype {spec['dtype']!r}")
-                local = params[fqn]
-                target = (_view(torch.empty(local.shape, dtype=dtype, device=local.device), choice[fqn], mesh)
-                          if spec["sharded"] else torch.empty(spec["shape"], dtype=dtype, device=local.device))
-                state["optim"]["state"].setdefault(fqn, {})[key] = target
+        try:
+            state["optim"] = {"state": _optimizer_targets(path, saved["state"], pmodel, plain)}
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"checkpoint file {os.path.join(os.fspath(path), INFO_FILE)} is malformed: optimizer state "
+                             f"{type(e).__name__}: {e}") from None
     SafeFileSystemReader(path).read_metadata()  # a corrupt or unsafe .metadata is a ValueError here, on every rank
     comm = pmodel.comm
     _dcp(comm, f"loading checkpoint {path}", lambda: dcp.load(
@@ -296,6 +285,28 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer: torch.optim.Opti
         load_optimizer_state_dict(pmodel, optimizer, osd)
     return CheckpointInfo(step=info.get("step"), plan_hash=str(info.get("plan_hash")),
                           mesh_shape=tuple(info["mesh_shape"]), extra=info.get("extra"))
+
+
+def _optimizer_targets(path, saved: dict, pmodel, plain: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """Empty tensors (DTensors in this plan's layout where the state was sharded) for DCP to load into;
+    non-tensor state values go to `plain`."""
+    mesh, choice, params = device_mesh(pmodel), _by_fqn(pmodel), dict(pmodel.named_parameters())
+    targets: dict[str, dict[str, torch.Tensor]] = {}
+    for fqn, entries in saved.items():
+        if fqn not in params:
+            raise ValueError(f"checkpoint {path} has optimizer state for {fqn!r}, not a parameter of this model")
+        local = params[fqn]
+        for key, spec in entries.items():
+            if "value" in spec:
+                plain.setdefault(fqn, {})[key] = spec["value"]
+                continue
+            dtype = getattr(torch, spec["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"checkpoint {path}: optimizer state {fqn}.{key} has unknown dtype {spec['dtype']!r}")
+            targets.setdefault(fqn, {})[key] = (
+                _view(torch.empty(local.shape, dtype=dtype, device=local.device), choice[fqn], mesh) if spec["sharded"]
+                else torch.empty(spec["shape"], dtype=dtype, device=local.device))
+    return targets
 
 
 def _dcp(comm, what: str, call) -> None:
