@@ -115,7 +115,7 @@ def _first_step(d: dict) -> dict:
         (lambda d: d["params"][0].update(fqns="layers.0.weight"), "plan file is malformed: TypeError: expected a list, got 'layers.0.weight'"),
         (lambda d: d["inputs"][0].update(layout="S(0)"), "plan file is malformed: inputs[0].layout has 1 placements for a 2-axis mesh"),
         (lambda d: d["inputs"][0].update(layout="S(5)R"), "plan file is malformed: inputs[0].layout shards tensor dim 5 of a 2-dim tensor"),
-        (lambda d: d["params"][0].update(layout="S(0)R"), "plan file is malformed: ValueError: parameter layers.0.weight: device_matrix [2, 2] / tensor_map"),
+        (lambda d: d["params"][0].update(layout="S(0)R"), "plan file is malformed: params[0] (layers.0.weight) device_matrix [2, 2] / tensor_map"),
         (lambda d: _first_step(d).update(axis=7), "].forward[0].axis names mesh axis 7; the mesh has axes 0..1"),
         (lambda d: _first_step(d).update(kind="broadcast"), "].forward[0].kind is 'broadcast'; allowed: all_gather"),
         (lambda d: d["mesh"].update(shape=[2, "2"]), "plan file is malformed: ValueError: mesh shape"),
