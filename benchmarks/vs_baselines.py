@@ -26,12 +26,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
 import types
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, not an installed meshplan
 
 import torch
 import torch.distributed as dist
@@ -55,6 +59,9 @@ TARGET = 1.05
 MESHPLAN = ("meshplan (global)", "meshplan (local)")
 BASELINES = ("DDP", "FSDP2", "TP")
 METHODS = MESHPLAN + BASELINES
+DP_PLAN = "meshplan (local, DP)"
+"""Diagnostic row (--also-dp): meshplan's runtime on a data-parallel plan (mode='data_parallel', inputs='local'),
+which separates the runtime's overhead from the planner's choice of plan."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,6 +71,7 @@ class Setting:
     warmup: int
     steps: int
     rounds: int
+    methods: tuple[str, ...] = METHODS
 
 
 def build(cfg: GPTConfig) -> tuple[GPT, torch.Tensor]:
@@ -127,8 +135,8 @@ def make_method(name: str, rank: int, world: int, cfg: GPTConfig, plans: dict, o
     from torch.distributed.device_mesh import init_device_mesh
 
     model, tokens = build(cfg)
-    if name in MESHPLAN:
-        mode = "global" if name == MESHPLAN[0] else "local"
+    if name in MESHPLAN or name == DP_PLAN:
+        mode = {MESHPLAN[0]: "global", MESHPLAN[1]: "local", DP_PLAN: "dp"}[name]
         plan = plans[mode]
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
         if mode == "global":
@@ -168,7 +176,7 @@ def worker(rank: int, world: int, setting: Setting, plans: dict, out_layouts: di
     warnings.simplefilter("ignore")
     cfg = SIZES[setting.size]
     runs = {}
-    for name in METHODS:
+    for name in setting.methods:
         module, x, y, split = make_method(name, rank, world, cfg, plans, out_layouts)
         opt = torch.optim.Adam(module.parameters(), lr=LR)
 
@@ -189,7 +197,7 @@ def worker(rank: int, world: int, setting: Setting, plans: dict, out_layouts: di
         runs[name] = (step, losses, [])
     per_round = math.ceil(setting.steps / setting.rounds)
     for r in range(setting.rounds):
-        for name in METHODS:
+        for name in setting.methods:
             step, _, times = runs[name]
             dist.barrier()
             step()  # re-warm after the other methods ran
@@ -204,13 +212,15 @@ def worker(rank: int, world: int, setting: Setting, plans: dict, out_layouts: di
 # ---------------------------------------------------------------- driver and report
 
 
-def plan_meshplan(cfg: GPTConfig, world: int) -> tuple[dict, dict]:
+def plan_meshplan(cfg: GPTConfig, world: int, dp: bool = False) -> tuple[dict, dict]:
+    """meshplan's plans by input mode ('dp': the data-parallel diagnostic plan) and their output layouts."""
     model, tokens = build(cfg)
     plans, layouts = {}, {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for mode in ("global", "local"):
-            plans[mode] = meshplan.plan(model, devices=world, example_inputs=(tokens,), cluster="cpu", inputs=mode)
+        for mode in ("global", "local", "dp") if dp else ("global", "local"):
+            kw = {"inputs": "local", "mode": "data_parallel", "mesh_shape": (world,)} if mode == "dp" else {"inputs": mode}
+            plans[mode] = meshplan.plan(model, devices=world, example_inputs=(tokens,), cluster="cpu", **kw)
             layouts[mode] = output_layout(cfg, plans[mode])
     return plans, layouts
 
@@ -221,37 +231,40 @@ def run_setting(setting: Setting) -> bool:
     print(f"\n=== world {setting.world}, {setting.size}: GPT hidden {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads, "
           f"vocab {cfg.vocab_size}, seq {cfg.seq_len}, batch {BATCH} (global), {params / 1e6:.2f} M params, Adam ===")
     t0 = time.perf_counter()
-    plans, out_layouts = plan_meshplan(cfg, setting.world)
+    plans, out_layouts = plan_meshplan(cfg, setting.world, DP_PLAN in setting.methods)
     print(f"planning (both input modes, mesh search): {time.perf_counter() - t0:.1f} s")
     for mode, plan in plans.items():
         params_by_layout: dict[str, int] = {}
         for p in plan.params:
             params_by_layout[str(p.layout)] = params_by_layout.get(str(p.layout), 0) + 1
-        print(f"meshplan plan, inputs={mode}: mesh {plan.mesh}, input layout {plan.inputs[0].layout}, "
+        what = "mode=data_parallel, inputs=local" if mode == "dp" else f"inputs={mode}"
+        print(f"meshplan plan, {what}: mesh {plan.mesh}, input layout {plan.inputs[0].layout}, "
               f"output layout {out_layouts[mode]}, predicted step {plan.step_time_s * 1e3:.1f} ms")
         print(f"  collectives per step: {dict(sorted(plan.collectives().items()))}")
         print(f"  parameter layouts: {params_by_layout}")
     reference = reference_losses(cfg, setting.warmup)
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     results = run_local(setting.world, worker, setting, plans, out_layouts, timeout=1800)
-    print(f"run: {time.perf_counter() - t0:.1f} s (all methods, one process group)")
+    print(f"run: {time.perf_counter() - t0:.1f} s (all methods, one process group); 1-min load average "
+          f"{load:.2f} before, {os.getloadavg()[0]:.2f} after (this run adds about {setting.world})")
 
     ok = True
     diffs = {}
-    for name in METHODS:
+    for name in setting.methods:
         losses = results[0][name][0]
         diffs[name] = max(abs(a - b) for a, b in zip(losses, reference))
         ok &= diffs[name] <= PARITY_ATOL
     print(f"parity ({setting.warmup} warm-up steps' losses vs single process {[round(v, 5) for v in reference]}, "
           f"atol {PARITY_ATOL:g}): " + ", ".join(f"{n} {d:.1e}" for n, d in diffs.items()) + f" -> parity: {'OK' if ok else 'FAILED'}")
 
-    rank0 = {n: statistics.median(results[0][n][1]) for n in METHODS}
-    worst = {n: max(statistics.median(r[n][1]) for r in results) for n in METHODS}
+    rank0 = {n: statistics.median(results[0][n][1]) for n in setting.methods}
+    worst = {n: max(statistics.median(r[n][1]) for r in results) for n in setting.methods}
     best_name = min(BASELINES, key=lambda n: worst[n])
     best = worst[best_name]
-    print(f"{'method':<20}{'median ms (rank 0)':>20}{'max over ranks':>16}{'/ best baseline':>17}")
-    for n in METHODS:
-        print(f"{n:<20}{rank0[n] * 1e3:>20.1f}{worst[n] * 1e3:>16.1f}{worst[n] / best:>17.2f}")
+    print(f"{'method':<22}{'median ms (rank 0)':>20}{'max over ranks':>16}{'/ best baseline':>17}")
+    for n in setting.methods:
+        print(f"{n:<22}{rank0[n] * 1e3:>20.1f}{worst[n] * 1e3:>16.1f}{worst[n] / best:>17.2f}")
     print(f"(median of {len(results[0][METHODS[0]][1])} timed steps per method after {setting.warmup} warm-up steps; "
           f"best baseline: {best_name})")
     for n in MESHPLAN:
@@ -269,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="timed steps per method (>= 10 for reported figures)")
     ap.add_argument("--rounds", type=int, default=3, help="timed steps are split into this many interleaved rounds")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--also-dp", action="store_true", help=f"add the diagnostic row {DP_PLAN!r}")
     args = ap.parse_args(argv)
     if args.quick:
         args.worlds, args.sizes, args.steps, args.rounds = [2], ["small"], 3, 1
@@ -279,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     for world in args.worlds:
         for size in args.sizes:
             ok &= run_setting(Setting(world=world, size=size, warmup=args.warmup, steps=args.steps,
-                                      rounds=min(args.rounds, args.steps)))
+                                      rounds=min(args.rounds, args.steps), methods=METHODS + (DP_PLAN,) * args.also_dp))
     if not ok:
         print("parity FAILED in at least one setting: the timings above are not comparable", file=sys.stderr)
     return 0 if ok else 1
