@@ -7,6 +7,7 @@ parameters become one parameter node, so a plan can never place them differently
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import sysconfig
@@ -18,6 +19,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
 from torch.export.graph_signature import InputKind
 
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
@@ -77,6 +80,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(model, args, kwargs, strict=False)
+            if _decompose_in_place(ep.graph_module):
+                return ep
             table = torch.export.default_decompositions()
             for op in KEEP_WHOLE:
                 table.pop(op, None)
@@ -89,6 +94,82 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
             f"could not trace {type(model).__name__} with torch.export (non-strict) at {line}: {type(e).__name__}: "
             f"{first} (the full torch.export error is this exception's __cause__)"
         ) from e
+
+
+@functools.lru_cache(maxsize=1)
+def _decomposition_table() -> dict:
+    table = dict(torch.export.default_decompositions().items())
+    for op in KEEP_WHOLE:
+        table.pop(op, None)
+    return table
+
+
+def _decompose_in_place(gm: fx.GraphModule) -> bool:
+    """Lower the export graph to core ATen node by node, as `run_decompositions` would, but trace
+    each distinct (op, shapes, static args) once and splice copies of it in: repeated layers ask
+    for the same decompositions, and retracing the whole program was over half of the trace time.
+
+    Returns False, changing nothing, when the graph mutates tensors (functionalisation needs the
+    whole-program pass)."""
+    table = _decomposition_table()
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    if any(n.target._schema.is_mutable for n in calls):
+        return False
+    templates: dict[tuple, fx.GraphModule] = {}
+    for node in calls:
+        if node.target in KEEP_WHOLE or (node.target not in table and not _composite(node.target)):
+            continue
+        flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+        tensor_at = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
+        metas = [flat[i].meta["val"] for i in tensor_at]
+        static = [a if not isinstance(a, fx.Node) else None for a in flat]
+        key = (node.target, repr(static), spec, tuple((tuple(m.shape), tuple(m.stride()), m.dtype) for m in metas))
+        if key not in templates:
+            def call(*tensors, _flat=flat, _spec=spec, _op=node.target):
+                values = list(_flat)
+                for i, t in zip(tensor_at, tensors):
+                    values[i] = t
+                args, kwargs = pytree.tree_unflatten(values, _spec)
+                return _op(*args, **kwargs)
+
+            examples = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="meta") for m in metas]
+            templates[key] = make_fx(call, decomposition_table=table)(*examples)
+        _splice(gm.graph, node, templates[key], [flat[i] for i in tensor_at])
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return True
+
+
+def _composite(op: torch._ops.OpOverload) -> bool:
+    """An op torch defines by other ops (CompositeImplicitAutograd): tracing below autograd decomposes it."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def _splice(graph: fx.Graph, node: fx.Node, template: fx.GraphModule, inputs: list[fx.Node]) -> None:
+    """Replace `node` by a copy of `template`'s body fed with `inputs`; new nodes keep `node`'s module stack."""
+    env: dict[fx.Node, Any] = {}
+    placeholders = iter(inputs)
+    result = None
+    with graph.inserting_before(node):
+        for t in template.graph.nodes:
+            if t.op == "placeholder":
+                env[t] = next(placeholders)
+            elif t.op == "output":
+                result = fx.node.map_arg(t.args[0], lambda a: env[a])
+            else:
+                new = graph.node_copy(t, lambda a: env[a])
+                for key in ("nn_module_stack", "stack_trace"):
+                    if key in node.meta:
+                        new.meta[key] = node.meta[key]
+                env[t] = new
+    if isinstance(result, fx.Node):
+        node.replace_all_uses_with(result)
+    else:  # a multi-output op: its getitem users take the matching part
+        for user in list(node.users):
+            assert user.target is operator.getitem, f"{node.format_node()} has a non-getitem user {user.format_node()}"
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    graph.erase_node(node)
 
 
 _LIBRARY_DIRS = tuple(
