@@ -161,11 +161,13 @@ def _communicate(step: CommStep, x: torch.Tensor, n: int, group) -> torch.Tensor
         x = x.contiguous()
         buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
         dist.all_gather_single(buf, x, group=group)
-        out = torch.cat(buf.view((n,) + tuple(x.shape)).unbind(0), dim=step.dim)
+        # gathered rank after rank along dim 0: that already is the result for dim 0 (no second copy)
+        out = buf if step.dim == 0 else torch.cat(buf.view((n,) + tuple(x.shape)).unbind(0), dim=step.dim)
     elif step.kind == "reduce_scatter":
-        pieces = torch.stack([c.contiguous() for c in x.chunk(n, dim=step.dim)])
-        out = pieces.new_empty(pieces.shape[1:])
-        dist.reduce_scatter_single(out, pieces.view((-1,) + tuple(pieces.shape[2:])), group=group)
+        # a contiguous tensor already holds its dim-0 chunks rank after rank: no stacked copy for dim 0
+        pieces = x.contiguous() if step.dim == 0 else torch.cat(x.chunk(n, dim=step.dim))
+        out = pieces.new_empty((pieces.shape[0] // n,) + tuple(pieces.shape[1:]))
+        dist.reduce_scatter_single(out, pieces, group=group)
     elif step.kind == "all_to_all":
         pieces = torch.stack([c.contiguous() for c in x.chunk(n, dim=step.dim2)])
         recv = torch.empty_like(pieces)

@@ -1,0 +1,34 @@
+"""benchmarks/vs_baselines.py --quick runs end to end: every method trains with single-process parity.
+
+Speed targets live in the benchmark's output, not here: this only checks that it runs, that every
+method's first losses match the single-process run, and that it prints its ratio lines.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("meshplan (global)", "meshplan (local)", "DDP", "FSDP2", "TP")
+
+
+def test_vs_baselines_quick_runs_with_parity():
+    proc = subprocess.run([sys.executable, "benchmarks/vs_baselines.py", "--quick"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    (parity,) = [line for line in out.splitlines() if line.startswith("parity")]
+    assert parity.endswith("parity: OK"), parity
+    for method in METHODS:  # each method's largest loss difference is printed and within the tolerance
+        diff = re.search(re.escape(method) + r" ([0-9.e+-]+)", parity)
+        assert diff and float(diff.group(1)) <= 1e-4, (method, parity)
+        assert re.search(r"^" + re.escape(method) + r"\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\d$", out, re.M), method
+    ratios = re.findall(r"meshplan \((global|local)\) / best baseline = \d+\.\d\d \(target <= 1\.05\): (met|NOT met)", out)
+    assert sorted(m for m, _ in ratios) == ["global", "local"], out
