@@ -12,17 +12,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshplan.cost_model.memory import format_bytes
 from meshplan.cost_model.presets import ClusterPreset, get_cluster
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
 from meshplan.planner.annotations import AnnotationError, module_annotations
 from meshplan.planner.constraints import Annotations
 from meshplan.planner.plan import Plan
-from meshplan.cost_model.memory import format_bytes
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
+from meshplan.progress import phase
 from meshplan.runtime.collectives import resolve_timeout
 from meshplan.runtime.launch import init_torchrun_group
-from meshplan.progress import phase
 from meshplan.runtime.parallel_module import ParallelModule
 
 log = logging.getLogger("meshplan")

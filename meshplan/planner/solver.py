@@ -96,6 +96,10 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
 
     Returns the smaller problem and, per folded node (in fold order), its root and the strategy
     it takes for each strategy of the root.
+
+    A follower takes its cheapest option per root strategy (ties to the smaller one). Under a
+    binding memory budget this can drop a slower but smaller option of a follower; followers are
+    views and pointwise ops, whose options for one input layout rarely differ in memory.
     """
     node_costs = {k: list(v) for k, v in problem.node_costs.items()}
     node_memory = {k: list(problem.node_memory.get(k) or [0.0] * len(v)) for k, v in node_costs.items()}
