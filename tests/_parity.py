@@ -45,7 +45,11 @@ def loss_fn(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train(model, x, y, name: str, steps: int = STEPS) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return run_steps(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), x, y, name, steps)
+
+
+def run_steps(model, opt, x, y, name: str, steps: int) -> list[float]:
+    """`steps` training steps with the given optimizer; the loss of each."""
     losses = []
     for _ in range(steps):
         opt.zero_grad()

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
-from _parity import BATCH, loss_fn, megatron_layouts
+from _parity import BATCH, megatron_layouts, run_steps
 
 import meshplan
 import meshplan.models
@@ -45,14 +45,7 @@ def _plan(mesh_shape, megatron: bool):
 
 
 def _steps(pmodel, opt, x, y, n):
-    losses = []
-    for _ in range(n):
-        opt.zero_grad()
-        loss = loss_fn(NAME, pmodel(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return run_steps(pmodel, opt, x, y, NAME, n)
 
 
 def _save_worker(rank, world, plan, path):

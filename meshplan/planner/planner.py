@@ -131,14 +131,13 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         elif node.kind in ("param", "buffer"):
             layout = s.outputs[0]
             trainable = node.kind == "param" and node.grad(0)
-            comm_s += cost
             axes = grad_sync_axes(layout) if trainable else ()
             axes = tuple(a for a in axes if shape[a] > 1)
             params.append(ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype))
         elif node.kind == "input":
             inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
     buckets = _grad_buckets(graph, params, shape, cluster)
-    comm_s += sum(b.time_s for b in buckets) - sum(p.time_s for p in params)
+    comm_s += sum(b.time_s for b in buckets)  # gradient sync as the runtime runs it, not per parameter
     assert abs(memory.total - solution.memory) <= 1e-6 * max(memory.total, 1.0) + 1, (
         f"plan memory {memory.total} differs from the solver's {solution.memory}"
     )
