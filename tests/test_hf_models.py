@@ -5,6 +5,9 @@ One launch runs all ten plans."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from _hf_parity import hf_check_parity, hf_plan, hf_rank_worker
@@ -12,13 +15,27 @@ from _hf_parity import hf_check_parity, hf_plan, hf_rank_worker
 from meshplan.cost_model.compute import op_flops
 from meshplan.inspect.ops import graph_ops
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.trace import trace
-from meshplan.models.hf import HF_MODELS, hf_model
+from meshplan.models.hf import HF_MODELS
 from meshplan.runtime.launch import run_local
 
 MESHES = [(4,), (2, 2)]
 HEAVY = 0.01
 """An op above this share of the model's FLOPs may not run replicated."""
+
+
+def _gen_models():
+    spec = importlib.util.spec_from_file_location("gen_models", Path(__file__).resolve().parents[1] / "docs" / "gen_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GEN = _gen_models()
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    return GEN.graphs()
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +52,11 @@ def test_hf_models_train_with_parity_on_both_meshes(plans):
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
-def test_no_heavy_op_is_replicated(name, plans):
+def test_no_heavy_op_is_replicated(name, plans, graphs):
     """No op above 1% of the FLOPs lacks a rule or has only replicated candidates, and no plan runs
     one on the replicate fallback. (The solver may still choose to compute one whole where moving
     its inputs costs more than the compute, as for GPT-2's small LM head on a 4-way batch.)"""
-    model, args, kwargs = hf_model(name)
-    graph = trace(model, args, kwargs)
+    graph = graphs[name]
     for mesh in MESHES:
         report = graph_ops(graph, MeshSpec(mesh))
         assert report.total_flops > 0
@@ -54,12 +70,16 @@ def test_no_heavy_op_is_replicated(name, plans):
             assert chosen[o.node].source != "fallback", f"{name}: {o.node} ({o.target}) falls back"
 
 
-def test_flop_shares_add_up():
-    model, args, kwargs = hf_model("gpt2")
-    graph = trace(model, args, kwargs)
+def test_flop_shares_add_up(graphs):
+    graph = graphs["gpt2"]
     report = graph_ops(graph, MeshSpec((4,)))
     assert abs(sum(o.share for o in report.ops) - 1.0) < 1e-9
     mm = [o for o in report.ops if o.target == "aten.addmm.default"]
     # GPT-2's 8 block projections and no others are addmm; each is 2*M*K*N
     assert len(mm) == 8 and all(o.flops == op_flops(o.target, [graph.meta(r) for r in graph[o.node].inputs], []) for o in mm)
     assert mm[0].flops == 2 * 64 * 64 * 192
+
+
+def test_models_page_is_current(graphs):
+    """docs/models.md is what docs/gen_models.py writes for the models as they trace now."""
+    assert GEN.PAGE.read_text() == GEN.render(graphs), "docs/models.md is out of date: run python docs/gen_models.py"
