@@ -47,20 +47,21 @@ def hf_gpt2():
     )
     torch.manual_seed(0)
     tokens = _tokens(1)
-    return tf.GPT2LMHeadModel(cfg), (tokens,), {"labels": tokens}
+    return tf.GPT2LMHeadModel(cfg), (tokens,), {"labels": tokens.clone()}
 
 
-def hf_llama():
-    """LlamaForCausalLM: 2 layers, width 64, 4 query / 2 key-value heads, SwiGLU 128, vocabulary 128."""
+def hf_llama(vocab: int = VOCAB):
+    """LlamaForCausalLM: 2 layers, width 64, 4 query / 2 key-value heads, SwiGLU 128, vocabulary 128
+    (or `vocab`: a large one makes the logits, not the weights, the tensor worth not moving)."""
     tf = _transformers()
     cfg = tf.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=SEQ,
         attention_dropout=0.0, use_cache=False, attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    tokens = _tokens(1)
-    return tf.LlamaForCausalLM(cfg), (tokens,), {"labels": tokens}
+    tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return tf.LlamaForCausalLM(cfg), (tokens,), {"labels": tokens.clone()}
 
 
 def hf_bert():
@@ -104,11 +105,17 @@ def hf_vit():
     return tf.ViTForImageClassification(cfg), (pixels,), {"labels": labels}
 
 
-_FACTORIES = {"gpt2": hf_gpt2, "llama": hf_llama, "bert": hf_bert, "t5": hf_t5, "vit": hf_vit}
+def hf_llama_big_vocab():
+    """`hf_llama` with a vocabulary of 32768: 8 MB of logits, which moving costs more than the all-reduces
+    of a vocabulary-parallel loss on this machine's gloo links."""
+    return hf_llama(vocab=32768)
+
+
+_FACTORIES = {"gpt2": hf_gpt2, "llama": hf_llama, "bert": hf_bert, "t5": hf_t5, "vit": hf_vit, "llama_big_vocab": hf_llama_big_vocab}
 
 
 def hf_model(name: str):
-    """`(model, example_inputs, example_kwargs)` of the tiny model `name` (one of `HF_MODELS`)."""
+    """`(model, example_inputs, example_kwargs)` of the tiny model `name` (one of `HF_MODELS`, or 'llama_big_vocab')."""
     if name not in _FACTORIES:
-        raise ValueError(f"unknown Hugging Face model {name!r}; allowed: {', '.join(HF_MODELS)}")
+        raise ValueError(f"unknown Hugging Face model {name!r}; allowed: {', '.join(_FACTORIES)}")
     return _FACTORIES[name]()

@@ -512,12 +512,9 @@ def _from_style(idx: _Index, mesh: MeshSpec, pattern: str, style) -> list[Constr
             )
         inside = {n.name for n in idx.ops_in(path)}
         embedding = any(idx.graph[c].target == "aten.embedding.default" for c, _ in idx.consumers[weight.name] if c in inside)
-        if embedding and name == "rowwise":
-            raise AnnotationError(
-                f"{source}: 'rowwise' on the embedding {path} shards the vocabulary, which needs a masked partial lookup "
-                "meshplan does not run yet; use 'colwise' (shards the embedding dim)"
-            )
-        w_dim = (1 if embedding else 0) if name == "colwise" else 1
+        # an embedding's weight is [vocab, dim]: 'rowwise' splits the vocabulary (masked lookup, partial output;
+        # see planner/masked.py), 'colwise' the embedding dim, as torch's styles do on nn.Embedding
+        w_dim = (1 if embedding else 0) if name == "colwise" else (0 if embedding else 1)
         out.append(Constraint(weight.name, "out", 0, on_tp(Shard(w_dim)), f"{path}.weight", source))
         bias = params.get("bias")
         if bias is not None:

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshplan.cost_model.kernels import kernel_steps
 from meshplan.cost_model.memory import MemoryBreakdown
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.ir.mesh import MeshSpec
@@ -153,6 +154,11 @@ class Plan:
         for t in self.transfers:
             c.update(f"forward:{s.kind}" for s in t.forward if s.communicates)
             c.update(f"backward:{s.kind}" for s in t.backward if s.communicates)
+        for n in self.nodes:  # collectives inside sharded kernels (vocabulary-parallel log-softmax)
+            if n.strategy.kernel:
+                fwd, bwd = kernel_steps(n.strategy.kernel, n.strategy.outputs, [None], self.mesh.shape)
+                c.update(f"forward:{s.kind}" for s in fwd)
+                c.update(f"backward:{s.kind}" for s in bwd)
         if include_grad_sync:
             c.update("grad_sync:all_reduce" for _ in self.buckets)
         return c

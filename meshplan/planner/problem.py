@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshplan.cost_model.compute import is_view
+from meshplan.cost_model.kernels import kernel_time
 from meshplan.cost_model.estimate import compute_time, grad_sync_time, local_bytes, transfer_time
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset
@@ -29,7 +30,34 @@ def grad_flows(graph: Graph, ref: TensorRef, consumer: Node) -> bool:
     """A gradient comes back along this edge: the tensor needs one and the consumer passes one on."""
     if not graph[ref.node].grad(ref.index):
         return False
-    return consumer.kind == "output" or any(consumer.requires_grad)
+    outputs, reached = gradient_paths(graph)
+    return ref in outputs if consumer.kind == "output" else consumer.name in reached and any(consumer.requires_grad)
+
+
+_PATHS: dict[int, tuple[Graph, frozenset, frozenset]] = {}
+
+
+def gradient_paths(graph: Graph) -> tuple[frozenset, frozenset]:
+    """(outputs that receive a gradient, op nodes a gradient reaches in backward).
+
+    Every output that requires grad receives one, unless the model returns a scalar loss (a
+    Hugging Face model given `labels=`): then the user backpropagates that loss and the other
+    outputs (logits, hidden states) get none, nor do ops that only feed them."""
+    cached = _PATHS.get(id(graph))
+    if cached is not None and cached[0] is graph:
+        return cached[1], cached[2]
+    refs = [r for r in graph.output.inputs if graph[r.node].grad(r.index)]
+    losses = [r for r in refs if graph.meta(r).shape == ()]
+    outputs = frozenset(losses or refs)
+    reached: set[str] = {r.node for r in outputs}
+    for node in reversed(graph.nodes):
+        if node.name in reached:
+            reached.update(r.node for r in node.inputs)
+    result = frozenset(n for n in reached if graph[n].kind == "op")
+    if len(_PATHS) > 8:
+        _PATHS.clear()
+    _PATHS[id(graph)] = (graph, outputs, result)
+    return outputs, result
 
 
 def node_memory(node: Node, strategy: Strategy, mesh_shape: tuple[int, ...], optimizer: str) -> MemoryBreakdown:
@@ -100,7 +128,11 @@ def build_tables(
         if node.kind == "op":
             in_metas = [graph.meta(r) for r in node.inputs]
             grad = any(node.requires_grad)
-            costs = [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad) for s in strategies]
+            costs = [
+                compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad)
+                + (kernel_time(s.kernel, s.outputs, node.outputs, shape, cluster, backward=grad) if s.kernel else 0.0)
+                for s in strategies
+            ]
         elif node.kind == "param" and node.grad(0):
             costs = [grad_sync_time(node.out, s.outputs[0], shape, cluster) for s in strategies]
         else:

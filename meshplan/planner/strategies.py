@@ -1,7 +1,8 @@
 """Candidate strategies for every node: DTensor's registered op rules, meshplan's own, or a named fallback.
 
 DTensor's rules are queried without devices (a DeviceMesh with no process group, TensorMeta for
-tensors). Layouts meshplan does not execute (strided or masked shards, max/min partials) and
+tensors). DTensor's masked partials (vocabulary-parallel lookups) become kernel strategies
+(`planner/masked.py`); layouts meshplan does not execute (strided shards, max/min partials) and
 uneven shards are filtered out, so every candidate is one the runtime runs as a local op; the
 uneven ones are kept in `Candidates.rejected` with the reason, so a plan can explain them.
 """
@@ -29,6 +30,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlacehold
 from meshplan.ir.graph import Graph, Node, TensorMeta
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Partial, Placements, Replicate, Shard, from_dtensor, is_even, to_dtensor
+from meshplan.planner.masked import from_mask_partial, is_mask_partial
 from meshplan.planner.rules import RULES
 from meshplan.planner.strategy import Strategy
 
@@ -192,29 +194,37 @@ def _expand_rows(rows: list, node: Node, in_metas: list[TensorMeta], mesh: MeshS
     """Single-axis rows (with DTensor's shard placeholders) -> full-mesh strategies."""
     n_out, n_in = len(node.outputs), len(in_metas)
     axis_rows: list[list] = [[Replicate() if m is not None else None for m in node.outputs] + [Replicate()] * n_in]
+    kernels: list[str] = [""]
     for row in rows:
         if len(row) != n_out + n_in:
             return []
+        kernel = getattr(row, "kernel", "") or ("masked" if any(is_mask_partial(p) for p in row) else "")
         conv = []
-        for p in row:
+        for i, p in enumerate(row):
             if p is None:
                 conv.append(None)
             elif isinstance(p, _ShardingPlaceholder):
                 conv.append(Shard(p.dim))
             elif isinstance(p, (Shard, Replicate, Partial)):
                 conv.append(p)
+            elif is_mask_partial(p):
+                conv.append(from_mask_partial(p, is_input=i >= n_out))
             else:
                 conv.append(from_dtensor(p) or "skip")
         if "skip" in conv or any(isinstance(p, Partial) and p.op == "avg" for p in conv[n_out:]):
             continue
         if conv not in axis_rows:
             axis_rows.append(conv)
+            kernels.append(kernel)
     out: list[Strategy] = []
-    for combo in itertools.product(axis_rows, repeat=mesh.ndim):
-        per_tensor = list(zip(*combo))  # tensor -> placements over axes
+    for combo in itertools.product(range(len(axis_rows)), repeat=mesh.ndim):
+        per_tensor = list(zip(*(axis_rows[r] for r in combo)))  # tensor -> placements over axes
         outs = tuple(None if node.outputs[i] is None else tuple(per_tensor[i]) for i in range(n_out))
         ins = tuple(tuple(per_tensor[n_out + j]) for j in range(n_in))
-        _keep_even(Strategy(ins, outs, source), node, in_metas, mesh, out, rejected)
+        used = {kernels[r] for r in combo} - {""}
+        if len(used) > 1:  # two different kernels on two axes: not a program the runtime has
+            continue
+        _keep_even(Strategy(ins, outs, source, used.pop() if used else ""), node, in_metas, mesh, out, rejected)
     return out
 
 
@@ -253,13 +263,15 @@ def _from_op_strategy(
         ins_dt = spec.input_specs if spec.input_specs is not None else [spec.output_specs] * len(node.inputs)
         if len(ins_dt) != len(node.inputs):
             continue
-        conv_in = [_conv(s.placements) for s in ins_dt]
+        conv_in = [_conv(s.placements, is_input=True) for s in ins_dt]
         conv_out = [None if s is None else _conv(s.placements) for s in outs_dt]
         if len(conv_out) == 1 and len(node.outputs) > 1:
             conv_out = conv_out * len(node.outputs)
         if any(p is False for p in conv_in + conv_out) or len(conv_out) != len(node.outputs):
             continue
-        s = Strategy(tuple(conv_in), tuple(None if m is None else c for m, c in zip(node.outputs, conv_out)), "dtensor")
+        masked = any(is_mask_partial(p) for s in list(ins_dt) + list(outs_dt) if s is not None for p in s.placements)
+        s = Strategy(tuple(conv_in), tuple(None if m is None else c for m, c in zip(node.outputs, conv_out)), "dtensor",
+                     "masked" if masked else "")
         _keep_even(s, node, in_metas, mesh, out, rejected)
     return out
 
@@ -276,8 +288,8 @@ def _without_dtensor_costs():
         dt_utils.redistribute_cost = saved
 
 
-def _conv(placements) -> Placements | bool:
-    conv = tuple(from_dtensor(p) for p in placements)
+def _conv(placements, *, is_input: bool = False) -> Placements | bool:
+    conv = tuple(from_mask_partial(p, is_input=is_input) if is_mask_partial(p) else from_dtensor(p) for p in placements)
     return False if any(p is None for p in conv) else conv
 
 

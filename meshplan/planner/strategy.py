@@ -19,18 +19,25 @@ class Strategy:
     """Layout of each output; None for a non-tensor output."""
     source: str = "dtensor"
     """Where the rule came from: dtensor, meshplan (our registry), fallback (replicate) or leaf."""
+    kernel: str = ""
+    """Non-empty when the op does not run as its plain local op but as a sharded kernel
+    (`runtime/kernels.py`): 'masked' (vocabulary-parallel lookups: DTensor's MaskPartial) or
+    'log_softmax(dim=d)' (max/sum all-reduces inside the op, `cost_model/kernels.py`)."""
 
     def __str__(self) -> str:
         ins = ",".join(fmt(p) for p in self.inputs)
         outs = ",".join("-" if p is None else fmt(p) for p in self.outputs)
-        return f"{ins or '()'}->{outs}"
+        return f"{ins or '()'}->{outs}" + (f" [{self.kernel}]" if self.kernel else "")
 
     def to_json(self) -> dict:
-        return {
+        d = {
             "inputs": [fmt(p) for p in self.inputs],
             "outputs": [None if p is None else fmt(p) for p in self.outputs],
             "source": self.source,
         }
+        if self.kernel:  # only when set: plan files (and hashes) without kernels stay as they were
+            d["kernel"] = self.kernel
+        return d
 
     @staticmethod
     def from_json(d: dict) -> Strategy:
@@ -38,4 +45,5 @@ class Strategy:
             tuple(parse(p) for p in d["inputs"]),
             tuple(None if p is None else parse(p) for p in d["outputs"]),
             d["source"],
+            d.get("kernel", ""),
         )

@@ -20,6 +20,7 @@ from meshplan.ir.placement import local_shape
 from meshplan.ir.trace import STRIDE_SAFE, TracedProgram
 from meshplan.planner.plan import Plan, Transfer
 from meshplan.runtime.collectives import MeshComm, StepFunction, scale_grad
+from meshplan.runtime.kernels import local_kernel
 
 # ops whose argument at this index is the (global) shape of their output; DTensor keeps the same table
 SHAPE_ARG = dict(DTensor._op_dispatcher.sharding_propagator.op_to_shape_and_stride_idx)
@@ -47,6 +48,7 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
     """The per-rank program: same placeholders as the traced graph, local tensors throughout."""
     transfers: dict[tuple[str, int], Transfer] = {(t.consumer, t.position): t for t in plan.transfers}
     out_layout = {n.name: n.strategy.outputs for n in plan.nodes}
+    strategy = {n.name: n.strategy for n in plan.nodes}
     root = nn.Module()
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -73,7 +75,13 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
         elif n.op == "call_function":
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), moved(n.name))
             args = _localise_shape(n, list(args), out_layout.get(n.name), plan.mesh.shape)
-            env[n] = graph.call_function(STRIDE_SAFE.get(n.target, n.target), tuple(args), kwargs)
+            kernel = local_kernel(n, strategy.get(n.name), comm)
+            if kernel is not None:  # a sharded kernel (vocabulary-parallel lookup, log-softmax) in place of the op
+                name = f"kernel_{len(root._modules)}"
+                root.add_module(name, kernel)
+                env[n] = graph.call_module(name, tuple(args), kwargs)
+            else:
+                env[n] = graph.call_function(STRIDE_SAFE.get(n.target, n.target), tuple(args), kwargs)
         elif n.op == "output":
             outs = fx.node.map_arg(n.args[0], moved("output"))
             # the user's loss sees whole (or, with inputs="local", per-rank) outputs: its gradient

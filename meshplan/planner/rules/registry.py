@@ -15,6 +15,14 @@ RuleFn = Callable[[Sequence[object], dict], list[Row]]
 RULES: dict[str, RuleFn] = {}
 
 
+class KernelRow(list):
+    """A row the op can only run as the sharded kernel `kernel` (see `Strategy.kernel`)."""
+
+    def __init__(self, placements, kernel: str) -> None:
+        super().__init__(placements)
+        self.kernel = kernel
+
+
 def register_rule(*ops: object) -> Callable[[RuleFn], RuleFn]:
     """Register `fn` as the rule of each op (an OpOverload or its string name)."""
 
