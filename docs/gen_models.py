@@ -44,6 +44,35 @@ Rule sources: **dtensor** (DTensor's registered op strategy), **meshplan** (mesh
 design), **fallback** (no rule: the op runs replicated on every device, with a warning).
 *Splits* says whether some candidate strategy shards the op's work on the {MESH[0]} x {MESH[1]} mesh.
 FLOP shares count forward FLOPs on whole tensors (`meshplan.cost_model.compute.op_flops`).
+
+## What these models exercise
+
+- **Vocabulary parallelism.** DTensor's masked-partial rules for `embedding` and `gather` are
+  candidates: the table is split along the vocabulary, the ids arrive whole and each device looks
+  up only its own rows (`Strategy.kernel == "masked"`, `meshplan/runtime/kernels.py`), giving a
+  partial sum that is all-reduced or reduce-scattered like any other. `_log_softmax` split along
+  its softmax dim runs as a kernel that all-reduces the row max and the row sum of exponentials
+  (and the gradient's row sum in backward) instead of gathering the logits, as torch's
+  `loss_parallel` does; the plan lists, prices and counts those all-reduces. With a vocabulary of
+  32,768 (`hf_llama_big_vocab`) and the batch not split, the solver picks vocabulary-parallel
+  logits, log-softmax and gather by itself and no logits are ever gathered
+  (`tests/test_vocab_parallel.py`, with parity). `parallelize_plan` style `"rowwise"` on an
+  embedding now means the vocabulary split.
+- **Sequence parallelism (Megatron-SP).** Norms between tensor-parallel regions can take
+  `Shard(1)` (the sequence) layouts; a row-parallel output then reaches them by reduce-scatter and
+  leaves them by all-gather, instead of an all-reduce. `parallelize_plan` style
+  `"sequence_parallel"` forces it; `tests/test_sequence_parallel_hf.py` checks the collectives and
+  parity on Hugging Face Llama. On this machine's cost model the solver does not choose it
+  unforced for these tiny models (one extra collective call costs more than the norm compute it
+  splits).
+- **Tracing.** `no_grad` / disabled-autocast regions (Llama's rotary embedding) are inlined, export's
+  dtype/device assertions dropped, decompositions traced on fake tensors that keep their device;
+  in-place ops (T5's `shift_right`) are functionalised. Tied layers are matched by aligning their
+  op sequences, so T5's first block (which alone computes the position bias) still ties with the
+  others.
+- **Gradients of returned tensors.** A model that returns a scalar loss is planned as trained by
+  that loss: its other outputs (logits, hidden states) get no gradient, so the plan lists no
+  backward collectives for them.
 """
 
 
