@@ -55,6 +55,8 @@ class Transfer:
     backward: tuple[CommStep, ...]
     """Steps autograd runs for the gradient (empty when no gradient flows)."""
     time_s: float
+    recompute: bool = False
+    """The consumer's layer is recomputed: the forward steps run again during backward."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,8 @@ class Plan:
     """Gradient all-reduce buckets, launched in this order during backward."""
     alternatives: tuple[NodeAlternatives, ...] = ()
     """Per parameter, input and costly op: the other candidates and what ruled some out (`explain`)."""
+    recompute: tuple[str, ...] = ()
+    """Layers whose activations are recomputed in backward (each runs under torch.utils.checkpoint)."""
     version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ queries
@@ -153,6 +157,8 @@ class Plan:
         for t in self.transfers:
             c.update(f"forward:{s.kind}" for s in t.forward if s.communicates)
             c.update(f"backward:{s.kind}" for s in t.backward if s.communicates)
+            if t.recompute:
+                c.update(f"recompute:{s.kind}" for s in t.forward if s.communicates)
         if include_grad_sync:
             c.update("grad_sync:all_reduce" for _ in self.buckets)
         return c
@@ -270,7 +276,10 @@ def _decode_plan(d: dict) -> Plan:
         cluster=d["cluster"],
         nodes=tuple(NodeChoice(n["name"], n["target"], n["module_path"], Strategy.from_json(n["strategy"]), n["time_s"]) for n in d["nodes"]),
         transfers=tuple(
-            Transfer(t["tensor"], t["consumer"], t["position"], parse(t["src"]), parse(t["dst"]), steps(t["forward"]), steps(t["backward"]), t["time_s"])
+            Transfer(
+                t["tensor"], t["consumer"], t["position"], parse(t["src"]), parse(t["dst"]), steps(t["forward"]), steps(t["backward"]), t["time_s"],
+                recompute=t.get("recompute", False),
+            )
             for t in d["transfers"]
         ),
         params=tuple(_decode_param(p, seq) for p in seq(d["params"])),
@@ -282,6 +291,7 @@ def _decode_plan(d: dict) -> Plan:
         fallbacks=seq(d["fallbacks"]),
         buckets=tuple(GradBucket(seq(b["axes"]), seq(b["params"]), b["nbytes"], b["time_s"]) for b in seq(d["buckets"])),
         alternatives=tuple(NodeAlternatives.from_dict(a) for a in seq(d["alternatives"])),
+        recompute=seq(d.get("recompute", [])),
         version=d["version"],
     )
 
