@@ -158,3 +158,30 @@ def test_collectives_use_the_fit_for_their_group_and_world():
     assert local_copy_bytes(step, 2) == 1000 and local_copy_bytes(CommStep("all_gather", 1, dim=0, nbytes=1000), 2) == 0
     assert steps_time([step], (2, 2), cluster) == pytest.approx(1e-3 + 1e-5 + 1000 * 1e-9)
     assert math.isclose(steps_time([CommStep("chunk", 0, dim=1, nbytes=1000)], (2, 2), cluster), 500 * 1e-9)
+
+
+# --- memory formulas ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_zero_stages_match_the_paper_for_mixed_precision_adam(n):
+    from meshplan.cost_model.memory import zero_state_bytes
+
+    psi = 7_500_000 * n * 2  # divisible by every n used
+    expected = {0: 16 * psi, 1: 4 * psi + 12 * psi // n, 2: 2 * psi + 14 * psi // n, 3: 16 * psi // n}
+    for stage, total in expected.items():
+        assert zero_state_bytes(psi, n, stage).total == total, stage
+
+
+def test_training_state_per_optimizer_and_precision():
+    from meshplan.cost_model.memory import training_state_bytes, zero_state_bytes
+
+    fp32_adam = training_state_bytes(1000)
+    assert (fp32_adam.params, fp32_adam.grads, fp32_adam.optimizer) == (4000, 4000, 8000)
+    assert training_state_bytes(1000, optimizer="sgd").optimizer == 0
+    assert training_state_bytes(1000, optimizer="sgd_momentum", state_shards=4).optimizer == 1000
+    assert zero_state_bytes(1000, 4, 0, mixed_precision=False).total == 16000
+    with pytest.raises(ValueError, match="ZeRO stage 4"):
+        zero_state_bytes(1000, 4, 4)
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        training_state_bytes(10, optimizer="lamb")
