@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from meshplan.cost_model.op_profiler import copy_rate, grad_call_overhead, op_overhead, time_op
+from meshplan.cost_model.op_profiler import OPTIMIZERS, copy_rate, grad_call_overhead, op_overhead, optimizer_rate, time_op
 from meshplan.cost_model.profile import Profile, device_name, op_key, profile_path, save_merged, torch_version
 from meshplan.ir.graph import Graph, TensorMeta
 from meshplan.ir.mesh import MeshSpec
@@ -90,11 +90,12 @@ def profile_graph(
         if failed:
             log.warning("%d op shapes could not be timed (the roofline prices them): %s", len(failed), "; ".join(failed[:5]))
         overhead, copy = op_overhead(dev), copy_rate(dev)
+        optimizers = {name: optimizer_rate(name, dev) for name in OPTIMIZERS}
     finally:
         torch.set_num_threads(before)
     return Profile(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=threads or before,
-        ops=timings, copy_seconds_per_byte=copy, op_overhead_s=overhead,
+        ops=timings, copy_seconds_per_byte=copy, op_overhead_s=overhead, optimizer_steps=optimizers,
     )
 
 

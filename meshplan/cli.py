@@ -117,6 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", choices=MODELS, default="gpt", help="which small model (default gpt)")
     demo.set_defaults(handler=_demo)
     _add_profile_parser(commands, common)
+    v = commands.add_parser(
+        "validate", parents=[common], help="cost-model fidelity: predicted vs measured time and memory of several plans",
+        description="Calibrate (unless --profile is given), plan a small GPT with DP, FSDP, TP, DPxTP and the solver's own "
+        "plan on 2 and 4 local gloo processes, measure each, and print predicted vs measured step time and peak memory, "
+        "Spearman rank correlation and median errors (docs/cost_model.md).",
+    )
+    v.add_argument("--profile", help="use this profile instead of measuring one (a path, or 'local')")
+    v.add_argument("--save-profile", help="write the calibration profile here")
+    v.add_argument("--quick", action="store_true", help="a tiny model and two plans on 2 processes (smoke test)")
+    v.add_argument("--steps", type=_positive_int, default=12, help="timed steps per plan (default 12)")
+    v.set_defaults(handler=_validate)
     return parser
 
 
@@ -315,6 +326,18 @@ def _profile_show(args: argparse.Namespace) -> int:
     from meshplan.cost_model.profile import load_profile
 
     print(load_profile(_profile_out(args.path)).summary())
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from meshplan import fidelity
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    profile = args.profile or fidelity.calibrate(quick=args.quick, out=args.save_profile, log=say)
+    rows = fidelity.run(profile, quick=args.quick, steps=args.steps, log=say)
+    print(fidelity.table(rows))
     return 0
 
 

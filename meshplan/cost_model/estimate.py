@@ -169,3 +169,22 @@ def bucket_time(nbytes: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...],
 
 def local_bytes(meta: TensorMeta, layout: Placements, mesh_shape: tuple[int, ...]) -> int:
     return math.prod(local_shape(meta.shape, layout, mesh_shape)) * meta.itemsize
+
+
+_OPTIMIZER_BYTES_PER_ELEMENT = {"adam": 28, "adamw": 28, "sgd": 12, "sgd_momentum": 20, "adagrad": 20, "rmsprop": 20}
+"""Bytes an optimizer step reads + writes per fp32 element without a profile (Adam: reads param,
+grad, exp_avg, exp_avg_sq, writes param, exp_avg, exp_avg_sq)."""
+
+
+def optimizer_step_time(numels: Sequence[int], optimizer: str, mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
+    """Seconds of one `optimizer.step()` over this device's parameter tensors (`numels`, local
+    elements each): the profile's per-tensor + per-element rate (times contention), else memory
+    traffic at the device's bandwidth. The planner's step time does not include it yet; the
+    fidelity benchmark adds it to both plans' predictions alike."""
+    prof = cluster.profile
+    if prof is not None and optimizer in prof.optimizer_steps:
+        per_tensor, per_element = prof.optimizer_steps[optimizer]
+        return (per_tensor * len(numels) + per_element * sum(numels)) * prof.slowdown(math.prod(mesh_shape))
+    if optimizer not in _OPTIMIZER_BYTES_PER_ELEMENT:
+        raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(_OPTIMIZER_BYTES_PER_ELEMENT)}")
+    return _OPTIMIZER_BYTES_PER_ELEMENT[optimizer] * sum(numels) / cluster.device.memory_bandwidth

@@ -164,3 +164,28 @@ def grad_call_overhead(device: torch.device | str = "cpu", runs: int = 30, long:
     short_t, long_t = median_backward(1), median_backward(long)
     per_node = max(long_t - short_t, 0.0) / (long - 1)
     return max(short_t - per_node, 0.0)
+
+
+OPTIMIZERS = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-3), "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3), "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)}
+"""torch optimizers `optimizer_rate` can time, by the names the memory model uses, with torch's defaults."""
+
+
+def optimizer_rate(name: str = "adam", device: torch.device | str = "cpu", runs: int = 9) -> tuple[float, float]:
+    """(seconds per parameter tensor, seconds per element) of `optimizer.step()` with torch's
+    default implementation for the device: from 32 tiny tensors and from one of 2**20 elements."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r} cannot be timed; allowed: {', '.join(OPTIMIZERS)}")
+    device = torch.device(device)
+    timer = Timer(device)
+
+    def step_time(shapes: list[int]) -> float:
+        params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = OPTIMIZERS[name](params)
+        return statistics.median([timer(opt.step) for _ in range(runs + 2)][2:])
+
+    many, big = step_time([16] * 32), step_time([2**20])
+    per_tensor = many / 32
+    return per_tensor, max(big - per_tensor, 0.0) / 2**20

@@ -126,10 +126,13 @@ class Profile:
     """Forward seconds of a tiny op: the floor added to the roofline of ops that were not profiled."""
     backend: str = ""
     """Process-group backend of the collective fits (gloo, nccl)."""
+    optimizer_steps: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    """optimizer name -> (seconds per parameter tensor, seconds per element) of `optimizer.step()`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", MappingProxyType(dict(self.ops)))
         object.__setattr__(self, "contention", MappingProxyType({int(k): float(v) for k, v in self.contention.items()}))
+        object.__setattr__(self, "optimizer_steps", MappingProxyType({k: (float(a), float(b)) for k, (a, b) in self.optimizer_steps.items()}))
 
     # ---------------------------------------------------------------- lookups the cost model uses
 
@@ -159,6 +162,7 @@ class Profile:
             ops={**self.ops, **other.ops},
             collectives=tuple(keep) + other.collectives,
             contention={**self.contention, **other.contention},
+            optimizer_steps={**self.optimizer_steps, **other.optimizer_steps},
             copy_seconds_per_byte=other.copy_seconds_per_byte or self.copy_seconds_per_byte,
             op_overhead_s=other.op_overhead_s or self.op_overhead_s,
             backend=other.backend or self.backend,
@@ -186,6 +190,7 @@ class Profile:
             "copy_seconds_per_byte": self.copy_seconds_per_byte,
             "op_overhead_s": self.op_overhead_s,
             "contention": {str(k): v for k, v in sorted(self.contention.items())},
+            "optimizer_steps": {k: list(v) for k, v in sorted(self.optimizer_steps.items())},
             "ops": {k: {"forward_s": t.forward_s, "backward_s": t.backward_s, "runs": t.runs} for k, t in sorted(self.ops.items())},
             "collectives": [
                 {"kind": f.kind, "group": f.group, "world": f.world, "axis": f.axis, "alpha_s": f.alpha_s,
@@ -207,6 +212,7 @@ class Profile:
                 copy_seconds_per_byte=_opt_float(d.get("copy_seconds_per_byte")),
                 op_overhead_s=_opt_float(d.get("op_overhead_s")),
                 contention={int(k): _pos(v) for k, v in d.get("contention", {}).items()},
+                optimizer_steps={_str(k): (_pos(v[0]), _pos(v[1])) for k, v in d.get("optimizer_steps", {}).items()},
                 ops={_str(k): OpTiming(forward_s=_pos(v["forward_s"]), backward_s=_opt_float(v.get("backward_s")), runs=int(v.get("runs", 0)))
                      for k, v in d.get("ops", {}).items()},
                 collectives=tuple(
