@@ -114,41 +114,49 @@ def _peak_during(fn) -> int:
     return peak
 
 
-def _measure_world(rank: int, world: int, plans_json: list[str], cfg: GPTConfig, batch: int, warmup: int, steps: int) -> list[dict]:
+def _measure_world(rank: int, world: int, plans_json: list[str], cfg: GPTConfig, batch: int, warmup: int, steps: int,
+                   rounds: int = 3) -> list[dict]:
+    """Every plan of this world in one process group. Timed steps are interleaved across plans in
+    `rounds` (one untimed step re-warms a plan at the start of each), so a change in background
+    load hits all plans alike."""
+    import time
+
     import meshplan
     from meshplan.planner.plan import Plan
 
-    out = []
+    runs = []
     for text in plans_json:
         plan = Plan.from_json(text)
         model, tokens = build(cfg, batch)
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
         opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
 
-        def step() -> float:
+        def step(pmodel=pmodel, opt=opt, tokens=tokens) -> float:
             loss = pmodel(tokens)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.item()
 
-        losses = [step() for _ in range(warmup)]
-        times = []
-        for _ in range(steps):
-            dist.barrier()
-            t0 = torch.tensor(0.0, dtype=torch.float64)
-            import time
-
-            start = time.perf_counter()
+        for _ in range(warmup):
             step()
-            t0 += time.perf_counter() - start
-            dist.all_reduce(t0, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-            times.append(float(t0))
-        resident = _resident_bytes(pmodel, opt)
-        peak = torch.tensor(float(resident + _peak_during(step)), dtype=torch.float64)
+        runs.append((pmodel, opt, step, []))
+    per_round = max(1, steps // rounds)
+    for _ in range(rounds):
+        for _, _, step, times in runs:
+            step()
+            for _ in range(per_round):
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                t = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+                times.append(float(t))
+    out = []
+    for pmodel, opt, step, times in runs:
+        peak = torch.tensor(float(_resident_bytes(pmodel, opt) + _peak_during(step)), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        out.append({"time_s": statistics.median(times), "peak_bytes": float(peak), "first_loss": losses[0]})
-        del pmodel, opt
+        out.append({"time_s": statistics.median(times), "peak_bytes": float(peak)})
     return out
 
 
@@ -163,6 +171,8 @@ class Row:
     measured_s: float
     predicted_bytes: float
     measured_bytes: float
+    parts_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Predicted compute, communication and optimizer-step seconds (their sum is `predicted_s`)."""
 
     @property
     def time_error(self) -> float:
@@ -198,15 +208,16 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else 0.0
 
 
-def predict(plan, graph, cluster, optimizer: str = "adam") -> tuple[float, float]:
-    """(seconds, bytes) predicted for one training step of `plan` on one device."""
+def predict(plan, graph, cluster, optimizer: str = "adam") -> tuple[tuple[float, float, float], float]:
+    """((compute, communication, optimizer) seconds, peak bytes) predicted for one training step of
+    `plan` on one device."""
     from meshplan.cost_model.estimate import optimizer_step_time
     from meshplan.cost_model.peak import predict_peak
     from meshplan.ir.placement import local_shape
 
     numels = [math.prod(local_shape(p.shape, p.layout, plan.mesh.shape)) for p in plan.params if not p.is_buffer]
-    seconds = plan.step_time_s + optimizer_step_time(numels, optimizer, plan.mesh.shape, cluster)
-    return seconds, float(predict_peak(graph, plan, optimizer=optimizer).peak)
+    opt_s = optimizer_step_time(numels, optimizer, plan.mesh.shape, cluster)
+    return (plan.compute_s + plan.bubble_s, plan.comm_s, opt_s), float(predict_peak(graph, plan, optimizer=optimizer).peak)
 
 
 def run(profile=None, *, quick: bool = False, steps: int = 12, warmup: int = 3, log=print) -> list[Row]:
@@ -234,20 +245,21 @@ def run(profile=None, *, quick: bool = False, steps: int = 12, warmup: int = 3, 
         log(f"measuring {len(mine)} plans on {world} local gloo processes")
         results = run_local(world, _measure_world, [p.to_json() for _, p in mine], cfg, batch, warmup, steps, timeout=1200)[0]
         for (case, plan), got in zip(mine, results):
-            t, m = predict(plan, graph, cluster)
-            rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=t, measured_s=got["time_s"],
-                            predicted_bytes=m, measured_bytes=got["peak_bytes"]))
+            parts, m = predict(plan, graph, cluster)
+            rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=got["time_s"],
+                            predicted_bytes=m, measured_bytes=got["peak_bytes"], parts_s=parts))
     return rows
 
 
 def table(rows: list[Row]) -> str:
     from meshplan.cost_model.memory import format_bytes
 
-    lines = ["| plan | world | mesh | predicted ms | measured ms | error | predicted peak | measured peak | error |",
+    lines = ["| plan | world | mesh | predicted ms (compute + comm + optimizer) | measured ms | error | predicted peak | measured peak | error |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        parts = " + ".join(f"{p * 1e3:.1f}" for p in r.parts_s)
         lines.append(
-            f"| {r.case.name} | {r.case.world} | {'x'.join(map(str, r.mesh))} | {r.predicted_s * 1e3:.2f} | {r.measured_s * 1e3:.2f} | "
+            f"| {r.case.name} | {r.case.world} | {'x'.join(map(str, r.mesh))} | {r.predicted_s * 1e3:.2f} ({parts}) | {r.measured_s * 1e3:.2f} | "
             f"{r.time_error:.0%} | {format_bytes(r.predicted_bytes)} | {format_bytes(r.measured_bytes)} | {r.memory_error:.0%} |"
         )
     rho = spearman([r.predicted_s for r in rows], [r.measured_s for r in rows])

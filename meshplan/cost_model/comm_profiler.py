@@ -125,10 +125,12 @@ def _slowest_median(samples: list[float]) -> float:
 
 def measure_axis(
     mesh_shape: tuple[int, ...], axis: int, *, sizes: Sequence[int] = FULL_SIZES, kinds: Sequence[str] = COLLECTIVE_KINDS,
-    reps: int = 5, warmup: int = 1, budget_s: float = 2.0,
+    reps: int = 5, warmup: int = 1, budget_s: float = 0.3,
 ) -> list[CollectiveFit]:
-    """Fits for every kind on `axis` of `mesh_shape`; call on every rank. Each size gets `reps`
-    timed runs after `warmup`, fewer (at least 2) when one run takes more than `budget_s` / reps."""
+    """Fits for every kind on `axis` of `mesh_shape`; call on every rank. Each size gets at least
+    `reps` timed runs after `warmup` (at least 2 when one run takes longer than `budget_s`), and up
+    to 6x `reps` while they take less than `budget_s` together: small messages, the noisiest, get
+    the most samples."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if math.prod(mesh_shape) != world:
         raise ValueError(f"mesh shape {mesh_shape} has {math.prod(mesh_shape)} devices but the world size is {world}")
@@ -146,13 +148,24 @@ def measure_axis(
             fn = _issue(kind, nbytes, n, pg, ranks, rank)
             for _ in range(warmup):
                 fn()
+            # back-to-back calls, as a step issues them (a barrier before each call would add the
+            # skew of waking every rank to every sample); small messages in batches of up to 8
+            batch = max(1, min(8, 2**20 // max(nbytes, 1)))
+
+            def calls(fn=fn, batch=batch) -> None:
+                for _ in range(batch):
+                    fn()
+
             samples: list[float] = []
-            for _ in range(reps):
+            while True:
                 dist.barrier()
-                samples.append(timer(fn))
-                if len(samples) >= 2 and sum(samples) > budget_s:
+                samples.append(timer(calls) / batch)
+                # every rank must run the same number of collectives: rank 0 decides whether to go on
+                more = torch.tensor([len(samples) < 2 or (len(samples) < 6 * reps and (len(samples) < reps or sum(samples) < budget_s))
+                                     and not (len(samples) >= 2 and sum(samples) > budget_s * reps)], device=_device())
+                dist.broadcast(more, src=0)
+                if not bool(more.item()):
                     break
-            # every rank must run the same number of collectives: agree on how many were timed
             measured.append(_slowest_median(samples))
         alpha, beta = fit_alpha_beta(sizes, measured)
         label = f"{'x'.join(map(str, mesh_shape))} axis {axis}"
@@ -178,21 +191,26 @@ def _workload(seconds: float = 0.4, *, median: bool = False) -> float:
     return statistics.median(times) if median else (time.perf_counter() - start) / len(times)
 
 
-def measure_contention() -> float:
+def measure_contention(pairs: int = 3, seconds: float = 0.3) -> float:
     """Per-rank compute slowdown when every rank works at once: the mean iteration time of all
     ranks working together over the median (undisturbed) iteration of rank 0 working alone. Op
     profiles are medians of undisturbed runs too, so this factor turns them into the wall time a
-    rank sees in a real step, including time-slicing with other ranks and other load."""
-    rank = dist.get_rank()
-    solo = torch.zeros(1, dtype=torch.float64, device=_device())
-    dist.barrier()
-    if rank == 0:
-        solo[0] = _workload(median=True)
-    dist.broadcast(solo, src=0)  # the others sleep in here (gloo waits on its socket)
-    dist.barrier()
-    together = torch.tensor([_workload()], dtype=torch.float64, device=_device())
-    dist.all_reduce(together)
-    return max(float(together.item()) / dist.get_world_size() / float(solo.item()), 1.0)
+    rank sees in a real step, including time-slicing with other ranks and other load on the
+    machine. Solo and together alternate `pairs` times; the median ratio is kept (the load of a
+    shared machine drifts)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ratios = []
+    for _ in range(pairs):
+        solo = torch.zeros(1, dtype=torch.float64, device=_device())
+        dist.barrier()
+        if rank == 0:
+            solo[0] = _workload(seconds, median=True)
+        dist.broadcast(solo, src=0)  # the others sleep in here (gloo waits on its socket)
+        dist.barrier()
+        together = torch.tensor([_workload(seconds)], dtype=torch.float64, device=_device())
+        dist.all_reduce(together)
+        ratios.append(float(together.item()) / world / float(solo.item()))
+    return max(statistics.median(ratios), 1.0)
 
 
 def mesh_shapes_for(world: int) -> list[tuple[int, ...]]:
