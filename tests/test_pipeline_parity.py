@@ -26,6 +26,7 @@ from meshplan.runtime.parallel_module import shard_tensor
 from _parity import megatron_layouts
 
 BATCH, SEQ, VOCAB = 8, 8, 64
+STEPS = 2
 CFG = dict(layers=4, hidden=32, heads=2, vocab_size=VOCAB, seq_len=SEQ)
 UNITS = ["pre", "layers.0", "layers.1", "layers.2", "layers.3", "post"]
 
@@ -66,11 +67,26 @@ def stage_plan(kind: str, mesh: tuple[int, ...], pipe: PipelinePlan):
     return dataclasses.replace(meshplan.plan(model, mesh, (micro,), **kw), pipeline=pipe)
 
 
-def worker(rank, world, plans):
+def worker(rank, world, plans, searched=None):
     from meshplan.runtime.pipeline import PipelineRunner
+    from meshplan.runtime.rewrite import Recomputed
 
     warnings.simplefilter("ignore")
     out = []
+    if searched is not None:  # the user's path: auto_parallelize with the searched plan, the user's loop and optimizer
+        model, x = data()
+        runner = meshplan.auto_parallelize(model, example_inputs=(x,), plan=searched, loss_fn=loss_fn)
+        opt = torch.optim.SGD(runner.parameters(), lr=0.1)
+        losses = []
+        for _ in range(STEPS):
+            runner.reset_collective_counts()
+            opt.zero_grad()
+            loss = runner.step(x, target=x)
+            opt.step()
+            losses.append(None if loss is None else float(loss))
+        params = {n: p.detach().clone() for n, p in runner.named_parameters()}
+        checkpointed = sum(isinstance(m, Recomputed) for st in runner.modules.values() for m in st.modules())
+        out.append((losses, params, runner.local, runner.collective_counts(), runner.expected_collectives(), checkpointed))
     for plan in plans:
         model, x = data()
         runner = PipelineRunner(model, trace(model, (x[: BATCH // plan.pipeline.microbatches],)), plan, loss_fn)
@@ -104,6 +120,44 @@ def check(plans, results):
         assert seen == set(ref), set(ref) ^ seen  # every parameter checked on some rank
 
 
+def searched_plan():
+    """meshplan.plan's own pipeline search, with two pins and a budget that makes stage 0 recompute its layers."""
+    model, x = data()
+    opts = meshplan.PipelineOptions(degrees=(2,), microbatch_sizes=(2,), schedules=("gpipe", "1f1b"))
+    return meshplan.plan(model, 4, (x,), cluster="cpu", pipeline=opts, stage_config={"layers.1": 0, "layers.2": 1}, memory_budget=700_000)
+
+
+def check_searched(plan, results):
+    """Losses of STEPS SGD steps and the parameters after them, against one process."""
+    model, x = data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = loss_fn(model(x), x)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    ref = dict(model.named_parameters())
+    layouts = {prm.fqns[0]: prm.layout for prm in plan.params}
+    last = [r[0][0] for r in results if r[0][0][0] is not None]
+    assert len(last) == plan.mesh.size
+    for losses in last:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    seen = set()
+    for rank, r in enumerate(results):
+        _, params, local, counts, expected, _ = r[0]
+        for name, v in params.items():
+            torch.testing.assert_close(v, shard_tensor(ref[name].detach(), layouts[name], plan.mesh, local), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"searched plan rank {rank} {name}: {m}")
+            seen.add(name)
+        assert dict(counts) == dict(expected), f"searched plan rank {rank} ran {dict(counts)}, the plan lists {dict(expected)}"
+        # stage 0 recomputes: its program runs each of its layers under a checkpoint; stage 1 runs none
+        want = len(plan.recompute) if rank < plan.mesh.size else 0
+        assert r[0][5] == want, (rank, r[0][5], plan.recompute)
+    assert seen == set(ref), set(ref) ^ seen
+
+
 @pytest.mark.multiprocess
 def test_pipeline_parity_pp2_world2_and_pp2_tp2_dp2_world4():
     plans2 = [
@@ -120,7 +174,14 @@ def test_pipeline_parity_pp2_world2_and_pp2_tp2_dp2_world4():
     ]
     for plan in plans4[:3]:  # tensor parallel inside the stages: the plan lists collectives within each layer
         assert any(t.forward for t in plan.transfers if t.consumer != "output"), plan.collectives()
-    check(plans4, run_local(4, worker, plans4, timeout=600))
+    searched = searched_plan()
+    pipe = searched.pipeline
+    assert pipe.degree == 2 and searched.mesh.size == 2 and pipe.pinned == (("layers.1", 0), ("layers.2", 1))
+    assert pipe.stage_of("layers.1") == 0 and pipe.stage_of("layers.2") == 1
+    assert pipe.stages[0].recompute and set(searched.recompute) == {u for u in pipe.stages[0].units if u.startswith("layers.")}
+    results = run_local(4, worker, plans4, searched, timeout=600)
+    check_searched(searched, results)
+    check(plans4, [r[1:] for r in results])
 
 
 @pytest.mark.multiprocess

@@ -325,8 +325,36 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
     best, plan = min(refined, key=lambda cp: (cp[0].step_s, cp[0].pipe.peak_memory))
     mesh_names = ("dp", "tp") if plan.mesh.ndim == 2 else (("tp",) if best.tensor > 1 else ("dp",))
     plan = replace(plan, mesh=MeshSpec(plan.mesh.shape, mesh_names), pipeline=best.pipe)
+    if options.layers is None:  # the runtime checkpoints the layers of recomputing stages (a stretched profile has no such layers)
+        plan = with_stage_recompute(plan, graph_at(best.data * best.micro))
     log.info("pipeline search: %d candidates, %d solves, %.1f s", considered, solves, time.perf_counter() - t0)
     return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves)
+
+
+def with_stage_recompute(plan: Plan, graph: Graph) -> Plan:
+    """`plan` with the layers of its recomputing stages in `Plan.recompute` (the runtime runs each under a checkpoint)
+    and the moves feeding them marked to run again in backward, as the intra-op solve marks its own recomputed layers."""
+    layers = tuple(u for s in plan.pipeline.stages if s.recompute for u in s.units if u not in (PRE, POST))
+    if not layers:
+        return plan
+    again = set(layers) | set(plan.recompute)
+    transfers = tuple(replace(t, recompute=True) if t.consumer in graph and graph[t.consumer].kind == "op" and graph[t.consumer].layer in again
+                      else t for t in plan.transfers)
+    return replace(plan, recompute=tuple(dict.fromkeys(plan.recompute + layers)), transfers=transfers)
+
+
+def pipeline_options(pipeline: int | str | PipelineOptions, stage_config: dict | None, optimizer: str, memory_budget: float | None) -> PipelineOptions:
+    """`meshplan.plan(..., pipeline=)`: 'auto' searches every degree, an int fixes it, PipelineOptions says everything."""
+    if isinstance(pipeline, PipelineOptions):
+        options = pipeline
+    elif pipeline == "auto":
+        options = PipelineOptions()
+    elif isinstance(pipeline, int) and not isinstance(pipeline, bool) and pipeline >= 1:
+        options = PipelineOptions(degrees=(pipeline,))
+    else:
+        raise ValueError(f"pipeline={pipeline!r} is not supported; give 'auto', a pipeline degree >= 1, or a PipelineOptions")
+    pins = dict(options.stage_config) | dict(stage_config or {})
+    return replace(options, stage_config=pins, optimizer=optimizer, memory_budget=options.memory_budget if memory_budget is None else memory_budget)
 
 
 def units_of(graph: Graph) -> list[str]:
