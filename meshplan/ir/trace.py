@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 from torch.export.graph_signature import InputKind
@@ -30,6 +31,11 @@ aten = torch.ops.aten
 
 KEEP_WHOLE = (aten.scaled_dot_product_attention.default,)
 """Ops kept from decomposition: meshplan has its own sharding rules for them."""
+
+CHECKS = (aten._assert_tensor_metadata.default,)
+"""Assertions export inserts on the dtype/device of tensors (`.to()` calls in the model): they hold by
+construction when the traced program runs, produce nothing and would need a sharding rule, so the
+trace drops them."""
 
 STRIDE_SAFE = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 """The trace bakes in the strides fake kernels chose; executing on other kernels (or on shards) a
@@ -80,12 +86,17 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(model, args, kwargs, strict=False)
+            _inline_regions(ep.graph_module)
+            _drop_checks(ep.graph_module)
             if _decompose_in_place(ep.graph_module):
                 return ep
             table = torch.export.default_decompositions()
             for op in KEEP_WHOLE:
                 table.pop(op, None)
-            return ep.run_decompositions(table)
+            ep = ep.run_decompositions(table)
+            _inline_regions(ep.graph_module)
+            _drop_checks(ep.graph_module)
+            return ep
     except Exception as e:  # noqa: BLE001 - re-raised with context for the user
         where = user_frame(e)
         line = f"{where.filename}:{where.lineno} in {where.name}: `{where.line}`" if where else "a line outside the model"
@@ -94,6 +105,50 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
             f"could not trace {type(model).__name__} with torch.export (non-strict) at {line}: {type(e).__name__}: "
             f"{first} (the full torch.export error is this exception's __cause__)"
         ) from e
+
+
+def _drop_checks(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in CHECKS and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _inline_regions(gm: fx.GraphModule) -> None:
+    """Splice the bodies of `torch.no_grad()` / `enable_grad()` / disabled-autocast regions (export
+    keeps them as higher-order ops over submodules) into the graph, so every op is one node with a
+    sharding rule. A region run without gradients has its outputs detached, as it would at run time;
+    an enabled autocast region would change dtypes the graph does not show, so it is refused."""
+    hop = torch.ops.higher_order
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (hop.wrap_with_set_grad_enabled, hop.wrap_with_autocast):
+            continue
+        if node.target is hop.wrap_with_set_grad_enabled:
+            grad, body_node, inputs = node.args[0], node.args[1], list(node.args[2:])
+        else:
+            device, dtype, enabled, _cache, body_node, *inputs = node.args
+            if enabled:
+                raise TraceError(
+                    f"the model runs a torch.autocast({device!r}, dtype={dtype}) region at {_module_path(node) or '<top>'}; "
+                    "meshplan plans and runs the model in the dtypes it traces: remove the autocast or apply it around the call"
+                )
+            grad = True
+        body: fx.GraphModule = getattr(gm, body_node.target)
+        _inline_regions(body)
+        if not grad:
+            out = next(n for n in body.graph.nodes if n.op == "output")
+            with body.graph.inserting_before(out):
+                detached = fx.node.map_arg(out.args[0], lambda a: body.graph.call_function(aten.detach.default, (a,)))
+            out.args = (detached,)
+        for attr in body.graph.nodes:  # constants the body reads become the outer module's
+            if attr.op == "get_attr":
+                setattr(gm, attr.target, getattr(body, attr.target))
+        _splice(gm.graph, node, body, inputs)
+        if not body_node.users:
+            gm.graph.erase_node(body_node)
+            delattr(gm, body_node.target)
+    gm.graph.lint()
+    gm.recompile()
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,12 +187,19 @@ def _decompose_in_place(gm: fx.GraphModule) -> bool:
                 args, kwargs = pytree.tree_unflatten(values, _spec)
                 return _op(*args, **kwargs)
 
-            examples = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="meta") for m in metas]
-            templates[key] = make_fx(call, decomposition_table=table)(*examples)
+            templates[key] = _trace_decomposition(call, metas, table)
         _splice(gm.graph, node, templates[key], [flat[i] for i in tensor_at])
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return True
+
+
+def _trace_decomposition(call, metas: list, table: dict) -> fx.GraphModule:
+    """make_fx of `call` on fake tensors like `metas`, on their own device: a decomposition may move
+    tensors between devices (`to(device=cpu)`), which meta examples cannot do."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        examples = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
+    return make_fx(call, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
 
 
 def _composite(op: torch._ops.OpOverload) -> bool:
@@ -262,14 +324,17 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
 
 
 def _requires_grad(gm: fx.GraphModule, param_grad: dict[str, bool]) -> dict[str, tuple[bool, ...]]:
-    """Run the graph on meta tensors with autograd on, to learn which outputs carry gradients."""
+    """Run the graph on fake tensors with autograd on, to learn which outputs carry gradients.
+
+    Fake rather than meta tensors: they keep each tensor's device, so ops the model pins to a device
+    (`arange(device="cpu")` next to a parameter) run as they did in the trace."""
     seen: dict[str, tuple[bool, ...]] = {}
 
     class Probe(fx.Interpreter):
         def run_node(self, n: fx.Node):
             if n.op == "placeholder":
                 val = n.meta["val"]
-                out = torch.empty(val.shape, dtype=val.dtype, device="meta")
+                out = torch.empty(val.shape, dtype=val.dtype, device=val.device)
                 if param_grad.get(n.name) and out.is_floating_point():
                     out.requires_grad_(True)
             elif n.op == "call_function":
@@ -282,7 +347,7 @@ def _requires_grad(gm: fx.GraphModule, param_grad: dict[str, bool]) -> dict[str,
                 seen[n.name] = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
             return out
 
-    with torch.enable_grad():
+    with torch.enable_grad(), FakeTensorMode(allow_non_fake_inputs=True):
         Probe(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
     return seen
 

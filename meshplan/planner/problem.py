@@ -104,7 +104,7 @@ def build_tables(
         if node.kind == "op":
             in_metas = [graph.meta(r) for r in node.inputs]
             grad = any(node.requires_grad)
-            costs = [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad) for s in strategies]
+            costs = [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad, in_layouts=s.inputs) for s in strategies]
         elif node.kind == "param" and node.grad(0):
             costs = [grad_sync_time(node.out, s.outputs[0], shape, cluster) for s in strategies]
         else:

@@ -134,9 +134,9 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
     Returns the smaller problem and, per folded node (in fold order), its root and the strategy
     it takes for each strategy of the root.
 
-    A follower takes its cheapest option per root strategy (ties to the smaller one). Under a
-    binding memory budget this can drop a slower but smaller option of a follower; followers are
-    views and pointwise ops, whose options for one input layout rarely differ in memory.
+    A follower takes its cheapest option per root strategy, and is folded only when that option is
+    also the smallest in memory: otherwise a binding budget might need the slower, smaller one, and
+    the follower stays in the MIP. Folding is therefore exact.
     """
     node_costs = {k: list(v) for k, v in problem.node_costs.items()}
     node_memory = {k: list(problem.node_memory.get(k) or [0.0] * len(v)) for k, v in node_costs.items()}
@@ -159,7 +159,10 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
             options = [t for t, need in enumerate(e.dst_layouts) if need == layout]
             if not options or e.cost.get((layout, layout)) != 0.0 or e.memory.get((layout, layout), 0.0) != 0.0:
                 break
-            pick.append(min(options, key=lambda t: (node_costs[v][t], node_memory[v][t])))
+            best = min(options, key=lambda t: (node_costs[v][t], node_memory[v][t]))
+            if any(node_memory[v][t] < node_memory[v][best] for t in options):
+                break  # no option dominates: the solver must see them all
+            pick.append(best)
         else:
             u = e.src
             node_costs[u] = [c + node_costs[v][pick[s]] for s, c in enumerate(node_costs[u])]
