@@ -24,6 +24,9 @@ from meshplan.ir.trace import STRIDE_SAFE, TracedProgram
 from meshplan.planner.plan import Plan, Transfer
 from meshplan.runtime.collectives import MeshComm, StepFunction, scale_grad
 
+SOURCE = "meshplan_source"
+"""fx meta key on rewritten nodes: the traced node an op came from, or the consumer a move feeds."""
+
 # ops whose argument at this index is the (global) shape of their output; DTensor keeps the same table
 SHAPE_ARG = dict(DTensor._op_dispatcher.sharding_propagator.op_to_shape_and_stride_idx)
 
@@ -73,7 +76,9 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
                 return new
             name = f"move_{len(root._modules)}"
             root.add_module(name, Redistribute(t.forward, comm, f"{t.tensor} {t.src}->{t.dst}".replace("Shard", "S")))
-            return tag(graph.call_module(name, (new,)), layer.get(consumer))
+            node = graph.call_module(name, (new,))
+            node.meta[SOURCE] = consumer  # a move belongs to its consumer (pipeline stages cut by it)
+            return tag(node, layer.get(consumer))
 
         return move
 
@@ -86,6 +91,7 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), moved(n.name))
             args = _localise_shape(n, list(args), out_layout.get(n.name), plan.mesh.shape)
             env[n] = tag(graph.call_function(STRIDE_SAFE.get(n.target, n.target), tuple(args), kwargs), layer.get(n.name))
+            env[n].meta[SOURCE] = n.name
         elif n.op == "output":
             outs = fx.node.map_arg(n.args[0], moved("output"))
             # the user's loss sees whole (or, with inputs="local", per-rank) outputs: its gradient
