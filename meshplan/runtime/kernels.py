@@ -72,11 +72,13 @@ class _ShardedLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, axes: tuple[int, ...], comm: MeshComm) -> torch.Tensor:
         ctx.dim, ctx.axes, ctx.comm = dim, axes, comm
+        # a forward inside backward is a recomputed (checkpointed) layer running again
+        phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
         m = x.detach().amax(dim, keepdim=True)
-        _all_reduce(m, axes, comm, "forward", dist.ReduceOp.MAX)
+        _all_reduce(m, axes, comm, phase, dist.ReduceOp.MAX)
         z = x - m
         s = z.exp().sum(dim, keepdim=True)
-        _all_reduce(s, axes, comm, "forward")
+        _all_reduce(s, axes, comm, phase)
         out = z - s.log()
         ctx.save_for_backward(out)
         return out
