@@ -29,8 +29,9 @@ from meshplan.ir.verify import verify
 
 aten = torch.ops.aten
 
-KEEP_WHOLE = (aten.scaled_dot_product_attention.default,)
-"""Ops kept from decomposition: meshplan has its own sharding rules for them."""
+KEEP_WHOLE = (aten.scaled_dot_product_attention.default, aten.detach.default)
+"""Ops kept from decomposition: meshplan has its own sharding rules for attention, and `detach`
+would otherwise become `alias`, which lets gradients through where the model stopped them."""
 
 CHECKS = (aten._assert_tensor_metadata.default,)
 """Assertions export inserts on the dtype/device of tensors (`.to()` calls in the model): they hold by
@@ -137,8 +138,13 @@ def _inline_regions(gm: fx.GraphModule) -> None:
         _inline_regions(body)
         if not grad:
             out = next(n for n in body.graph.nodes if n.op == "output")
+            def detach(a: fx.Node) -> fx.Node:
+                d = body.graph.call_function(aten.detach.default, (a,))
+                d.meta.update({k: a.meta[k] for k in ("val", "tensor_meta") if k in a.meta})
+                return d
+
             with body.graph.inserting_before(out):
-                detached = fx.node.map_arg(out.args[0], lambda a: body.graph.call_function(aten.detach.default, (a,)))
+                detached = fx.node.map_arg(out.args[0], detach)
             out.args = (detached,)
         for attr in body.graph.nodes:  # constants the body reads become the outer module's
             if attr.op == "get_attr":
