@@ -16,11 +16,14 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
-from meshplan.inspect.ops import OpsReport, graph_ops
-from meshplan.ir.graph import Graph
-from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.trace import trace
-from meshplan.models import hf
+if __name__ == "__main__":  # document this checkout's meshplan, not whichever is installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from meshplan.inspect.ops import OpsReport, graph_ops  # noqa: E402
+from meshplan.ir.graph import Graph  # noqa: E402
+from meshplan.ir.mesh import MeshSpec  # noqa: E402
+from meshplan.ir.trace import trace  # noqa: E402
+from meshplan.models import hf  # noqa: E402
 
 PAGE = Path(__file__).resolve().parent / "models.md"
 MESH = (2, 2)
