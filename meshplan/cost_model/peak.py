@@ -65,8 +65,9 @@ def _name(target: str) -> str:
     return re.sub(r"^aten(\.|::)", "", target).split(".", 1)[0]
 
 
-def predict_peak(graph: Graph, plan, *, optimizer: str = "adam") -> PeakMemory:
-    """Peak bytes one device holds during a step of `plan` (a `meshplan.planner.Plan` for `graph`)."""
+def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list | None = None) -> PeakMemory:
+    """Peak bytes one device holds during a step of `plan` (a `meshplan.planner.Plan` for `graph`).
+    With `timeline` (a list), (phase, node name, bytes held) is appended after every op."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
     shape = plan.mesh.shape
@@ -118,7 +119,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam") -> PeakMemory:
                 root[key] = ins[0]
             else:
                 size[key], born[key] = nbytes(meta, out_layout[node.name][j]), i
-        if any(node.requires_grad) or any(graph[r.node].grad(r.index) for r in node.inputs):
+        if any(node.requires_grad) and not is_view(node.target):  # a view's backward needs only shapes
             keep_in, keep_out = SAVED.get(_name(node.target), (tuple(range(len(ins))), ()))
             kept = [ins[p] for p in keep_in if p < len(ins)]
             kept += [root.get(("ref", node.name, j), ("ref", node.name, j)) for j in keep_out if j < len(node.outputs)]
@@ -137,6 +138,8 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam") -> PeakMemory:
             level += size[key]
         if base + level > peak:
             peak, where = base + level, "forward"
+        if timeline is not None:
+            timeline.append(("forward", ops[i].name, base + level))
         for key in [k for k in live if last_read.get(k, born[k]) <= i and k not in saved_until]:
             live.discard(key)
             level -= size[key]
@@ -173,6 +176,8 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam") -> PeakMemory:
                 level += grad_of(src, ref)
         if base + level + param_grads > peak:
             peak, where = base + level + param_grads, "backward"
+        if timeline is not None:
+            timeline.append(("backward", node.name, base + level + param_grads))
         for key in [("ref", node.name, j) for j in range(len(node.outputs))] + [("move", node.name, p) for p in range(len(node.inputs))]:
             if key in grads:  # consumed by this op's backward (or sent back by the dual step)
                 level -= grads.pop(key)
@@ -180,6 +185,8 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam") -> PeakMemory:
             live.discard(key)
             level -= size[key]
 
+    if timeline is not None:
+        timeline.append(("left", sorted(map(str, live)), sorted((str(k), v) for k, v in grads.items() if v)))
     biggest = max(numels, default=0) * 4
     at_step = base + param_grads + STEP_TEMPORARIES.get(optimizer, 0) * biggest
     if at_step > peak:
