@@ -142,8 +142,12 @@ def _measure_world(rank: int, world: int, plans_json: list[str], cfg: GPTConfig,
         for _ in range(warmup):
             step()
         runs.append((pmodel, opt, step, []))
+    from meshplan.cost_model.comm_profiler import measure_contention
+
     per_round = max(1, steps // rounds)
+    contention = []
     for _ in range(rounds):
+        contention.append(measure_contention(pairs=1, seconds=0.2))
         for _, _, step, times in runs:
             step()
             for _ in range(per_round):
@@ -157,7 +161,7 @@ def _measure_world(rank: int, world: int, plans_json: list[str], cfg: GPTConfig,
     for pmodel, opt, step, times in runs:
         peak = torch.tensor(float(_resident_bytes(pmodel, opt) + _peak_during(step)), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        out.append({"time_s": statistics.median(times), "peak_bytes": float(peak)})
+        out.append({"time_s": statistics.median(times), "peak_bytes": float(peak), "contention": statistics.median(contention)})
     return out
 
 
@@ -245,11 +249,32 @@ def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, 
         mine = [(c, p) for c, p in planned if c.world == world]
         log(f"measuring {len(mine)} plans on {world} local gloo processes")
         results = run_local(world, _measure_world, [p.to_json() for _, p in mine], cfg, batch, warmup, steps, timeout=1200)[0]
+        now = _with_contention(cluster, world, results[0]["contention"])
+        log(f"compute contention at {world} ranks: {_slowdown(cluster, world):.2f} at calibration, {results[0]['contention']:.2f} "
+            "while measuring (used)")
+        scale = _slowdown(now, world) / _slowdown(cluster, world)
         for (case, plan), got in zip(mine, results):
-            parts, m = predict(plan, graph, cluster)
+            (compute, comm, _), m = predict(plan, graph, cluster)
+            (_, _, opt), _ = predict(plan, graph, now)
+            parts = (compute * scale, comm, opt)  # every op's time is linear in the contention factor
             rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=got["time_s"],
                             predicted_bytes=m, measured_bytes=got["peak_bytes"], parts_s=parts))
     return rows
+
+
+def _slowdown(cluster, world: int) -> float:
+    return cluster.profile.slowdown(world) if cluster.profile is not None else 1.0
+
+
+def _with_contention(cluster, world: int, factor: float):
+    """The cluster with the compute contention measured next to the timed steps: on a machine shared
+    with other jobs the load drifts between calibration and measurement, and contention is the part
+    of the calibration that follows it."""
+    import dataclasses
+
+    if cluster.profile is None:
+        return cluster
+    return cluster.with_profile(dataclasses.replace(cluster.profile, contention={**cluster.profile.contention, world: factor}))
 
 
 def table(rows: list[Row]) -> str:

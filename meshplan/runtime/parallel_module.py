@@ -66,7 +66,8 @@ class ParallelModule(nn.Module):
             whole = whole.clone()
             with self.comm.guard(f"broadcasting {p.fqns[0]} from rank 0"):
                 dist.broadcast(whole, src=0, group=self.comm.world)
-            local = shard_tensor(whole, p.layout, plan.mesh, rank).contiguous()
+            # a copy, not a view: a dim-0 chunk is already contiguous and would keep the whole tensor alive
+            local = shard_tensor(whole, p.layout, plan.mesh, rank).clone(memory_format=torch.contiguous_format)
             if p.is_buffer:
                 tensor: torch.Tensor = local
                 for fqn in p.fqns:
