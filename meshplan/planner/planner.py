@@ -131,7 +131,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         node_mem = node_memory(node, s, shape, options.optimizer)
         if node.kind == "op" and node.layer in recomputed:
             in_metas = [graph.meta(r) for r in node.inputs]
-            cost += compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False)
+            cost += compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False, in_layouts=s.inputs)
             if node.name in internal:
                 rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + node_mem.activations
                 node_mem = dataclasses.replace(node_mem, activations=0)

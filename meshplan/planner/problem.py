@@ -114,7 +114,7 @@ def build_tables(
         if terms.unit_of(node.name) is not None:
             terms.add_node(
                 node.name,
-                [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False) for s in strategies],
+                [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False, in_layouts=s.inputs) for s in strategies],
                 [float(node_memory(node, s, shape, optimizer).activations) for s in strategies],
             )
     node_costs = {name: [c * count[name] for c in costs] for name, costs in unit_costs.items()}
