@@ -222,7 +222,7 @@ def predict(plan, graph, cluster, optimizer: str = "adam") -> tuple[tuple[float,
 
     numels = [math.prod(local_shape(p.shape, p.layout, plan.mesh.shape)) for p in plan.params if not p.is_buffer]
     opt_s = optimizer_step_time(numels, optimizer, plan.mesh.shape, cluster)
-    return (plan.compute_s + plan.bubble_s, plan.comm_s, opt_s), float(predict_peak(graph, plan, optimizer=optimizer).peak)
+    return (plan.step_time_s - plan.comm_s, plan.comm_s, opt_s), float(predict_peak(graph, plan, optimizer=optimizer).peak)
 
 
 def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, log=print) -> list[Row]:
