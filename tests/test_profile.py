@@ -212,3 +212,17 @@ def test_predicted_peak_resident_state_and_liveness():
     assert 4 * numel <= bwd[-1] - a.resident.total <= 4 * numel + out_bytes
     with pytest.raises(ValueError, match="unknown optimizer"):
         predict_peak(graph, dp, optimizer="lamb")
+
+
+def test_profile_cli_bad_input(capsys, tmp_path):
+    from meshplan.cli import main
+
+    assert main(["profile", "comm", "--max-size", "8KiB", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--max-size 8192 leaves fewer than 2 message sizes" in capsys.readouterr().err
+    assert main(["profile", "compute", "nosuchmodule:f", "--out", str(tmp_path / "p.json")]) == 2
+    assert "cannot import module 'nosuchmodule'" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    assert main(["profile", "show", str(bad)]) == 2
+    assert "is not a meshplan profile" in capsys.readouterr().err
+    assert main(["plan", "meshplan.models:mlp_small", "--devices", "2", "--profile", str(bad), "-o", str(tmp_path / "x.json")]) == 2
