@@ -15,6 +15,10 @@ Peak memory, measured: the bytes of the tensors a rank holds when a step starts 
 optimizer state, gradient-bucket buffers) plus the highest point of the running sum of every
 allocation and free torch's CPU allocator reports during the step (`torch.profiler` with
 `profile_memory=True`). Predicted: `cost_model.peak.predict_peak` (see there).
+
+The machine's load drifts (it is shared): the contention probe of the comm profiler runs again at
+the start of every measuring round, and its ratio to the calibration-time value scales the
+predicted compute and communication (both were measured under the calibration-time load).
 """
 
 from __future__ import annotations
