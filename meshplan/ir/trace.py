@@ -19,11 +19,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 from torch.export.graph_signature import InputKind
 
+from meshplan.ir import moe as _moe  # noqa: F401  (registers the moe region)
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
+from meshplan.ir.regions import regions_patched
 from meshplan.ir.verify import verify
 
 aten = torch.ops.aten
@@ -113,8 +116,8 @@ def _decompose_in_place(gm: fx.GraphModule) -> bool:
     whole-program pass)."""
     table = _decomposition_table()
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
-    if any(n.target._schema.is_mutable for n in calls):
-        return False
+    if any(n.target._schema.is_mutable for n in calls) or any(n.op == "get_attr" for n in gm.graph.nodes):
+        return False  # mutations need functionalisation, higher-order ops (no_grad regions) inlining: the whole-program pass
     templates: dict[tuple, fx.GraphModule] = {}
     for node in calls:
         if node.target in KEEP_WHOLE or (node.target not in table and not _composite(node.target)):
@@ -132,12 +135,19 @@ def _decompose_in_place(gm: fx.GraphModule) -> bool:
                 args, kwargs = pytree.tree_unflatten(values, _spec)
                 return _op(*args, **kwargs)
 
-            examples = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="meta") for m in metas]
-            templates[key] = make_fx(call, decomposition_table=table)(*examples)
+            templates[key] = _trace_decomposition(call, metas, table)
         _splice(gm.graph, node, templates[key], [flat[i] for i in tensor_at])
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return True
+
+
+def _trace_decomposition(call, metas: list, table: dict) -> fx.GraphModule:
+    """make_fx of `call` on fake tensors like `metas`, on their own device: a decomposition may move
+    tensors between devices (`to(device=cpu)`), which meta examples cannot do."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        examples = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
+    return make_fx(call, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
 
 
 def _composite(op: torch._ops.OpOverload) -> bool:
@@ -200,7 +210,8 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    ep = _export(model, example_inputs, example_kwargs or {})
+    with regions_patched(model):  # blocks with data-dependent control flow trace as one op each
+        ep = _export(model, example_inputs, example_kwargs or {})
     gm = ep.graph_module
 
     # FQNs of every tensor, so tied parameters collapse to the first placeholder naming them.
@@ -244,7 +255,8 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
             refs[n] = TensorRef(refs[src].node, idx)
         elif n.op == "call_function":
             inputs = tuple(refs[a] for a in _tensor_args(n))
-            nodes.append(Node(n.name, "op", op_name(n.target), inputs, _metas(n.meta.get("val")), _module_path(n)))
+            attrs = _static_args(n) if str(n.target).startswith("meshplan.") else ()
+            nodes.append(Node(n.name, "op", op_name(n.target), inputs, _metas(n.meta.get("val")), _module_path(n), attrs=attrs))
             refs[n] = TensorRef(n.name)
         elif n.op == "output":
             outs = [a for a in fx.node.map_arg(n.args[0], lambda x: x) if isinstance(a, fx.Node)]
@@ -262,14 +274,17 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
 
 
 def _requires_grad(gm: fx.GraphModule, param_grad: dict[str, bool]) -> dict[str, tuple[bool, ...]]:
-    """Run the graph on meta tensors with autograd on, to learn which outputs carry gradients."""
+    """Run the graph on fake tensors with autograd on, to learn which outputs carry gradients.
+
+    Fake rather than meta tensors: they keep each tensor's device, so ops the model pins to a device
+    (`arange(device="cpu")` next to a parameter) run as they did in the trace."""
     seen: dict[str, tuple[bool, ...]] = {}
 
     class Probe(fx.Interpreter):
         def run_node(self, n: fx.Node):
             if n.op == "placeholder":
                 val = n.meta["val"]
-                out = torch.empty(val.shape, dtype=val.dtype, device="meta")
+                out = torch.empty(val.shape, dtype=val.dtype, device=val.device)
                 if param_grad.get(n.name) and out.is_floating_point():
                     out.requires_grad_(True)
             elif n.op == "call_function":
@@ -282,7 +297,7 @@ def _requires_grad(gm: fx.GraphModule, param_grad: dict[str, bool]) -> dict[str,
                 seen[n.name] = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
             return out
 
-    with torch.enable_grad():
+    with torch.enable_grad(), FakeTensorMode(allow_non_fake_inputs=True):
         Probe(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
     return seen
 
@@ -292,3 +307,8 @@ def _tensor_args(n: fx.Node) -> list[fx.Node]:
     found: list[fx.Node] = []
     fx.node.map_arg((n.args, n.kwargs), found.append)
     return found
+
+
+def _static_args(n: fx.Node) -> tuple:
+    """The non-tensor arguments of an op, in argument order (for meshplan's region ops)."""
+    return tuple(a for a in pytree.tree_leaves((n.args, n.kwargs)) if not isinstance(a, fx.Node))
