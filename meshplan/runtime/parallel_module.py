@@ -76,6 +76,9 @@ class ParallelModule(nn.Module):
                 for fqn in p.fqns:
                     setattr(_owner(self, fqn), fqn.rsplit(".", 1)[-1], tensor)
             self._leaf[p.node] = tensor
+        self._buffer_node = {f: p.node for p in plan.params if p.is_buffer for f in p.fqns}
+        self._layout = {p.node: p.layout for p in plan.params}
+        self._fqns = {p.node: p.fqns for p in plan.params}
         self._grad_buckets = GradBuckets(plan.buckets, self._leaf, self.comm)
         self.program = local_program(graph.fx, plan, self.comm)
 
@@ -90,8 +93,18 @@ class ParallelModule(nn.Module):
                 call.append(self._traced.constants[name])
             else:
                 call.append(self._localise_input(name, next(user)))
-        out = self.program(*call)
-        return pytree.tree_unflatten(list(out), self._traced.out_spec)
+        out = list(self.program(*call))
+        mutated = self._traced.mutations
+        # running statistics (batch norm): this rank's part becomes the buffer. A new tensor, not an
+        # in-place copy: the step's backward may still read the old one.
+        for fqn, value in zip(mutated, out):
+            node = self._buffer_node[fqn]
+            new = shard_tensor(value.detach(), self._layout[node], self.plan.mesh, self.comm.rank).contiguous()
+            for alias in self._fqns[node]:
+                _owner(self, alias)._buffers[alias.rsplit(".", 1)[-1]] = new
+            self._leaf[node] = new
+        out = out[len(mutated):]
+        return pytree.tree_unflatten(out, self._traced.out_spec)
 
     def _localise_input(self, name: str, x):
         choice = self._inputs.get(name)
