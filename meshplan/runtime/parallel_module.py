@@ -14,6 +14,7 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Shard, local_shape
 from meshplan.planner.plan import Plan
+from meshplan.planner.rules.random import is_random
 from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.grad_buckets import GradBuckets
@@ -79,6 +80,8 @@ class ParallelModule(nn.Module):
         self._buffer_node = {f: p.node for p in plan.params if p.is_buffer for f in p.fqns}
         self._layout = {p.node: p.layout for p in plan.params}
         self._fqns = {p.node: p.fqns for p in plan.params}
+        if any(is_random(n.target) for n in graph.nodes if n.kind == "op"):
+            _share_rng_state(self.comm)
         self._grad_buckets = GradBuckets(plan.buckets, self._leaf, self.comm)
         self.program = local_program(graph.fx, plan, self.comm)
 
@@ -158,3 +161,12 @@ def _check_same_plan(plan: Plan, comm: MeshComm) -> None:
             f"ranks computed different plans (rank {comm.rank} has plan hash {plan.hash()}); all ranks must plan the same "
             "model with the same inputs and options, or load one plan file"
         )
+
+
+def _share_rng_state(comm: MeshComm) -> None:
+    """Every rank takes rank 0's CPU generator state: random ops draw whole tensors (planner/rules/random.py),
+    so identical states give every rank the single-device model's masks."""
+    state = torch.get_rng_state()
+    with comm.guard("broadcasting rank 0's random generator state"):
+        dist.broadcast(state, src=0, group=comm.world)
+    torch.set_rng_state(state)
