@@ -6,7 +6,7 @@ whole reproduces the single-device draw exactly: ranks holding replicas get iden
 a sharded consumer takes its slice of the very mask one device would have drawn. Sharding the
 draw itself would make each rank draw a smaller tensor from the start of the same stream, which
 is a different mask. The cost is generating the whole mask on every device (cheap next to the
-matmuls around it); see docs/random.md.
+matmuls around it); see docs/regions.md.
 """
 
 from __future__ import annotations
