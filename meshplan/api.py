@@ -102,6 +102,7 @@ def plan(
     search: str | None = None,
     parameter_plan: dict | None = None,
     parallelize_plan: dict | None = None,
+    recompute: str = "auto",
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
@@ -109,8 +110,9 @@ def plan(
     innermost within a node of the cluster) is planned and the plan with the lowest predicted step
     time is returned. `memory_budget` bounds the predicted peak per device ('80GB', '16GiB' or
     bytes; default: the cluster device's memory); if no plan fits, the `MemoryBudgetError` says
-    the smallest budget that would. Meshes on which the annotations cannot hold (a split factor
-    no axis has) are skipped.
+    the smallest budget that would. `recompute` lets the solve recompute repeated layers' activations
+    in backward when that beats other ways of fitting the budget ('auto'), or 'never' / 'always'.
+    Meshes on which the annotations cannot hold (a split factor no axis has) are skipped.
 
     Modes (`mode=`), `search=` and the annotations (`meshplan.shard` on submodules,
     `parameter_plan`, `parallelize_plan`, `input_layouts`) are described in docs/modes.md.
@@ -120,6 +122,7 @@ def plan(
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
         input_layouts=dict(input_layouts or {}), optimizer=optimizer, memory_budget=memory_budget, search=search,
+        recompute=recompute,
         annotations=Annotations(
             parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=module_annotations(model)
         ),

@@ -98,6 +98,22 @@ def test_follower_merging_keeps_the_optimum():
     assert solve(p).choice == solve(p, merge=False).choice == {"a": 1, "v": 1, "b": 1}
 
 
+def test_follower_merging_keeps_a_smaller_option_a_budget_needs():
+    # v takes layout x two ways: fast and big (option 0) or slow and small (option 2)
+    edge = {("x", "x"): 0.0, ("y", "y"): 0.0}
+    p = Problem(
+        {"a": [0.0, 0.5], "v": [0.0, 0.0, 1.0]},
+        [Edge("a", "v", ["x", "y"], ["x", "y", "x"], edge)],
+        node_memory={"a": [0.0, 100.0], "v": [100.0, 100.0, 10.0]},
+        memory_budget=50.0,
+    )
+    reduced, merged = merge_followers(p)
+    assert merged == {}, "no option of v dominates for layout x: folding would lose the small one"
+    sol = solve(p)
+    assert sol.choice == {"a": 0, "v": 2} and sol.memory == pytest.approx(10.0)
+    assert sol.choice == solve(p, merge=False).choice
+
+
 @pytest.fixture(scope="module")
 def gpt_plan():
     model, x, _ = build("gpt")

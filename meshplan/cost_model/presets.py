@@ -113,6 +113,21 @@ NVLINK4 = LinkPreset(name="NVLink4", latency_s=3e-6, bandwidth=450e9, call_overh
 IB_NDR = LinkPreset(name="IB-NDR400", latency_s=8e-6, bandwidth=50e9, call_overhead_s=5e-6)
 DGX_H100 = ClusterPreset(name="h100", device=H100_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR)
 
+# --- A100 (Selene / DGX A100, the machine of Narayanan et al. 2021) -------------------------------
+# Sources: NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB column) and the DGX A100 user guide.
+# bf16/fp16 dense tensor-core peak 312 TFLOP/s; float32 non-tensor-core 19.5 TFLOP/s (TF32 off, as for H100).
+A100_SXM_80GB = DevicePreset(
+    name="A100-SXM4-80GB",
+    peak_flops={"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12},
+    memory_bandwidth=2.039e12,  # HBM2e
+    memory_bytes=80 * 2**30,
+)
+# NVLink 3 / NVSwitch: 600 GB/s bidirectional per GPU = 300 GB/s each way.
+NVLINK3 = LinkPreset(name="NVLink3", latency_s=3e-6, bandwidth=300e9, call_overhead_s=5e-6)
+# Eight ConnectX-6 InfiniBand HDR ports per node, one per GPU: 200 Gb/s = 25 GB/s.
+IB_HDR = LinkPreset(name="IB-HDR200", latency_s=8e-6, bandwidth=25e9, call_overhead_s=5e-6)
+DGX_A100 = ClusterPreset(name="a100", device=A100_SXM_80GB, devices_per_node=8, intra_node=NVLINK3, inter_node=IB_HDR)
+
 # --- CPU (this development machine) ------------------------------------------------------------
 # Measured 2026-11-21 on the 2-core AMD EPYC (AVX2+FMA, no AVX512-BF16) with torch 2.13.0, one
 # thread per rank because the ranks share the two cores:
@@ -134,7 +149,7 @@ CPU_GLOO = ClusterPreset(
     name="cpu", device=CPU_RANK, devices_per_node=8, intra_node=GLOO_LOOPBACK, inter_node=GLOO_LOOPBACK
 )
 
-CLUSTERS: Mapping[str, ClusterPreset] = MappingProxyType({"cpu": CPU_GLOO, "h100": DGX_H100})
+CLUSTERS: Mapping[str, ClusterPreset] = MappingProxyType({"cpu": CPU_GLOO, "h100": DGX_H100, "a100": DGX_A100})
 """Named presets, by the name `get_cluster` accepts."""
 
 

@@ -99,9 +99,13 @@ class Node:
     @property
     def layer(self) -> str | None:
         """The repeated layer this node belongs to (`layers.3`), if any."""
-        path = self.module_path or (self.fqns[0] if self.fqns else "")
-        m = re.match(r"^(.*?\.\d+)(\.|$)", path)
-        return m.group(1) if m else None
+        return layer_of(self.module_path or (self.fqns[0] if self.fqns else ""))
+
+
+def layer_of(path: str) -> str | None:
+    """`layers.3.attn.q_proj` -> `layers.3`: the outermost numbered module on a module path."""
+    m = re.match(r"^(.*?\.\d+)(\.|$)", path)
+    return m.group(1) if m else None
 
 
 @dataclass(slots=True)

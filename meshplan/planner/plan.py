@@ -19,6 +19,7 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, fmt, parse
 from meshplan.ir.tensor_map import from_tensor_map, to_tensor_map
 from meshplan.planner.explain import Explanation, NodeAlternatives, explain
+from meshplan.planner.pipeline_plan import PipelinePlan, decode_pipeline
 from meshplan.planner.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ class Transfer:
     backward: tuple[CommStep, ...]
     """Steps autograd runs for the gradient (empty when no gradient flows)."""
     time_s: float
+    recompute: bool = False
+    """The consumer's layer is recomputed: the forward steps run again during backward."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,18 +135,26 @@ class Plan:
     """Gradient all-reduce buckets, launched in this order during backward."""
     alternatives: tuple[NodeAlternatives, ...] = ()
     """Per parameter, input and costly op: the other candidates and what ruled some out (`explain`)."""
+    recompute: tuple[str, ...] = ()
+    """Layers whose activations are recomputed in backward (each runs under torch.utils.checkpoint)."""
+    pipeline: PipelinePlan | None = None
+    """Pipeline stages, schedule and microbatches; None for a single stage. With a pipeline, `mesh` is
+    one stage's sub-mesh and the world is `pipeline.degree * mesh.size` devices (planner/pipeline_plan.py)."""
     version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ queries
 
     @property
     def bubble_s(self) -> float:
-        """Pipeline bubble per step: 0 while plans have a single stage."""
-        return 0.0
+        """Pipeline bubble per step (0 with a single stage)."""
+        return self.pipeline.bubble_s if self.pipeline else 0.0
 
     @property
     def step_time_s(self) -> float:
-        return self.compute_s + self.comm_s + self.bubble_s
+        """With a pipeline: the schedule's step over all microbatches (compute_s and comm_s are one microbatch's)."""
+        if self.pipeline:
+            return self.pipeline.step_s
+        return self.compute_s + self.comm_s
 
     def strategy_of(self, node: str) -> Strategy:
         for n in self.nodes:
@@ -160,6 +171,8 @@ class Plan:
         for t in self.transfers:
             c.update(f"forward:{s.kind}" for s in t.forward if s.communicates)
             c.update(f"backward:{s.kind}" for s in t.backward if s.communicates)
+            if t.recompute:
+                c.update(f"recompute:{s.kind}" for s in t.forward if s.communicates)
         if include_grad_sync:
             c.update("grad_sync:all_reduce" for _ in self.buckets)
         return c
@@ -197,6 +210,11 @@ class Plan:
         """The strategy file: deterministic (no timing), so planning twice gives identical bytes."""
         d = _encode(self)
         d["memory"] = self.memory.to_dict()
+        if self.pipeline is None:
+            del d["pipeline"]  # plans without a pipeline keep the bytes they always had
+        else:
+            for entry, st in zip(d["pipeline"]["stages"], self.pipeline.stages):
+                entry["memory"] = st.memory.to_dict()
         del d["solver"]["seconds"]
         for entry, p in zip(d["params"], self.params):
             entry["device_matrix"], entry["tensor_map"] = to_tensor_map(p.layout, self.mesh.shape, len(p.shape))
@@ -283,7 +301,10 @@ def _decode_plan(d: dict) -> Plan:
             for n in d["nodes"]
         ),
         transfers=tuple(
-            Transfer(t["tensor"], t["consumer"], t["position"], parse(t["src"]), parse(t["dst"]), steps(t["forward"]), steps(t["backward"]), t["time_s"])
+            Transfer(
+                t["tensor"], t["consumer"], t["position"], parse(t["src"]), parse(t["dst"]), steps(t["forward"]), steps(t["backward"]), t["time_s"],
+                recompute=t.get("recompute", False),
+            )
             for t in d["transfers"]
         ),
         params=tuple(_decode_param(p, seq) for p in seq(d["params"])),
@@ -295,6 +316,8 @@ def _decode_plan(d: dict) -> Plan:
         fallbacks=seq(d["fallbacks"]),
         buckets=tuple(GradBucket(seq(b["axes"]), seq(b["params"]), b["nbytes"], b["time_s"]) for b in seq(d["buckets"])),
         alternatives=tuple(NodeAlternatives.from_dict(a) for a in seq(d["alternatives"])),
+        recompute=seq(d.get("recompute", [])),
+        pipeline=decode_pipeline(d.get("pipeline")),
         version=d["version"],
     )
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, grad_sync_axes, local_bytes
+import dataclasses
+
+from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, compute_time, grad_sync_axes, local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, parse_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import backward_steps, redistribution_steps
@@ -17,6 +19,7 @@ from meshplan.planner.explain import record_alternatives
 from meshplan.planner.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
 from meshplan.planner.problem import INFEASIBLE_S, build_tables, grad_flows, node_memory, transfer_memory
 from meshplan.planner.propagation import propagate
+from meshplan.planner.recompute import check_recompute, internal_outputs, recompute_groups
 from meshplan.planner.solver import InfeasiblePlan, solve
 from meshplan.planner.strategies import generate
 from meshplan.progress import phase
@@ -68,6 +71,9 @@ class PlanOptions:
     time_limit_s: float = 60.0
     tie_layers: bool = True
     """Give corresponding nodes of repeated layers one strategy and solve the block once (exact for that reduced problem)."""
+    recompute: str = "auto"
+    """Activation recomputation of repeated-layer groups: 'auto' (the solve decides when the memory budget
+    binds), 'never', or 'always' (see planner/recompute.py)."""
 
 
 def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, *, model_name: str = "model") -> Plan:
@@ -91,11 +97,19 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
     budget = _budget(options.memory_budget, cluster)
     # propagation walks the real graph (layer k hands its layouts to layer k+1); tying serves the solver
     tie = options.tie_layers and search == "ilp"
-    tables = build_tables(graph, mesh, cluster, cands.by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie)
+    check_recompute(options.recompute)
+    groups = recompute_groups(graph) if options.recompute != "never" and search == "ilp" else []
+    tables = build_tables(
+        graph, mesh, cluster, cands.by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie,
+        recompute=groups, force_recompute=options.recompute == "always",
+    )
     rep = tables.tying.rep
     phase(f"{search} search on mesh {mesh}")
     try:
-        solution = propagate(tables.problem) if search == "propagation" else solve(tables.problem, time_limit_s=options.time_limit_s)
+        if search == "propagation":
+            solution = propagate(tables.problem)
+        else:
+            solution = _solve_with_recompute(tables.problem, options)
     except InfeasiblePlan:
         smallest = solve(tables.problem, time_limit_s=options.time_limit_s, minimize="memory")
         if smallest.objective <= budget:
@@ -109,10 +123,20 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
     nodes, transfers, params, inputs = [], [], [], []
     compute_s = comm_s = 0.0
     memory = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
+    recomputed = {layer: g.name for g in groups if g.name in solution.recompute for layer in g.layers}
+    internal = internal_outputs(graph) if recomputed else set()
+    rematerialised: dict[str, float] = {}  # recomputed layer -> bytes it holds again during its backward
     for node in graph.nodes:
         s = chosen[node.name]
         cost = tables.unit_costs[rep[node.name]][choice[node.name]]
-        memory = memory + node_memory(node, s, shape, options.optimizer)
+        node_mem = node_memory(node, s, shape, options.optimizer)
+        if node.kind == "op" and node.layer in recomputed:
+            in_metas = [graph.meta(r) for r in node.inputs]
+            cost += compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False)
+            if node.name in internal:
+                rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + node_mem.activations
+                node_mem = dataclasses.replace(node_mem, activations=0)
+        memory = memory + node_mem
         for pos, ref in enumerate(node.inputs):
             src = chosen[ref.node].outputs[ref.index]
             dst = s.inputs[pos]
@@ -122,10 +146,15 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             fwd = redistribution_steps(meta, src, dst, shape)
             bwd = backward_steps(fwd) if grad_flows(graph, ref, node) else []
             t = tables.move_time(meta, src, dst, bool(bwd))
-            comm_s += t
             held = transfer_memory(meta, src, dst, node, shape)
+            again = node.kind == "op" and node.layer in recomputed
+            if again:  # the forward move runs again in backward; its copy is not held until then
+                t += tables.move_time(meta, src, dst, False)
+                rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + held
+                held = 0
+            comm_s += t
             memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=held)
-            transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t))
+            transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t, recompute=again))
         if node.kind == "op":
             region = region_cost(node, [graph.meta(r) for r in node.inputs], s.inputs, s.outputs, shape, cluster, backward=any(node.requires_grad))
             if region is not None:  # a region op's own collectives are communication, listed in the plan
@@ -142,6 +171,10 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             params.append(ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype))
         elif node.kind == "input":
             inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
+    for g in groups:  # one layer of each recomputed group is whole again while its backward runs
+        if g.name in solution.recompute:
+            peak = max((rematerialised.get(layer, 0.0) for layer in g.layers), default=0.0)
+            memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=int(peak))
     buckets = _grad_buckets(graph, params, shape, cluster)
     comm_s += sum(b.time_s for b in buckets)  # gradient sync as the runtime runs it, not per parameter
     assert abs(memory.total - solution.memory) <= 1e-6 * max(memory.total, 1.0) + 1, (
@@ -165,6 +198,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables),
         fallbacks=tuple(cands.fallbacks),
         buckets=tuple(buckets),
+        recompute=tuple(layer for g in groups if g.name in solution.recompute for layer in g.layers),
         alternatives=record_alternatives(
             graph, cands, before_constraints, choice, constraints,
             own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
@@ -173,6 +207,18 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             memory_budget=budget,
         ),
     )
+
+
+def _solve_with_recompute(problem, options: PlanOptions):
+    """Recomputation only adds time, so it can pay only when the fastest plan overall exceeds the
+    budget: solve without it and without the budget first (the common case ends there, exactly),
+    and only otherwise solve the full problem."""
+    if not problem.recompute or options.recompute == "always":
+        return solve(problem, time_limit_s=options.time_limit_s)
+    fastest = solve(dataclasses.replace(problem, recompute=[], memory_budget=None), time_limit_s=options.time_limit_s)
+    if problem.memory_budget is None or fastest.memory <= problem.memory_budget:
+        return fastest
+    return solve(problem, time_limit_s=options.time_limit_s)
 
 
 def _grad_buckets(graph: Graph, params: list[ParamChoice], shape: tuple[int, ...], cluster: ClusterPreset) -> list[GradBucket]:

@@ -18,6 +18,7 @@ from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
+from meshplan.planner.recompute import RecomputeGroup, RecomputeTerms
 from meshplan.planner.solver import Edge, Problem
 from meshplan.planner.strategy import Strategy
 from meshplan.planner.tying import Tying, tie_repeated_layers
@@ -96,10 +97,13 @@ def build_tables(
     optimizer: str,
     memory_budget: float | None,
     tie_layers: bool = True,
+    recompute: list[RecomputeGroup] = (),
+    force_recompute: bool = False,
 ) -> Tables:
     shape = mesh.shape
     tying = tie_repeated_layers(graph, by_node, enabled=tie_layers)
     rep, count = tying.rep, tying.count
+    terms = RecomputeTerms(graph, recompute, rep, count, force=force_recompute)
     unit_costs: dict[str, list[float]] = {}
     node_mem: dict[str, list[float]] = {}
     for node in graph.nodes:
@@ -116,34 +120,57 @@ def build_tables(
             costs = [0.0] * len(strategies)
         unit_costs[node.name] = costs
         node_mem[node.name] = [float(node_memory(node, s, shape, optimizer).total * count[node.name]) for s in strategies]
+        if terms.unit_of(node.name) is not None:
+            terms.add_node(
+                node.name,
+                [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False) for s in strategies],
+                [float(node_memory(node, s, shape, optimizer).activations) for s in strategies],
+            )
     node_costs = {name: [c * count[name] for c in costs] for name, costs in unit_costs.items()}
     tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget), tying, unit_costs, shape, cluster)
 
     # every graph edge, as an edge between the classes it joins, counted as often as it occurs
-    edge_count: dict[tuple, int] = {}
+    occurrences: dict[tuple, list[str | None]] = {}  # edge key -> the consumer's layer, per occurrence
     for node in graph.nodes:
         for pos, ref in enumerate(node.inputs):
             key = (rep[ref.node], ref.index, rep[node.name], pos, graph.meta(ref), grad_flows(graph, ref, node))
-            edge_count[key] = edge_count.get(key, 0) + 1
-    for (src, index, dst, pos, meta, backward), times in edge_count.items():
+            occurrences.setdefault(key, []).append(node.layer)
+    for (src, index, dst, pos, meta, backward), layers in occurrences.items():
+        times = len(layers)
         consumer = graph[dst]  # stands for its class: tied members agree on kind and requires_grad
         src_layouts = [s.outputs[index] for s in by_node[src]]
         dst_layouts = [s.inputs[pos] for s in by_node[dst]]
+        unit = terms.unit_of(dst)
         if src == dst:  # layer k feeds the same position of layer k+1: a cost of the class's own choice
+            fwds, helds = [], []
             for i, (a, b) in enumerate(zip(src_layouts, dst_layouts)):
                 c = tables.move_time(meta, a, b, backward)
                 node_costs[src][i] += INFEASIBLE_S if c is None else c * times
-                node_mem[src][i] += transfer_memory(meta, a, b, consumer, shape) * times
+                held = transfer_memory(meta, a, b, consumer, shape)
+                node_mem[src][i] += held * times
+                fwds.append(tables.move_time(meta, a, b, False) or 0.0 if c is not None else 0.0)
+                helds.append(float(held))
+            if unit is not None:
+                terms.add_self_edge(dst, f"{index}/{pos}", fwds, helds, layers)
             continue
-        cost, mem = {}, {}
+        edge = Edge(src, dst, src_layouts, dst_layouts, {}, {}, unit=unit, name=f"e{len(tables.problem.edges)}")
         # ordered de-duplication: set order varies between processes, and every rank must build the same model
         for a in dict.fromkeys(src_layouts):
             for b in dict.fromkeys(dst_layouts):
                 c = tables.move_time(meta, a, b, backward)
-                if c is not None:
-                    cost[(a, b)] = c * times
-                    m = transfer_memory(meta, a, b, consumer, shape)
-                    if m:
-                        mem[(a, b)] = float(m * times)
-        tables.problem.edges.append(Edge(src, dst, src_layouts, dst_layouts, cost, mem))
+                if c is None:
+                    continue
+                edge.cost[(a, b)] = c * times
+                m = transfer_memory(meta, a, b, consumer, shape)
+                if m:
+                    edge.memory[(a, b)] = float(m * times)
+                fwd = tables.move_time(meta, a, b, False) if unit is not None else 0.0
+                if fwd or (unit is not None and m):
+                    edge.recompute_cost[(a, b)] = fwd * times
+                    edge.recompute_saved[(a, b)] = float(m * times)
+                    edge.recompute_peak[(a, b)] = float(m)
+        if edge.recompute_cost:
+            terms.add_edge(edge.name, unit, layers)
+        tables.problem.edges.append(edge)
+    tables.problem.recompute = terms.finish()
     return tables

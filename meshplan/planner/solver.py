@@ -8,6 +8,7 @@ constraints the LP relaxation is tight on chains and trees, so branch-and-bound 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Hashable
@@ -32,6 +33,38 @@ class Edge:
     """Cost of each (given, needed) layout pair; a missing pair is impossible."""
     memory: dict[tuple[Hashable, Hashable], float] = field(default_factory=dict)
     """Bytes per device the move leaves resident (a resharded copy saved for backward); absent = 0."""
+    unit: str | None = None
+    """The recompute unit `dst` belongs to: if it recomputes, the move runs again and its copy is not held."""
+    name: str = ""
+    """Names the edge in `Recompute.layers`."""
+    recompute_cost: dict[tuple[Hashable, Hashable], float] = field(default_factory=dict)
+    """Seconds of the forward move run again during backward, per layout pair."""
+    recompute_saved: dict[tuple[Hashable, Hashable], float] = field(default_factory=dict)
+    """Bytes no longer held until backward, per layout pair (all occurrences)."""
+    recompute_peak: dict[tuple[Hashable, Hashable], float] = field(default_factory=dict)
+    """Bytes held again while the backward of a layer it occurs in runs, per layout pair."""
+
+
+@dataclass(slots=True)
+class Recompute:
+    """A group of layers that may drop what it saves for backward and run its forward again.
+
+    One boolean decides the group. The linearisation is exact: `z[v,i] = x[v,i] and r` through
+    `sum_i z[v,i] = r, z[v,i] <= x[v,i]` (one strategy per node is chosen), and the extra time,
+    the memory saved and the rematerialised peak are linear in z.
+    """
+
+    name: str
+    extra: dict[str, list[float]]
+    """node -> seconds added per strategy (the forward run again, all members)."""
+    saved: dict[str, list[float]]
+    """node -> bytes of activations no longer held per strategy (all members)."""
+    peak: dict[str, tuple[str, list[float]]]
+    """term -> (node, bytes per strategy of that node) held again while the backward of a layer listing the term runs."""
+    layers: list[frozenset[str]]
+    """Per layer, the peak terms and edge names it holds again (identical sets for tied layers): the peak is the largest."""
+    force: bool = False
+    """Recompute regardless of cost (`recompute="always"`)."""
 
 
 @dataclass(slots=True)
@@ -45,6 +78,8 @@ class Problem:
     """node -> bytes per device each strategy keeps resident at the peak; absent = 0."""
     memory_budget: float | None = None
     """Bytes per device: the sum of node and edge memory of the chosen strategies may not exceed it."""
+    recompute: list[Recompute] = field(default_factory=list)
+    """Groups of layers the solve may recompute (see `Recompute`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +95,8 @@ class Solution:
     seconds: float
     backend: str
     variables: int
+    recompute: tuple[str, ...] = ()
+    """The recompute units chosen."""
 
 
 class InfeasiblePlan(ValueError):
@@ -85,7 +122,7 @@ def solve(
         choice = dict(sol.choice)
         for node, (root, pick) in merged.items():
             choice[node] = pick[choice[root]]
-        return Solution(choice, sol.objective, sol.memory, sol.status, sol.gap, time.perf_counter() - start, sol.backend, sol.variables)
+        return dataclasses.replace(sol, choice=choice, seconds=time.perf_counter() - start)
     return _solve(problem, time_limit_s, backend, start, minimize)
 
 
@@ -97,13 +134,15 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
     Returns the smaller problem and, per folded node (in fold order), its root and the strategy
     it takes for each strategy of the root.
 
-    A follower takes its cheapest option per root strategy (ties to the smaller one). Under a
-    binding memory budget this can drop a slower but smaller option of a follower; followers are
-    views and pointwise ops, whose options for one input layout rarely differ in memory.
+    A follower takes its cheapest option per root strategy, and is folded only when that option is
+    also the smallest in memory: otherwise a binding budget might need the slower, smaller one, and
+    the follower stays in the MIP. Folding is therefore exact.
     """
     node_costs = {k: list(v) for k, v in problem.node_costs.items()}
     node_memory = {k: list(problem.node_memory.get(k) or [0.0] * len(v)) for k, v in node_costs.items()}
-    edges = [Edge(e.src, e.dst, list(e.src_layouts), e.dst_layouts, e.cost, e.memory) for e in problem.edges]
+    edges = [dataclasses.replace(e, src_layouts=list(e.src_layouts)) for e in problem.edges]
+    # a node of a recompute unit keeps its own variables: its recompute terms are per strategy
+    in_unit = {v for r in problem.recompute for v in r.extra}
     incoming: dict[str, list[Edge]] = {}
     outgoing: dict[str, list[Edge]] = {}
     for e in edges:
@@ -112,7 +151,7 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
     merged: dict[str, tuple[str, list[int]]] = {}
     for v in list(node_costs):
         ins = incoming.get(v, [])
-        if v in problem.fixed or len(ins) != 1 or ins[0].src in problem.fixed:
+        if v in problem.fixed or v in in_unit or len(ins) != 1 or ins[0].src in problem.fixed:
             continue
         e = ins[0]
         pick: list[int] = []
@@ -120,7 +159,10 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
             options = [t for t, need in enumerate(e.dst_layouts) if need == layout]
             if not options or e.cost.get((layout, layout)) != 0.0 or e.memory.get((layout, layout), 0.0) != 0.0:
                 break
-            pick.append(min(options, key=lambda t: (node_costs[v][t], node_memory[v][t])))
+            best = min(options, key=lambda t: (node_costs[v][t], node_memory[v][t]))
+            if any(node_memory[v][t] < node_memory[v][best] for t in options):
+                break  # no option dominates: the solver must see them all
+            pick.append(best)
         else:
             u = e.src
             node_costs[u] = [c + node_costs[v][pick[s]] for s, c in enumerate(node_costs[u])]
@@ -140,7 +182,7 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
             pick = [pick[pick2[s]] for s in range(len(pick2))]
             u = u2
         merged[v] = (u, pick)
-    return Problem(node_costs, edges, dict(problem.fixed), node_memory, problem.memory_budget), merged
+    return Problem(node_costs, edges, dict(problem.fixed), node_memory, problem.memory_budget, problem.recompute), merged
 
 
 def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, minimize: str) -> Solution:
@@ -178,6 +220,9 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
             if m:
                 mem_terms.append((v, m))
 
+    r = {u.name: _recompute_var(solver, u) for u in problem.recompute}
+    # (unit, edge name, y: the pair's flow or 1.0, extra seconds, bytes saved, bytes held again)
+    edge_recompute: list[tuple] = []
     for e in problem.edges:
         src_mass = _layout_mass(x[e.src], e.src_layouts)
         dst_mass = _layout_mass(x[e.dst], e.dst_layouts)
@@ -196,6 +241,8 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
                         mem_const += m
                         flows.setdefault(a, []).append(1.0)
                         into.setdefault(b, []).append(1.0)
+                        if e.unit is not None and (a, b) in e.recompute_cost:
+                            edge_recompute.append((e.unit, e.name, 1.0, e.recompute_cost[(a, b)], e.recompute_saved.get((a, b), 0.0), e.recompute_peak.get((a, b), 0.0)))
                     continue
                 y = solver.NumVar(0.0, inf, "")
                 objective.SetCoefficient(y, m if by_memory else c)
@@ -203,10 +250,17 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
                     mem_terms.append((y, m))
                 flows.setdefault(a, []).append(y)
                 into.setdefault(b, []).append(y)
+                if e.unit is not None and (a, b) in e.recompute_cost:
+                    edge_recompute.append((e.unit, e.name, y, e.recompute_cost[(a, b)], e.recompute_saved.get((a, b), 0.0), e.recompute_peak.get((a, b), 0.0)))
         for a, mass in src_mass.items():
             _add_equal(solver, flows.get(a, []), mass, f"{e.src}->{e.dst}")
         for b, mass in dst_mass.items():
             _add_equal(solver, into.get(b, []), mass, f"{e.src}->{e.dst}")
+
+    held = [
+        _add_recompute(solver, objective, unit, r[unit.name], x, [t for t in edge_recompute if t[0] == unit.name], mem_terms, by_memory)
+        for unit in problem.recompute
+    ]
 
     if problem.memory_budget is not None and not by_memory:
         budget = solver.Constraint(-inf, problem.memory_budget - mem_const)
@@ -228,9 +282,76 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
     bound = objective.BestBound() + const if status == pywraplp.Solver.FEASIBLE else obj
     gap = 0.0 if status == pywraplp.Solver.OPTIMAL else abs(obj - bound) / max(abs(obj), 1e-30)
     memory = mem_const + sum(m * v.solution_value() for v, m in mem_terms)
+    memory += sum(value() - var.solution_value() for var, value in held)  # a slack `held` is not memory
+    chosen_units = tuple(name for name, v in r.items() if v.solution_value() > 0.5)
     return Solution(
-        choice, obj, memory, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds, backend, solver.NumVariables()
+        choice, obj, memory, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds, backend, solver.NumVariables(),
+        chosen_units,
     )
+
+
+# a tie-breaker: with nothing to gain, do not recompute
+_RECOMPUTE_EPS_S = 1e-12
+
+
+def _recompute_var(solver, unit: Recompute):
+    v = solver.BoolVar(f"recompute[{unit.name}]")
+    if unit.force:
+        solver.Add(v == 1)
+    return v
+
+
+def _add_recompute(solver, objective, unit: Recompute, r, x: dict, edges: list[tuple], mem_terms: list, by_memory: bool):
+    """Terms of one recompute unit: extra time, memory saved, and the largest layer held again (variable `held`).
+    Returns `held` and a function giving its true value (the largest layer) after the solve."""
+    objective.SetCoefficient(r, objective.GetCoefficient(r) + (0.0 if by_memory else _RECOMPUTE_EPS_S))
+    held = solver.NumVar(0.0, solver.infinity(), f"held[{unit.name}]")
+    mem_terms.append((held, 1.0))
+    # only the budget pushes `held` down when minimising time; reported memory uses the true maximum (`held_value`)
+    objective.SetCoefficient(held, 1.0 if by_memory else 0.0)
+    z_of: dict[str, list] = {}  # node -> its z per strategy (None where the strategy is ruled out)
+    for node, extra in unit.extra.items():
+        saved = unit.saved[node]
+        z_of[node] = []
+        one = solver.Constraint(0.0, 0.0)  # sum_i z_i - r == 0
+        one.SetCoefficient(r, -1.0)
+        for i, xi in enumerate(x[node]):
+            if isinstance(xi, float) and xi == 0.0:
+                z_of[node].append(None)
+                continue
+            z = solver.NumVar(0.0, 1.0, "")
+            z_of[node].append(z)
+            one.SetCoefficient(z, 1.0)
+            if not isinstance(xi, float):
+                solver.Add(z <= xi)
+            objective.SetCoefficient(z, -saved[i] if by_memory else extra[i])
+            if saved[i]:
+                mem_terms.append((z, -saved[i]))
+    peak_terms: dict[str, list[tuple]] = {}  # term -> [(variable, bytes)]
+    for term, (node, peak) in unit.peak.items():
+        peak_terms[term] = [(z, b) for z, b in zip(z_of[node], peak) if z is not None and b]
+    for _, name, y, extra, saved, peak in edges:
+        q = solver.NumVar(0.0, 1.0, "")  # q = y and r (y is 0/1 at integral x)
+        solver.Add(q <= r)
+        if isinstance(y, float):
+            solver.Add(q >= r)
+        else:
+            solver.Add(q <= y)
+            solver.Add(q >= y + r - 1)
+        objective.SetCoefficient(q, -saved if by_memory else extra)
+        if saved:
+            mem_terms.append((q, -saved))
+        if peak:
+            peak_terms.setdefault(name, []).append((q, peak))
+    sums = []
+    for layer in dict.fromkeys(unit.layers):  # tied layers repeat one set: one constraint
+        ct = solver.Constraint(-solver.infinity(), 0.0)  # sum(peak) - held <= 0
+        ct.SetCoefficient(held, -1.0)
+        for term in layer:
+            for v, b in peak_terms.get(term, ()):
+                ct.SetCoefficient(v, ct.GetCoefficient(v) + b)
+        sums.append([t for term in layer for t in peak_terms.get(term, ())])
+    return held, lambda: max((sum(b * v.solution_value() for v, b in terms) for terms in sums), default=0.0)
 
 
 def _layout_mass(xs: list, layouts: list[Hashable]) -> dict[Hashable, list]:

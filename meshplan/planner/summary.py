@@ -166,11 +166,21 @@ def format_summary(plan: Plan, *, ops: bool = False) -> str:
         f"meshplan plan for {plan.model} on mesh {mesh} ({mesh.size} devices; axes {', '.join(mesh.axis_names)}; "
         f"cluster {plan.cluster}), mode {plan.mode}, inputs {plan.inputs_mode}"
     )
-    con.print(
-        f"predicted step {plan.step_time_s * 1e3:.3f} ms = compute {plan.compute_s * 1e3:.3f} ms + communication "
-        f"{plan.comm_s * 1e3:.3f} ms + bubble {plan.bubble_s * 1e3:.3f} ms (no pipeline stages)"
-    )
-    con.print(f"memory per device: {plan.memory}")
+    if plan.pipeline is None:
+        con.print(
+            f"predicted step {plan.step_time_s * 1e3:.3f} ms = compute {plan.compute_s * 1e3:.3f} ms + communication "
+            f"{plan.comm_s * 1e3:.3f} ms + bubble {plan.bubble_s * 1e3:.3f} ms (no pipeline stages)"
+        )
+        con.print(f"memory per device: {plan.memory}")
+    else:  # the intra-op figures below are one microbatch of the whole model on one stage's sub-mesh
+        con.print(
+            f"predicted step {plan.step_time_s * 1e3:.3f} ms over {plan.pipeline.degree * mesh.size} devices, with bubble "
+            f"{plan.bubble_s * 1e3:.3f} ms ({plan.pipeline.bubble_fraction:.1%}); peak memory per device "
+            f"{format_bytes(plan.pipeline.peak_memory)}"
+        )
+        con.print(plan.pipeline.summary())
+        con.print(f"one microbatch, whole model, on one stage's sub-mesh: compute {plan.compute_s * 1e3:.3f} ms + communication "
+                  f"{plan.comm_s * 1e3:.3f} ms, memory {plan.memory}")
     took = "" if plan.solver.seconds is None else f" in {plan.solver.seconds:.2f} s"
     con.print(f"solver {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.2%}){took}")
     coll = plan.collectives()

@@ -184,7 +184,9 @@ class StepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, step: CommStep, comm: MeshComm) -> torch.Tensor:
         ctx.step, ctx.comm = step, comm
-        return run_step(step, x, comm, "forward")
+        # a forward inside backward is a recomputed (checkpointed) layer running again
+        phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+        return run_step(step, x, comm, phase)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -14,8 +14,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from meshplan.cost_model.redistribution import CommStep
+from meshplan.ir.graph import layer_of
 from meshplan.ir.placement import local_shape
 from meshplan.ir.trace import STRIDE_SAFE, TracedProgram
 from meshplan.planner.plan import Plan, Transfer
@@ -54,6 +57,15 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
 
+    recomputed = set(plan.recompute)
+    layer = {n.name: layer_of(n.module_path) for n in plan.nodes}
+    in_layer: dict[str, list[fx.Node]] = {lay: [] for lay in plan.recompute}  # new nodes a checkpoint replaces
+
+    def tag(new: fx.Node, lay: str | None) -> fx.Node:
+        if lay in recomputed:
+            in_layer[lay].append(new)
+        return new
+
     def moved(consumer: str):
         position = iter(range(1 << 30))
 
@@ -64,7 +76,7 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
                 return new
             name = f"move_{len(root._modules)}"
             root.add_module(name, Redistribute(t.forward, comm, f"{t.tensor} {t.src}->{t.dst}".replace("Shard", "S")))
-            return graph.call_module(name, (new,))
+            return tag(graph.call_module(name, (new,)), layer.get(consumer))
 
         return move
 
@@ -72,7 +84,7 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
         if n.op == "placeholder":
             env[n] = graph.placeholder(n.name)
         elif n.op == "call_function" and n.target is operator.getitem:
-            env[n] = graph.call_function(operator.getitem, (env[n.args[0]], n.args[1]))
+            env[n] = tag(graph.call_function(operator.getitem, (env[n.args[0]], n.args[1])), layer.get(n.args[0].name))
         elif n.op == "call_function":
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), moved(n.name))
             if n.target in REGION_RUNTIMES:  # a region op: this rank's part, built from its strategy
@@ -82,7 +94,7 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
                 env[n] = graph.call_module(name, tuple(args), kwargs)
                 continue
             args = _localise_shape(n, list(args), out_layout.get(n.name), plan.mesh.shape)
-            env[n] = graph.call_function(STRIDE_SAFE.get(n.target, n.target), tuple(args), kwargs)
+            env[n] = tag(graph.call_function(STRIDE_SAFE.get(n.target, n.target), tuple(args), kwargs), layer.get(n.name))
         elif n.op == "output":
             outs = fx.node.map_arg(n.args[0], moved("output"))
             # the user's loss sees whole (or, with inputs="local", per-rank) outputs: its gradient
@@ -92,7 +104,37 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
         else:
             raise AssertionError(f"unexpected node {n.format_node()}")
     graph.lint()
-    return fx.GraphModule(root, graph, class_name=f"Rank{comm.rank}Program")
+    gm = fx.GraphModule(root, graph, class_name=f"Rank{comm.rank}Program")
+    if plan.recompute:
+        _checkpoint_layers(gm, in_layer)
+    return gm
+
+
+class Recomputed(nn.Module):
+    """One layer run under non-reentrant activation checkpointing: backward runs its forward again."""
+
+    def __init__(self, layer: str, body: fx.GraphModule) -> None:
+        super().__init__()
+        self.layer = layer
+        self.body = body
+
+    def forward(self, *args):
+        # no early stop: the whole layer runs again, so every forward collective the plan lists for it does
+        with set_checkpoint_early_stop(False):
+            return checkpoint(self.body, *args, use_reentrant=False)
+
+    def extra_repr(self) -> str:
+        return f"recomputes {self.layer}"
+
+
+def _checkpoint_layers(gm: fx.GraphModule, in_layer: dict[str, list[fx.Node]]) -> None:
+    """Fold each recomputed layer's nodes (ops, their moves, their getitems) into one `Recomputed` call."""
+    layers = [lay for lay, nodes in in_layer.items() if nodes]
+    fuse_by_partitions(gm, [dict.fromkeys(in_layer[lay]) for lay in layers], prefix="recompute_")
+    for i, lay in enumerate(layers):
+        name = f"recompute_{i}"
+        gm.add_submodule(name, Recomputed(lay, getattr(gm, name)))
+    gm.recompile()
 
 
 def _localise_shape(n: fx.Node, args: list, layouts, mesh_shape: tuple[int, ...]) -> list:

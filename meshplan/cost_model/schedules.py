@@ -1,0 +1,132 @@
+"""Pipeline schedules: how long a step takes and how many microbatches' activations a stage holds.
+
+One model per schedule that `torch.distributed.pipelining` runs. Times are in units of the slowest
+stage's per-microbatch work, split as in the zero-bubble papers into forward `t_f`, backward for
+inputs `t_b` and backward for weights `t_w` (meshplan's cost model has backward = 2 x forward, so
+`t_b = t_w = t_f` unless the caller says otherwise).
+
+Published formulas these follow (p stages, m microbatches, v model chunks per device):
+
+- GPipe (Huang et al. 2019) and 1F1B (PipeDream-Flush; Narayanan et al. 2021, sec. 2.2.1):
+  step = (m + p - 1) * t, bubble fraction (p - 1) / (m + p - 1). GPipe keeps the activations of all
+  m microbatches; 1F1B at most p - s on stage s (p on the first).
+- Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2.2): step = m * t + (p - 1) * t / v, bubble
+  fraction (p - 1) / (v * m + p - 1). The first device holds p + (p - 1) / v microbatches' worth
+  (Korthikanti et al. 2022, eq. 5: p * (1 + (p - 1) / (p * v))); in general it holds
+  `torch`'s warm-up count + 1 chunk-microbatches of 1/v of its layers each.
+- Interleaved zero bubble, ZB1P (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1
+  interleaved): the weight backward fills the bubble: bubble = (p - 1) * (t_f + t_b - t_w) / v,
+  every device holds p microbatches' worth (the paper's p * M_B for ZB-H1).
+- ZB-V (same paper, sec. 6; two chunks per device in a V): bubble = (p - 1) * max(0, t_f + t_b -
+  2 t_w) / 2 (zero when t_f = t_b = t_w), every device holds p microbatches' worth (m >= 2p - 1).
+
+`tests/test_schedules.py` checks the memory counts against the action lists torch's schedule
+classes generate, so the model follows the runtime, not only the papers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
+"""Schedule names meshplan plans for, in the order it prefers them on a tie."""
+
+TORCH_SCHEDULE_CLASS = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+"""The `torch.distributed.pipelining` class that runs each schedule."""
+
+
+def check_schedule(name: str) -> str:
+    if name not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {name!r} is not supported; allowed: {', '.join(SCHEDULES)}")
+    return name
+
+
+def chunks_per_device(schedule: str, virtual: int = 2) -> int:
+    """Model chunks (virtual stages) each device runs: 1, `virtual` for interleaved schedules, 2 for ZB-V."""
+    check_schedule(schedule)
+    if schedule in ("gpipe", "1f1b"):
+        return 1
+    if schedule == "zbv":
+        return 2
+    if virtual < 2:
+        raise ValueError(f"an interleaved schedule needs virtual >= 2 chunks per device; got {virtual}")
+    return virtual
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleCost:
+    """Predicted step of one pipeline schedule."""
+
+    schedule: str
+    stages: int
+    """p: devices along the pipeline (each may run several chunks)."""
+    microbatches: int
+    """m."""
+    chunks: int
+    """v: model chunks per device."""
+    step_s: float
+    """Seconds from the first forward to the last backward (no optimizer, no gradient all-reduce)."""
+    bubble_s: float
+    """Idle seconds of a device within `step_s`."""
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_s / self.step_s if self.step_s > 0 else 0.0
+
+
+def schedule_time(schedule: str, stages: int, microbatches: int, t_f: float, t_b: float | None = None, t_w: float | None = None,
+                  *, virtual: int = 2) -> ScheduleCost:
+    """Step and bubble seconds of `schedule` with `stages` devices and `microbatches` microbatches,
+    where the slowest device spends `t_f` + `t_b` + `t_w` seconds per microbatch (all its chunks)."""
+    check_schedule(schedule)
+    p, m = stages, microbatches
+    if not (isinstance(p, int) and p >= 1 and isinstance(m, int) and m >= 1):
+        raise ValueError(f"pipeline stages and microbatches must be positive ints; got stages={p!r}, microbatches={m!r}")
+    t_b = t_f if t_b is None else t_b
+    t_w = t_f if t_w is None else t_w
+    t = t_f + t_b + t_w
+    v = chunks_per_device(schedule, virtual)
+    if schedule in ("gpipe", "1f1b"):
+        bubble = (p - 1) * t
+    elif schedule == "interleaved_1f1b":
+        bubble = (p - 1) * t / v
+    elif schedule == "interleaved_zb":
+        bubble = (p - 1) * max(0.0, t_f + t_b - t_w) / v
+    else:  # zbv
+        bubble = (p - 1) * max(0.0, t_f + t_b - 2 * t_w) / 2
+    return ScheduleCost(schedule=schedule, stages=p, microbatches=m, chunks=v, step_s=m * t + bubble, bubble_s=bubble)
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int, *, virtual: int = 2) -> float:
+    """Bubble share of the step with t_f = t_b = t_w: (p-1)/(m+p-1) for GPipe and 1F1B,
+    (p-1)/(v*m+p-1) for interleaved 1F1B."""
+    return schedule_time(schedule, stages, microbatches, 1.0, virtual=virtual).bubble_fraction
+
+
+def in_flight(schedule: str, stages: int, microbatches: int, stage: int, *, virtual: int = 2) -> float:
+    """Microbatches' worth of activations (of all the device's layers) device `stage` holds at its
+    peak; multiply by one microbatch's activation bytes for the device's layers."""
+    check_schedule(schedule)
+    p, m, s = stages, microbatches, stage
+    if not 0 <= s < p:
+        raise ValueError(f"stage {s!r} is out of range for {p} pipeline stages; allowed 0..{p - 1}")
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(m, p - s))
+    if schedule in ("interleaved_zb", "zbv"):
+        # the weight backward runs late, so every device keeps p microbatches' worth (ZB paper: p M_B);
+        # ZB-V with m < 2p - 1 holds less, and this stays an upper bound there
+        return float(min(m, p))
+    v = chunks_per_device(schedule, virtual)
+    # torch's _get_warmup_ops: forwards before the first backward on this device, +1 for the steady state
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - s), m * v)
+    return min(warmup + 1, m * v) / v

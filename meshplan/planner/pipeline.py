@@ -1,0 +1,365 @@
+"""Pipeline search: degree, stage cuts, microbatches, schedule and each stage's intra-op plan, in one search.
+
+For every inner sub-mesh width `t` and microbatch size `b` the intra-op solver plans the model once
+on mesh `(t,)` at batch `b`; `stage_profile` splits that plan into units (embeddings, each layer,
+head). Repeated layers are tied in the solve, so a stage of k layers costs k times one layer and a
+128-layer model costs as few solves as a 2-layer one. A data-parallel axis of size d outside the
+stage's `(t,)` adds its gradient all-reduce. Then, for every pipeline degree p (d = N / (p t)),
+microbatch count m = B / (d b) and schedule, a dynamic program over unit ranges x stages (Alpa's
+formulation, min-max form) picks the cuts that minimise the slowest stage under the memory budget,
+recomputing a stage's layers when its activations would not fit. The best few candidates are
+re-planned on their real 2-D sub-mesh `(d, t)` at batch d b, and the best of those is returned.
+
+Stage cuts pay the point-to-point send of the activation crossing them (forward) and of its
+gradient (backward), on the link between stages (the pipeline axis is outermost).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from meshplan.cost_model.collectives import collective_time
+from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES
+from meshplan.cost_model.memory import MemoryBreakdown
+from meshplan.cost_model.presets import ClusterPreset
+from meshplan.cost_model.schedules import SCHEDULES, check_schedule, chunks_per_device, in_flight, schedule_time
+from meshplan.ir.graph import Graph
+from meshplan.ir.mesh import MeshSpec
+from meshplan.planner.pipeline_plan import PipelinePlan, PipelineStage
+from meshplan.planner.plan import Plan
+from meshplan.planner.planner import PlanOptions, make_plan
+from meshplan.planner.stage_profile import (
+    PRE, POST, Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, tied_grad_bytes, unit_names,
+)
+
+log = logging.getLogger("meshplan")
+
+UNBOUNDED = 2**60
+"""Memory budget handed to the intra-op solve: the pipeline search applies the real one per stage."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineOptions:
+    schedules: tuple[str, ...] = SCHEDULES
+    """Schedules to consider."""
+    microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Samples per microbatch per data-parallel rank (b) to consider."""
+    degrees: tuple[int, ...] | None = None
+    """Pipeline degrees to consider; None: every divisor of the device count up to the number of units."""
+    tensor_degrees: tuple[int, ...] | None = None
+    """Inner sub-mesh widths t to consider; None: every divisor of the device count up to devices_per_node."""
+    virtual: int = 2
+    """Chunks per device for the interleaved schedules."""
+    stage_config: dict[str, int] = field(default_factory=dict)
+    """Pinned stages: module path (`layers.0`, `wte`, `pre`, `post`) -> stage index; the rest is searched."""
+    layers: int | None = None
+    """Stretch the traced repeated layers to this many (plan a deep model from a 2-layer trace)."""
+    refine: int = 3
+    """Candidates re-planned on their real 2-D sub-mesh."""
+    optimizer: str = "adam"
+    memory_budget: float | None = None
+    """Bytes per device; None: the cluster device's memory."""
+    recompute: bool | None = None
+    """Force recomputation on (True) or off (False) in every stage; None: only where memory needs it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    tensor: int
+    pipeline: int
+    data: int
+    micro: int
+    """b: samples per microbatch per data-parallel rank."""
+    pipe: PipelinePlan
+
+    @property
+    def step_s(self) -> float:
+        return self.pipe.step_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineResult:
+    best: Candidate
+    plan: Plan
+    """The stage sub-mesh's intra-op plan (mesh (d, t)) with `pipeline` set."""
+    considered: int
+    seconds: float
+    solves: int
+
+
+def _pins(units: list[Unit], stage_config: dict[str, int]) -> dict[int, int]:
+    pins: dict[int, int] = {}
+    for key, stage in stage_config.items():
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
+            raise ValueError(f"stage_config[{key!r}] = {stage!r}; a stage index must be an int >= 0")
+        hit = [i for i, u in enumerate(units) if u.name == key or key in u.modules or u.name.startswith(key + ".")]
+        if not hit:
+            raise ValueError(f"stage_config names {key!r}, which is no unit of the model; units: {', '.join(u.name for u in units)} "
+                             f"(or a top-level module of pre/post: {', '.join(units[0].modules + units[-1].modules)})")
+        for i in hit:
+            pins[i] = stage
+    return pins
+
+
+def _device_of(k: int, p: int, schedule: str) -> int:
+    if schedule == "zbv":  # V shape: chunk 0 goes down the ranks, chunk 1 comes back up
+        return k if k < p else 2 * p - 1 - k
+    return k % p
+
+
+def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float, p2p_s: float, virtual: int = 2,
+              pins: dict[int, int] | None = None, recompute: bool | None = None) -> list[tuple[int, int, bool, float, MemoryBreakdown]] | None:
+    """Cut `units` into p * v contiguous stages minimising the slowest stage, each within `budget`.
+
+    Returns [(start, end, recompute, seconds per microbatch, memory)] per stage, or None if no cut fits."""
+    v = chunks_per_device(schedule, virtual)
+    n_stages, U = p * v, len(units)
+    if n_stages > U:
+        return None
+    t = np.array([u.time_s for u in units])
+    f = np.array([u.forward_s if u.name not in (PRE, POST) else 0.0 for u in units])
+    act = np.array([float(u.act_bytes) for u in units])
+    kept = np.array([float(u.in_bytes if u.name not in (PRE, POST) else u.act_bytes) for u in units])
+    static = np.array([float(u.static_bytes) for u in units])
+    cs = lambda x: np.concatenate([[0.0], np.cumsum(x)])  # noqa: E731
+    T, F, A, K, S = cs(t), cs(f), cs(act), cs(kept), cs(static)
+    i_, j_ = np.meshgrid(np.arange(U + 1), np.arange(U + 1), indexing="ij")
+    valid = j_ > i_
+    shared = float(stage_static_bytes([units[0], units[-1]]) - units[0].static_bytes - units[-1].static_bytes)  # <= 0
+    rng_static = S[j_] - S[i_] + np.where((i_ == 0) & (j_ == U), shared, 0.0)
+    rng_time = T[j_] - T[i_] + p2p_s * ((i_ > 0).astype(float) + (j_ < U).astype(float))
+    rng_act, rng_kept, rng_fwd = A[j_] - A[i_], K[j_] - K[i_], F[j_] - F[i_]
+    peak_unit = float(act.max())
+    # per-stage cost matrices (memory depends on how many microbatches the stage's device holds)
+    costs, rc_used = [], []
+    for k in range(n_stages):
+        dev = _device_of(k, p, schedule)
+        held = in_flight(schedule, p, m, dev, virtual=virtual) if p > 1 else 1.0
+        # a device runs v chunks: each may use a v-th of the budget (an even split; exact for v = 1)
+        cap = budget / v
+        mem_plain = rng_static + held * rng_act
+        mem_rc = rng_static + held * rng_kept + peak_unit
+        ok_plain = (mem_plain <= cap) & (recompute is not True)
+        ok_rc = (mem_rc <= cap) & (recompute is not False)
+        c = np.where(ok_plain, rng_time, np.where(ok_rc, rng_time + rng_fwd, np.inf))
+        c = np.where(valid, c, np.inf)
+        if pins:
+            elsewhere = np.zeros(U)
+            for u, s in pins.items():
+                if s != k:
+                    elsewhere[u] = 1.0
+            E = cs(elsewhere)
+            c = np.where(E[j_] - E[i_] > 0, np.inf, c)
+        costs.append(c)
+        rc_used.append(~ok_plain)
+    # g[k][j]: best max-stage time covering units [0, j) with stages 0..k
+    g = np.full((n_stages, U + 1), np.inf)
+    arg = np.zeros((n_stages, U + 1), dtype=int)
+    g[0] = costs[0][0]
+    for k in range(1, n_stages):
+        cand = np.maximum(g[k - 1][:, None], costs[k])
+        arg[k] = np.argmin(cand, axis=0)
+        g[k] = cand[arg[k], np.arange(U + 1)]
+    if not math.isfinite(g[-1][U]):
+        return None
+    cuts, j = [], U
+    for k in range(n_stages - 1, -1, -1):
+        i = int(arg[k][j]) if k > 0 else 0
+        cuts.append((i, j, k))
+        j = i
+    out = []
+    for i, j, k in reversed(cuts):
+        rc = bool(rc_used[k][i, j])
+        dev = _device_of(k, p, schedule)
+        held = in_flight(schedule, p, m, dev, virtual=virtual) if p > 1 else 1.0
+        acts = held * (rng_kept[i, j] if rc else rng_act[i, j]) + (peak_unit if rc else 0.0)
+        mem = stage_memory(units[i:j], acts)
+        out.append((i, j, rc, float(costs[k][i, j]), mem))
+    return out
+
+
+def dp_sync_s(grad_bytes: float, data: int, mesh: tuple[int, ...], axis: int, cluster: ClusterPreset) -> float:
+    """Bucketed gradient all-reduce over the data-parallel axis."""
+    if data <= 1 or grad_bytes <= 0:
+        return 0.0
+    link = cluster.link_for_axis(mesh, axis)
+    fixed = collective_time("all_reduce", 1, data, link)
+    buckets = max(1, math.ceil(grad_bytes / GRAD_BUCKET_BYTES))
+    return collective_time("all_reduce", int(grad_bytes), data, link) + (buckets - 1) * fixed
+
+
+def evaluate(units: list[Unit], *, p: int, d: int, t: int, m: int, schedule: str, cluster: ClusterPreset, budget: float,
+             virtual: int = 2, pins: dict[int, int] | None = None, dp_in_profile: bool, recompute: bool | None = None) -> PipelinePlan | None:
+    """The best cut of `units` for one (p, d, t, m, schedule), as a PipelinePlan; None if nothing fits."""
+    check_schedule(schedule)
+    mesh = (p, d, t)
+    # one cut sends the activation forward and its gradient back, between ranks d*t apart
+    cut_bytes = max((u.out_bytes for u in units[:-1]), default=0)
+    link = cluster.link_for_axis(mesh, 0)
+    p2p = 2 * collective_time("send_recv", int(cut_bytes), 2, link) if p > 1 else 0.0
+    parts = partition(units, p, m, schedule, budget=budget, p2p_s=p2p, virtual=virtual, pins=pins, recompute=recompute)
+    if parts is None:
+        return None
+    v = chunks_per_device(schedule, virtual)
+    dev_time = [0.0] * p
+    dev_sync = [0.0] * p
+    dev_grad = [0.0] * p
+    stages = []
+    for k, (i, j, rc, secs, mem) in enumerate(parts):
+        dev = _device_of(k, p, schedule)
+        dev_time[dev] += secs
+        dev_sync[dev] += sum(u.sync_s for u in units[i:j])
+        dev_grad[dev] += mem.grads
+        names = tuple(u.name for u in units[i:j])
+        modules = tuple(dict.fromkeys(mod for u in units[i:j] for mod in u.modules))
+        stages.append(PipelineStage(index=k, device=dev, units=names, modules=modules, time_s=secs, recompute=rc, memory=mem))
+    if not dp_in_profile:
+        dev_sync = [s + dp_sync_s(g, d, mesh, 1, cluster) for s, g in zip(dev_sync, dev_grad)]
+    slow = max(dev_time)
+    sched = schedule_time(schedule, p, m, slow / 3.0, virtual=virtual) if p > 1 else schedule_time("1f1b", 1, m, slow / 3.0)
+    if p > 1:  # tied parameters living on several stages (embedding and head) sum their gradients between them
+        shared = tied_grad_bytes(units)
+        tie = collective_time("all_reduce", shared, 2, link) if shared else 0.0
+    else:
+        tie = 0.0
+    step = sched.step_s + max(dev_sync) + tie
+    return PipelinePlan(degree=p, schedule=schedule if p > 1 else "1f1b", microbatches=m, chunks=v if p > 1 else 1, stages=tuple(stages),
+                        step_s=step, bubble_s=sched.bubble_s, bubble_fraction=sched.bubble_fraction, p2p_s=p2p)
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: ClusterPreset, options: PipelineOptions,
+           *, model_name: str = "model", fixed: tuple[int, int, int] | None = None) -> PipelineResult:
+    """Search (t, p, d), b, m, schedule and cuts for `devices` devices and global batch `batch`.
+
+    `graph_at(n)` traces the model at batch n. `fixed=(t, p, d)` restricts the degrees (to price a
+    given configuration, e.g. a paper's, under the same model)."""
+    t0 = time.perf_counter()
+    budget = float(options.memory_budget or cluster.device.memory_bytes)
+    solves = 0
+    profiles: dict[tuple, list[Unit]] = {}
+    plans: dict[tuple, Plan] = {}
+
+    def profile(mesh: tuple[int, ...], n: int) -> list[Unit]:
+        nonlocal solves
+        key = (mesh, n)
+        if key not in profiles:
+            g = graph_at(n)
+            plan = make_plan(g, MeshSpec(mesh), cluster, PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer), model_name=model_name)
+            solves += 1
+            units = profile_units(g, plan, options.optimizer)
+            if options.layers is not None:
+                units = repeat_layers(units, options.layers)
+            profiles[key], plans[key] = units, plan
+        return profiles[key]
+
+    tensors = options.tensor_degrees or tuple(x for x in divisors(devices) if x <= cluster.devices_per_node)
+    if fixed is not None:
+        tensors = (fixed[0],)
+    pins_cache: dict[int, dict[int, int]] = {}
+    cands: list[Candidate] = []
+    considered = 0
+    for t in tensors:
+        if devices % t:
+            raise ValueError(f"tensor degree {t} does not divide {devices} devices")
+        for b in options.microbatch_sizes:
+            for p in options.degrees or divisors(devices // t):
+                if (fixed is not None and p != fixed[1]) or (devices // t) % p:
+                    continue
+                d = devices // (t * p)
+                if batch % (d * b):
+                    continue
+                m = batch // (d * b)
+                units = profile((t,), b)
+                if p > len(units):
+                    continue
+                pins = pins_cache.setdefault(len(units), _pins(units, options.stage_config))
+                if pins and max(pins.values()) >= p:
+                    continue
+                for sched in options.schedules if p > 1 else ("1f1b",):
+                    if sched in ("interleaved_1f1b", "interleaved_zb") and m % p:
+                        continue  # Megatron's and torch's interleaved schedules want whole rounds of p microbatches
+                    if sched == "zbv" and m < 2 * p - 1:
+                        continue  # torch's ZB-V fills its V with at least 2p - 1 microbatches
+                    if pins and sched != "gpipe" and sched != "1f1b" and p > 1:
+                        continue  # pins name stage indices, which interleaving would renumber
+                    considered += 1
+                    pipe = evaluate(units, p=p, d=d, t=t, m=m, schedule=sched, cluster=cluster, budget=budget, virtual=options.virtual,
+                                    pins=pins, dp_in_profile=False, recompute=options.recompute)
+                    if pipe is not None:
+                        cands.append(Candidate(tensor=t, pipeline=p, data=d, micro=b, pipe=pipe))
+    if not cands:
+        raise ValueError(
+            f"no pipeline configuration of {devices} devices fits the memory budget of {budget / 2**30:.1f} GiB per device "
+            f"for batch {batch}" + (f" with (tensor, pipeline, data) = {fixed}" if fixed else "")
+        )
+    cands.sort(key=lambda c: (c.step_s, c.pipe.peak_memory))
+    # re-plan the best distinct (t, p, d, b) on their real sub-mesh (d, t) at batch d*b
+    refined: list[tuple[Candidate, Plan]] = []
+    seen = set()
+    for c in cands:
+        key = (c.tensor, c.pipeline, c.data, c.micro)
+        if key in seen:
+            continue
+        seen.add(key)
+        mesh = tuple(x for x in (c.data, c.tensor) if x > 1) or (1,)
+        units = profile(mesh, c.data * c.micro)
+        pins = _pins(units, options.stage_config)
+        pipe = evaluate(units, p=c.pipeline, d=c.data, t=c.tensor, m=c.pipe.microbatches, schedule=c.pipe.schedule, cluster=cluster,
+                        budget=budget, virtual=options.virtual, pins=pins, dp_in_profile=True, recompute=options.recompute)
+        if pipe is not None:
+            refined.append((replace(c, pipe=replace(pipe, pinned=tuple(sorted(options.stage_config.items())))), plans[(mesh, c.data * c.micro)]))
+        if len(seen) >= options.refine:
+            break
+    if not refined:
+        raise ValueError(f"no pipeline configuration fits the memory budget on its real sub-mesh (after re-planning {len(seen)})")
+    best, plan = min(refined, key=lambda cp: (cp[0].step_s, cp[0].pipe.peak_memory))
+    mesh_names = ("dp", "tp") if plan.mesh.ndim == 2 else (("tp",) if best.tensor > 1 else ("dp",))
+    plan = replace(plan, mesh=MeshSpec(plan.mesh.shape, mesh_names), pipeline=best.pipe)
+    log.info("pipeline search: %d candidates, %d solves, %.1f s", considered, solves, time.perf_counter() - t0)
+    return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves)
+
+
+def units_of(graph: Graph) -> list[str]:
+    """Unit names of a traced graph in pipeline order (what `stage_config` may name)."""
+    return unit_names(graph)
+
+
+def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: ClusterPreset, options: PipelineOptions | None = None,
+                  example_kwargs: dict | None = None, fixed: tuple[int, int, int] | None = None) -> PipelineResult:
+    """Trace `model` at each microbatch size the search asks for (inputs sliced along dim 0) and search.
+
+    `stage_config` pins may also come from `pipeline_stage` attributes on submodules."""
+    from meshplan.ir.trace import trace
+
+    options = options or PipelineOptions()
+    pinned = dict(module_stage_pins(model))
+    pinned.update(options.stage_config)
+    options = replace(options, stage_config=pinned)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"devices must be a positive int for a pipeline search; got {devices!r}")
+    batch = int(example_inputs[0].shape[0])
+    cache: dict[int, Graph] = {}
+
+    def graph_at(n: int) -> Graph:
+        if n not in cache:
+            if n > batch:
+                raise ValueError(f"a microbatch of {n} samples does not fit in the example batch of {batch}")
+            cache[n] = trace(model, tuple(x[:n] for x in example_inputs), example_kwargs)
+        return cache[n]
+
+    return search(graph_at, devices, batch, cluster, options, model_name=type(model).__name__, fixed=fixed)
+
+
+def module_stage_pins(model) -> dict[str, int]:
+    """`pipeline_stage` attributes set on submodules: module path -> stage index."""
+    return {name: int(m.pipeline_stage) for name, m in model.named_modules() if name and hasattr(m, "pipeline_stage")}

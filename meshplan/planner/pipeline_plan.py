@@ -1,0 +1,103 @@
+"""The pipeline section of a Plan: stages, schedule, microbatches and what they are predicted to cost.
+
+A plan with a pipeline runs `degree` copies of the intra-op plan's mesh (`Plan.mesh`, the stage
+sub-mesh) one after the other: the world is `degree` x `Plan.mesh.size` devices, pipeline axis
+outermost (stage s owns ranks s * mesh.size .. (s + 1) * mesh.size - 1), so a stage's own
+collectives stay on the fast inner links and only the point-to-point sends cross nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.cost_model.memory import MemoryBreakdown, format_bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineStage:
+    """One stage: a contiguous run of units (`pre`, `layers.k`, `post`) on one device's share."""
+
+    index: int
+    """Virtual stage index (equal to the device index unless the schedule interleaves chunks)."""
+    device: int
+    """Pipeline rank that runs it."""
+    units: tuple[str, ...]
+    """Units in order: `pre` (embeddings), `layers.k`, `post` (final norm, head)."""
+    modules: tuple[str, ...]
+    """Module paths the runtime cuts at: every op whose module path starts with one of these."""
+    time_s: float
+    """Forward + backward seconds per microbatch (with recomputation and the sends at its cut)."""
+    recompute: bool
+    """Activations of its layers are recomputed in backward (only each layer's input is kept)."""
+    memory: MemoryBreakdown
+    """Predicted peak per device of this stage under the schedule (activations of the in-flight microbatches)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelinePlan:
+    degree: int
+    """p: pipeline ranks."""
+    schedule: str
+    """One of `meshplan.cost_model.schedules.SCHEDULES`."""
+    microbatches: int
+    """m: microbatches per step (the batch is split along dim 0)."""
+    chunks: int
+    """v: stages per pipeline rank (1, or more for interleaved / ZB-V schedules)."""
+    stages: tuple[PipelineStage, ...]
+    """degree x chunks stages in pipeline order."""
+    step_s: float
+    """Predicted step seconds: the schedule's step plus the slowest rank's gradient all-reduce."""
+    bubble_s: float
+    """Idle seconds per step the schedule leaves on a rank."""
+    bubble_fraction: float
+    """bubble_s / schedule step: (p-1)/(m+p-1) for GPipe and 1F1B with balanced stages."""
+    p2p_s: float
+    """Seconds per microbatch one cut's send (forward) and its gradient's (backward) take."""
+    pinned: tuple[tuple[str, int], ...] = ()
+    """Stages the user fixed (`stage_config` / `pipeline_stage`): module path -> stage index."""
+
+    @property
+    def peak_memory(self) -> int:
+        return max(s.memory.total for s in self.stages)
+
+    def stage_of(self, unit: str) -> int:
+        for s in self.stages:
+            if unit in s.units:
+                return s.index
+        raise KeyError(f"no pipeline stage holds {unit!r}")
+
+    def summary(self) -> str:
+        lines = [
+            f"pipeline: {self.degree} stages x {self.chunks} chunk(s), schedule {self.schedule}, {self.microbatches} microbatches; "
+            f"bubble {self.bubble_fraction:.1%} ({self.bubble_s * 1e3:.3g} ms), p2p {self.p2p_s * 1e6:.3g} µs per cut per microbatch"
+        ]
+        for s in self.stages:
+            span = s.units[0] if len(s.units) == 1 else f"{s.units[0]} .. {s.units[-1]}"
+            lines.append(
+                f"  stage {s.index} (rank {s.device}): {span} ({len(s.units)} units), {s.time_s * 1e3:.3g} ms/microbatch"
+                f"{', recompute' if s.recompute else ''}; memory {format_bytes(s.memory.total)} "
+                f"(params {format_bytes(s.memory.params)}, grads {format_bytes(s.memory.grads)}, "
+                f"optimizer {format_bytes(s.memory.optimizer)}, activations {format_bytes(s.memory.activations)})"
+            )
+        return "\n".join(lines)
+
+
+def decode_pipeline(d: dict | None) -> PipelinePlan | None:
+    """The inverse of the plan file's `pipeline` entry (absent for single-stage plans)."""
+    if d is None:
+        return None
+
+    def tup(xs) -> tuple:
+        if not isinstance(xs, list):
+            raise TypeError(f"expected a list, got {xs!r:.60}")
+        return tuple(xs)
+
+    stages = tuple(
+        PipelineStage(index=s["index"], device=s["device"], units=tup(s["units"]), modules=tup(s["modules"]), time_s=s["time_s"],
+                      recompute=s["recompute"], memory=MemoryBreakdown.from_dict(s["memory"]))
+        for s in tup(d["stages"])
+    )
+    return PipelinePlan(
+        degree=d["degree"], schedule=d["schedule"], microbatches=d["microbatches"], chunks=d["chunks"], stages=stages, step_s=d["step_s"],
+        bubble_s=d["bubble_s"], bubble_fraction=d["bubble_fraction"], p2p_s=d["p2p_s"], pinned=tuple(tuple(x) for x in tup(d["pinned"])),
+    )

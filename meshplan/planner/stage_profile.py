@@ -1,0 +1,192 @@
+"""Per-layer costs read off an intra-op plan: what a pipeline stage made of those layers costs.
+
+The pipeline search cuts the model between units: everything before the first repeated layer
+("pre": embeddings), each repeated layer (`layers.k`), everything after the last ("post": final
+norm, head). The intra-op solver plans the whole graph once on a stage's sub-mesh at one
+microbatch size; this module splits that plan's predicted time and memory by unit, so a stage's
+cost is a sum over its units and a 128-layer model needs no more solves than a 2-layer one
+(repeated layers are tied in the solve and cost the same).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from meshplan.cost_model.estimate import local_bytes
+from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
+from meshplan.ir.graph import Graph
+from meshplan.ir.placement import Replicate
+from meshplan.planner.plan import Plan
+from meshplan.planner.problem import node_memory, transfer_memory
+
+PRE, POST = "pre", "post"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Unit:
+    """The smallest piece a stage is built of, on one device of a stage's sub-mesh."""
+
+    name: str
+    """`pre`, `layers.k` or `post`."""
+    modules: tuple[str, ...]
+    """Top-level module paths (or the layer) whose ops it holds, in graph order."""
+    time_s: float
+    """Forward + backward seconds per microbatch: compute and the collectives inside the unit."""
+    forward_s: float
+    """Forward compute seconds per microbatch (what recomputation adds)."""
+    sync_s: float
+    """Gradient all-reduce seconds per step, for the parameters it owns."""
+    static_bytes: int
+    """Parameters, gradients and optimizer state."""
+    param_bytes: int
+    """Parameters and buffers alone."""
+    grad_bytes: int
+    """Gradient bytes of its trainable parameters (what a data-parallel all-reduce moves)."""
+    act_bytes: int
+    """Activations saved for backward per microbatch."""
+    out_bytes: int
+    """Bytes per device of the activation it hands the next unit (what a stage cut sends)."""
+    in_bytes: int
+    """Bytes per device of the activation it receives (what recomputation keeps)."""
+    shared: dict[str, tuple[int, int]]
+    """Parameter node -> (static bytes, gradient bytes), for parameters other units use too (tied embeddings): a stage
+    holding several such units counts them once."""
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+def unit_of_nodes(graph: Graph) -> dict[str, str]:
+    """Op, input and output node -> unit name; parameters are placed by their consumers."""
+    order = [n for n in graph.nodes if n.kind in ("op", "input", "output", "constant")]
+    layer_idx = [i for i, n in enumerate(order) if n.layer is not None]
+    first, last = (layer_idx[0], layer_idx[-1]) if layer_idx else (len(order), len(order))
+    out = {}
+    for i, n in enumerate(order):
+        out[n.name] = n.layer if n.layer is not None else (PRE if i < first else POST)
+    return out
+
+
+def unit_names(graph: Graph) -> list[str]:
+    units = unit_of_nodes(graph)
+    names = list(dict.fromkeys(units.values()))
+    return [PRE, *[n for n in names if n not in (PRE, POST)], POST]
+
+
+def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Unit]:
+    """Split `plan` (made for `graph` at one microbatch) into units, in pipeline order."""
+    shape = plan.mesh.shape
+    unit = unit_of_nodes(graph)
+    consumers = graph.consumers()
+    names = unit_names(graph)
+    acc = {u: dict(time=0.0, fwd=0.0, sync=0.0, static=0, param=0, grad=0, act=0, out=0, inb=0, shared={}, modules=[]) for u in names}
+    strategy = {n.name: n.strategy for n in plan.nodes}
+    for n in plan.nodes:
+        a = acc[unit[n.name]]
+        a["time"] += n.time_s
+        a["fwd"] += n.time_s / 3.0 if any(graph[n.name].requires_grad) else n.time_s
+        a["act"] += node_memory(graph[n.name], n.strategy, shape, optimizer).activations
+        top = n.module_path.split(".", 1)[0] if unit[n.name] in (PRE, POST) else unit[n.name]
+        if top and top not in a["modules"]:
+            a["modules"].append(top)
+    for t in plan.transfers:
+        consumer = graph[t.consumer]
+        a = acc[unit.get(t.consumer, POST)]
+        a["time"] += t.time_s
+        a["act"] += transfer_memory(graph.meta(_ref(t.tensor)), t.src, t.dst, consumer, shape)
+    for p in plan.params:
+        node = graph[p.node]
+        nbytes = local_bytes(node.out, p.layout, shape)
+        static, grad = nbytes, 0
+        if not p.is_buffer and node.grad(0):
+            grad = nbytes
+            static += nbytes + optimizer_state_bytes(nbytes // node.out.itemsize, optimizer)
+        users = list(dict.fromkeys(unit[c] for c, _ in consumers[p.node] if c in unit))
+        for u in users or [PRE]:
+            acc[u]["static"] += static
+            acc[u]["grad"] += grad
+            acc[u]["param"] += nbytes
+            acc[u]["sync"] += p.time_s
+            if len(users) > 1:
+                acc[u]["shared"][p.node] = (static, grad)
+    # the activation crossing from one unit to the next: outputs consumed in a later unit
+    pos = {u: i for i, u in enumerate(names)}
+    for n in graph.nodes:
+        if n.name not in unit or n.kind == "output":
+            continue
+        for j, meta in enumerate(n.outputs):
+            if meta is None:
+                continue
+            later = {unit[c] for c, _ in consumers[n.name] if c in unit and pos[unit[c]] > pos[unit[n.name]] and graph[c].kind != "output"}
+            if not later:
+                continue
+            layout = strategy[n.name].outputs[j] if n.name in strategy else tuple(Replicate() for _ in shape)
+            nbytes = local_bytes(meta, layout, shape)
+            acc[unit[n.name]]["out"] += nbytes
+            for u in later:
+                acc[u]["inb"] += nbytes
+    return [
+        Unit(name=u, modules=tuple(a["modules"]), time_s=a["time"], forward_s=a["fwd"], sync_s=a["sync"], static_bytes=a["static"], param_bytes=a["param"], grad_bytes=a["grad"],
+             act_bytes=a["act"], out_bytes=a["out"], in_bytes=a["inb"], shared=a["shared"])
+        for u, a in acc.items()
+    ]
+
+
+def repeat_layers(units: list[Unit], layers: int) -> list[Unit]:
+    """Stretch a profile traced with a few identical layers to `layers` of them (the last traced
+    layer stands for every one: the first may carry the embedding's resharding)."""
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1; got {layers!r}")
+    pre, *mid, post = units
+    if not mid:
+        raise ValueError("the traced model has no repeated layers (`layers.k` modules) to repeat")
+    like = mid[-1]
+    base = like.name.rsplit(".", 1)[0]
+    return [pre, *[replace(like, name=f"{base}.{k}", modules=(f"{base}.{k}",)) for k in range(layers)], post]
+
+
+def _ref(text: str):
+    from meshplan.ir.graph import TensorRef
+
+    if text.endswith("]"):
+        node, idx = text[:-1].split("[")
+        return TensorRef(node, int(idx))
+    return TensorRef(text)
+
+
+def stage_static_bytes(units: list[Unit]) -> int:
+    """Static bytes of a stage: shared parameters once."""
+    return sum(u.static_bytes for u in units) - _double_counted(units)[0]
+
+
+def _double_counted(units: list[Unit]) -> tuple[int, int]:
+    """(static, gradient) bytes of shared parameters counted more than once in `units`."""
+    seen: set[str] = set()
+    static = grad = 0
+    for u in units:
+        for k, (st, g) in u.shared.items():
+            if k in seen:
+                static, grad = static + st, grad + g
+            seen.add(k)
+    return static, grad
+
+
+def stage_memory(units: list[Unit], activations: float) -> MemoryBreakdown:
+    """Params, grads, optimizer state of a stage (shared parameters once) plus `activations`."""
+    dup_static, dup_grad = _double_counted(units)
+    dup_param = dup_grad  # a shared trainable parameter's gradient is as large as the parameter
+    params = sum(u.param_bytes for u in units) - dup_param
+    grads = sum(u.grad_bytes for u in units) - dup_grad
+    static = sum(u.static_bytes for u in units) - dup_static
+    return MemoryBreakdown(params=params, grads=grads, optimizer=static - params - grads, activations=int(activations))
+
+
+def tied_grad_bytes(units: list[Unit]) -> int:
+    """Gradient bytes of parameters the first and the last unit share (the tied embedding)."""
+    return sum(g for k, (_, g) in units[0].shared.items() if k in units[-1].shared)
+
+
+def check_profile(units: list[Unit]) -> None:
+    assert units and units[0].name == PRE and units[-1].name == POST, [u.name for u in units]
+    assert all(math.isfinite(u.time_s) and u.time_s >= 0 for u in units)

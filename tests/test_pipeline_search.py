@@ -1,0 +1,100 @@
+"""Pipeline search: the DP over unit ranges, the schedule formulas in the plan, pins, recompute, JSON."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from meshplan.cost_model.presets import get_cluster
+from meshplan.cost_model.schedules import bubble_fraction, in_flight
+from meshplan.models import GPT, GPTConfig
+from meshplan.planner.pipeline import PipelineOptions, evaluate, partition, plan_pipeline
+from meshplan.planner.plan import Plan
+from meshplan.planner.stage_profile import Unit
+
+MiB = 2**20
+
+
+def units(n_layers: int, *, layer_s=1.0, act=10 * MiB, static=4 * MiB, edge_s=0.5) -> list[Unit]:
+    def u(name, t, a, st):
+        return Unit(name=name, modules=(name,), time_s=t, forward_s=t / 3, sync_s=0.0, static_bytes=st, param_bytes=st // 4,
+                    grad_bytes=st // 4, act_bytes=a, out_bytes=MiB, in_bytes=MiB, shared={})
+    return [u("pre", edge_s, act // 10, static), *[u(f"layers.{k}", layer_s, act, static) for k in range(n_layers)], u("post", edge_s, act // 10, static)]
+
+
+def test_partition_balances_identical_layers():
+    parts = partition(units(8), 4, 8, "1f1b", budget=1e12, p2p_s=0.0)
+    assert [j - i for i, j, *_ in parts] == [3, 2, 2, 3]  # pre + 2 layers, 2, 2, 2 layers + post
+    assert max(s for *_, s, _ in parts) == pytest.approx(2.5)
+
+
+def test_stage_memory_follows_schedule_formula():
+    us = units(8)
+    for sched in ("gpipe", "1f1b"):
+        pipe = evaluate(us, p=4, d=1, t=1, m=8, schedule=sched, cluster=get_cluster("h100"), budget=1e12, dp_in_profile=True)
+        assert pipe.bubble_fraction == pytest.approx(bubble_fraction(sched, 4, 8)) == pytest.approx(3 / 11)
+        for st in pipe.stages:
+            acts = sum(u.act_bytes for u in us if u.name in st.units)
+            assert st.memory.activations == int(in_flight(sched, 4, 8, st.device) * acts)
+    pipe = evaluate(us, p=4, d=1, t=1, m=8, schedule="interleaved_1f1b", cluster=get_cluster("h100"), budget=1e12, dp_in_profile=True)
+    assert pipe.chunks == 2 and len(pipe.stages) == 8
+    assert pipe.bubble_fraction == pytest.approx(3 / (2 * 8 + 3), rel=0.05)  # equal up to the imbalance of pre/post chunks
+
+
+def test_recompute_when_memory_needs_it():
+    us = units(8)
+    roomy = evaluate(us, p=2, d=1, t=1, m=8, schedule="gpipe", cluster=get_cluster("h100"), budget=1e12, dp_in_profile=True)
+    assert not any(s.recompute for s in roomy.stages)
+    # 8 microbatches x 4 layers x 10 MiB do not fit in 200 MiB; 8 x 4 layer inputs x 1 MiB do
+    tight = evaluate(us, p=2, d=1, t=1, m=8, schedule="gpipe", cluster=get_cluster("h100"), budget=200 * MiB, dp_in_profile=True)
+    assert all(s.recompute for s in tight.stages) and tight.step_s > roomy.step_s
+    assert all(s.memory.total <= 200 * MiB for s in tight.stages)
+    assert evaluate(us, p=2, d=1, t=1, m=8, schedule="gpipe", cluster=get_cluster("h100"), budget=20 * MiB, dp_in_profile=True) is None
+
+
+def test_pins_are_honoured():
+    us = units(8)
+    pins = {1: 0, 2: 1}  # layers.0 on stage 0, layers.1 on stage 1
+    parts = partition(us, 2, 4, "1f1b", budget=1e12, p2p_s=0.0, pins=pins)
+    assert parts[0][:2] == (0, 2)  # stage 0 = pre + layers.0 only
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=4, hidden=32, vocab_size=64))
+    model.layers[2].pipeline_stage = 1  # semi-auto: attribute pin
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_pipeline(model, 4, (torch.randint(0, 64, (8, 16)),), cluster=get_cluster("cpu"),
+                             options=PipelineOptions(degrees=(2,), tensor_degrees=(2,), microbatch_sizes=(2,), refine=1,
+                                                     schedules=("gpipe", "1f1b"), stage_config={"layers.0": 0}))
+
+
+def test_searched_plan_prints_bubble_and_stage_memory(gpt_plan):
+    plan = gpt_plan.plan
+    pipe = plan.pipeline
+    assert (gpt_plan.best.tensor, gpt_plan.best.pipeline, gpt_plan.best.data) == (2, 2, 1)
+    assert pipe.microbatches == 4 and pipe.degree == 2
+    assert pipe.bubble_fraction == pytest.approx(bubble_fraction(pipe.schedule, 2, 4))
+    assert pipe.stage_of("layers.0") == 0 and pipe.stage_of("layers.2") == 1
+    text = str(plan)
+    assert f"bubble {pipe.bubble_fraction:.1%}" in text
+    for st in pipe.stages:
+        assert f"stage {st.index} (rank {st.device})" in text
+    assert plan.step_time_s == pipe.step_s > 0
+
+
+def test_pipeline_plan_json_round_trip(gpt_plan):
+    plan = gpt_plan.plan
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.pipeline.stages[1].memory == plan.pipeline.stages[1].memory
+
+
+def test_bad_stage_config_names_the_units():
+    model = GPT(GPTConfig(layers=2, hidden=32, vocab_size=64))
+    with pytest.raises(ValueError, match="stage_config names 'layers.9'.*units: pre, layers.0, layers.1, post"):
+        plan_pipeline(model, 2, (torch.randint(0, 64, (4, 16)),), cluster=get_cluster("cpu"),
+                      options=PipelineOptions(degrees=(2,), tensor_degrees=(1,), microbatch_sizes=(2,), stage_config={"layers.9": 1}))

@@ -1,0 +1,91 @@
+"""Activation recomputation: a choice of the solve, priced exactly, and run by the runtime with parity.
+
+What a recomputed layer costs and saves is checked against hand-computed figures from the plan
+without recomputation; the solver must pick it exactly when the budget needs it and it beats the
+alternatives; on gloo ranks, a recomputed plan trains like one process and runs each recomputed
+layer's forward collectives once more in backward (the plan lists them under `recompute:`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+from _parity import build, check_parity, plan_kwargs, rank_worker
+
+import meshplan
+from meshplan.planner.plan import Plan
+from meshplan.planner.planner import MemoryBudgetError
+from meshplan.runtime.launch import run_local
+
+
+def _plan(name: str, kind: str, mesh_shape, **kw):
+    model, x, _ = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return meshplan.plan(model, devices=math.prod(mesh_shape), example_inputs=(x,), **plan_kwargs(name, kind, mesh_shape), **kw)
+
+
+@pytest.mark.parametrize("kind", ["data_parallel", "megatron", "fsdp"])
+def test_recompute_trades_forward_time_for_activation_memory(kind):
+    keep = _plan("gpt", kind, (2,), recompute="never")
+    again = _plan("gpt", kind, (2,), recompute="always")
+    assert keep.recompute == () and again.recompute == ("layers.0", "layers.1")
+    # a recomputed op costs its forward once more (backward = BACKWARD_FACTOR x forward); compared
+    # where both plans chose the same strategy (recomputation may shift a few layouts)
+    from meshplan.cost_model.compute import BACKWARD_FACTOR
+
+    before = {n.name: n for n in keep.nodes}
+    same = [n for n in again.nodes if n.strategy == before[n.name].strategy and n.time_s > 0]
+    assert len(same) > 0.8 * sum(n.time_s > 0 for n in again.nodes)
+    for n in same:
+        factor = (2 + BACKWARD_FACTOR) / (1 + BACKWARD_FACTOR) if n.module_path.startswith("layers.") else 1.0
+        assert n.time_s == pytest.approx(before[n.name].time_s * factor, rel=1e-9), n.name
+    assert again.step_time_s > keep.step_time_s
+    # each recomputed layer's forward moves run again: their time is in the transfer
+    for t in again.transfers:
+        assert t.recompute == again.nodes[[n.name for n in again.nodes].index(t.consumer)].module_path.startswith("layers.") if t.consumer != "output" else not t.recompute
+    assert again.memory.activations < keep.memory.activations
+    assert (again.memory.params, again.memory.grads, again.memory.optimizer) == (keep.memory.params, keep.memory.grads, keep.memory.optimizer)
+    forward = {k.split(":")[1]: v for k, v in again.collectives().items() if k.startswith("forward:")}
+    rerun = {k.split(":")[1]: v for k, v in again.collectives().items() if k.startswith("recompute:")}
+    assert all(rerun[k] <= forward[k] for k in rerun)
+
+
+def test_the_solver_recomputes_only_when_the_budget_needs_it():
+    free = _plan("gpt", "data_parallel", (2,))
+    assert free.recompute == ()  # recomputation only costs time: never chosen without memory pressure
+    never = _plan("gpt", "data_parallel", (2,), recompute="never")
+    always = _plan("gpt", "data_parallel", (2,), recompute="always")
+    # between the two peaks, only recomputation (with the forced data-parallel layouts) fits
+    budget = (never.memory.total + always.memory.total) // 2
+    squeezed = _plan("gpt", "data_parallel", (2,), memory_budget=budget)
+    assert squeezed.recompute == ("layers.0", "layers.1")
+    assert squeezed.memory.total <= budget
+    assert squeezed.step_time_s == pytest.approx(always.step_time_s, rel=1e-9)
+    with pytest.raises(MemoryBudgetError):
+        _plan("gpt", "data_parallel", (2,), memory_budget=budget, recompute="never")
+
+
+def test_recompute_is_saved_and_loaded(tmp_path):
+    plan = _plan("gpt", "megatron", (2,), recompute="always")
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    loaded = Plan.from_json(path.read_text())
+    assert loaded == plan and loaded.recompute == plan.recompute
+    assert loaded.collectives() == plan.collectives()
+
+
+def test_bad_recompute_value_is_a_value_error():
+    with pytest.raises(ValueError, match="recompute='sometimes' is not supported; allowed: auto, never, always"):
+        _plan("gpt", "data_parallel", (2,), recompute="sometimes")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name,kind", [("gpt", "megatron"), ("llama", "fsdp")])
+def test_parity_with_recomputed_layers(name, kind):
+    plan = _plan(name, kind, (2,), recompute="always")
+    assert plan.collectives()["recompute:all_gather"] + plan.collectives()["recompute:all_reduce"] > 0
+    results = run_local(2, rank_worker, name, plan, timeout=600)
+    check_parity(name, plan, results)  # losses, parameters, and executed == planned collectives
