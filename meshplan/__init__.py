@@ -5,7 +5,7 @@
 """
 
 from meshplan.api import auto_parallelize, plan
-from meshplan.inspect import load_plan, plan_code
+from meshplan.inspect import list_ops, load_plan, plan_code
 from meshplan.ir.placement import Partial, Replicate, Shard
 from meshplan.planner.annotations import Layout, shard
 from meshplan.planner.plan import Plan
@@ -15,5 +15,5 @@ from meshplan.runtime.parallel_module import ParallelModule
 
 __all__ = [
     "CollectiveError", "Layout", "ParallelModule", "Partial", "Plan", "Replicate", "Shard", "auto_parallelize",
-    "load_checkpoint", "load_plan", "plan", "plan_code", "save_checkpoint", "shard",
+    "list_ops", "load_checkpoint", "load_plan", "plan", "plan_code", "save_checkpoint", "shard",
 ]

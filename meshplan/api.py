@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.cost_model.memory import format_bytes
 from meshplan.cost_model.presets import ClusterPreset, get_cluster
+from meshplan.cost_model.profile import Profile, resolve_profile
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
 from meshplan.planner.annotations import AnnotationError, module_annotations
@@ -103,6 +104,8 @@ def plan(
     parameter_plan: dict | None = None,
     parallelize_plan: dict | None = None,
     recompute: str = "auto",
+    offload: str = "never",
+    profile: Profile | str | os.PathLike | None = None,
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
@@ -111,18 +114,29 @@ def plan(
     time is returned. `memory_budget` bounds the predicted peak per device ('80GB', '16GiB' or
     bytes; default: the cluster device's memory); if no plan fits, the `MemoryBudgetError` says
     the smallest budget that would. `recompute` lets the solve recompute repeated layers' activations
-    in backward when that beats other ways of fitting the budget ('auto'), or 'never' / 'always'.
+    in backward when that beats other ways of fitting the budget ('auto'), or 'never' / 'always';
+    `offload` ('never', 'auto', 'always') may keep optimizer state in host memory instead (train with
+    `ParallelModule.make_optimizer`).
     Meshes on which the annotations cannot hold (a split factor no axis has) are skipped.
 
     Modes (`mode=`), `search=` and the annotations (`meshplan.shard` on submodules,
     `parameter_plan`, `parallelize_plan`, `input_layouts`) are described in docs/modes.md.
+
+    `profile`: measured costs (a `Profile`, a profile JSON path, or "local" for this machine's
+    database entry; see docs/cost_model.md). Without one the cluster's presets price everything,
+    and a warning says so once.
     """
-    cluster_preset = get_cluster(cluster or ("h100" if torch.cuda.is_available() else "cpu"))
+    if profile is None and isinstance(cluster, ClusterPreset) and cluster.profile is not None:
+        cluster_preset = cluster  # already calibrated
+    else:
+        default = "h100" if torch.cuda.is_available() else "cpu"
+        measured = resolve_profile(profile, cluster if isinstance(cluster, str) or cluster is None else cluster.name, default)
+        cluster_preset = get_cluster(cluster or (measured.cluster if measured is not None else default)).with_profile(measured)
     meshes = resolve_mesh(devices, mesh_shape, axis_names, cluster_preset.devices_per_node)
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
         input_layouts=dict(input_layouts or {}), optimizer=optimizer, memory_budget=memory_budget, search=search,
-        recompute=recompute,
+        recompute=recompute, offload=offload,
         annotations=Annotations(
             parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=module_annotations(model)
         ),

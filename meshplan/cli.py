@@ -1,6 +1,7 @@
-"""The `meshplan` command line (also `python -m meshplan`): plan, show, explain, diff, report, code, demo.
+"""The `meshplan` command line (also `python -m meshplan`): plan, show, explain, diff, report, code, ops, demo,
+profile (compute | comm | show), validate.
 
-Every command but `plan`, `code` and `demo` reads only the plan file. Bad input exits with status 2
+Every command but `plan`, `code`, `ops` and `demo` reads only the plan file. Bad input exits with status 2
 and one line on stderr naming what was given and what is allowed.
 """
 
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--axis-names", help="comma-separated mesh axis names (default dp / dp,tp / dp0,dp1,tp)")
     p.add_argument("--cluster", help="hardware preset (see meshplan.cost_model.presets.CLUSTERS; default cpu, or h100 with CUDA)")
     p.add_argument("--memory", type=parse_size, help="per-device memory budget such as 80GB or 80GiB")
+    p.add_argument("--profile", help="measured profile JSON (or 'local': this machine's, see `meshplan profile`)")
     p.add_argument("--mode", default="auto", help="auto, data_parallel, semi_auto or manual (default auto)")
     p.add_argument("--inputs", default="global", help="global or local (default global)")
     p.add_argument("--out", "-o", required=True, help="plan file to write (JSON)")
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rank", type=int, default=0, help="which rank (default 0)")
     c.set_defaults(handler=_code)
 
+    _add_ops_command(commands, common)
+
     demo = commands.add_parser(
         "demo", parents=[common],
         help="plan a small model, print the plan, run it on local gloo processes and check parity",
@@ -114,7 +118,51 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive_int, default=3, help="training steps to run (default 3)")
     demo.add_argument("--model", choices=MODELS, default="gpt", help="which small model (default gpt)")
     demo.set_defaults(handler=_demo)
+    _add_profile_parser(commands, common)
+    v = commands.add_parser(
+        "validate", parents=[common], help="cost-model fidelity: predicted vs measured time and memory of several plans",
+        description="Calibrate (unless --profile is given), plan a small GPT with DP, FSDP, TP, DPxTP and the solver's own "
+        "plan on 2 and 4 local gloo processes, measure each, and print predicted vs measured step time and peak memory, "
+        "Spearman rank correlation and median errors (docs/cost_model.md).",
+    )
+    v.add_argument("--profile", help="use this profile instead of measuring one (a path, or 'local')")
+    v.add_argument("--save-profile", help="write the calibration profile here")
+    v.add_argument("--quick", action="store_true", help="a tiny model and two plans on 2 processes (smoke test)")
+    v.add_argument("--steps", type=_positive_int, default=12, help="timed steps per plan (default 12)")
+    v.set_defaults(handler=_validate)
     return parser
+
+
+def _add_profile_parser(commands, common) -> None:
+    prof = commands.add_parser(
+        "profile", parents=[common], help="measure op times (compute) or collectives (comm) into a profile JSON",
+        description="Measure this machine and write (merge into) a profile that `meshplan.plan(..., profile=PATH)` and "
+        "`meshplan plan --profile PATH` read. --out local (the default) is this machine's entry in the profile "
+        "database ($MESHPLAN_PROFILE_DIR or ~/.cache/meshplan/profiles).",
+    )
+    what = prof.add_subparsers(dest="what", metavar="WHAT", required=True)
+    c = what.add_parser("compute", parents=[common], help="time every op shape a model's candidate plans run",
+                        description="Time, forward and backward, every distinct (op, local shapes, dtype) of the candidate "
+                        "strategies of the model FACTORY builds, on every mesh of each --devices count.")
+    c.add_argument("target", metavar="MODULE:FACTORY")
+    c.add_argument("--devices", type=_positive_int, nargs="+", default=[2, 4], help="device counts to plan for (default 2 4)")
+    c.add_argument("--cluster", default="cpu", help="the cluster preset the profile calibrates (default cpu)")
+    c.add_argument("--out", "-o", default="local", help="profile file to write or merge into (default: local)")
+    c.set_defaults(handler=_profile_compute)
+    m = what.add_parser("comm", parents=[common], help="fit alpha-beta per collective and mesh axis",
+                        description="Run all_reduce, all_gather, reduce_scatter, all_to_all and send/recv on every axis of "
+                        "every 1-D and 2-D mesh over message sizes 4 KiB..256 MiB and fit alpha + bytes*beta. Under torchrun "
+                        "it measures the launched group; otherwise --local N starts N gloo processes here.")
+    m.add_argument("--local", type=_positive_int, nargs="+", metavar="N", help="world sizes to run locally (default 2 4)")
+    m.add_argument("--quick", action="store_true", help="4 KiB, 64 KiB and 1 MiB only (CI)")
+    m.add_argument("--max-size", type=parse_size, help="largest message (default 256MiB; e.g. 16MiB on a small machine)")
+    m.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions per size (default 5)")
+    m.add_argument("--cluster", default="cpu", help="the cluster preset the profile calibrates (default cpu, or h100 with CUDA)")
+    m.add_argument("--out", "-o", default="local", help="profile file to write or merge into (default: local)")
+    m.set_defaults(handler=_profile_comm)
+    s = what.add_parser("show", parents=[common], help="summarise a profile file", description="Summarise a profile file.")
+    s.add_argument("path", nargs="?", default="local", help="profile file (default: local)")
+    s.set_defaults(handler=_profile_show)
 
 
 # ---------------------------------------------------------------- helpers
@@ -178,6 +226,8 @@ def _plan(args: argparse.Namespace) -> int:
     kwargs: dict = {}
     if args.memory is not None:
         kwargs["memory_budget"] = args.memory
+    if args.profile is not None:
+        kwargs["profile"] = args.profile
     if args.axis_names:
         kwargs["axis_names"] = tuple(a.strip() for a in args.axis_names.split(","))
     show = not args.no_progress and sys.stderr.isatty()
@@ -230,10 +280,97 @@ def _code(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_ops_command(commands, common) -> None:
+    o = commands.add_parser(
+        "ops", parents=[common], help="list a model's ops with their sharding-rule source and FLOP share",
+        description="Trace the model FACTORY builds (MODULE:FACTORY) and list every op with the source of its sharding "
+        "rule (dtensor, meshplan, fallback), its share of the forward FLOPs and whether any candidate splits its work; "
+        "nothing is planned or run.",
+    )
+    o.add_argument("target", metavar="MODULE:FACTORY")
+    o.add_argument("--mesh", type=parse_mesh, default=(2,), help="mesh shape the candidates are listed for (default 2)")
+    o.add_argument("--min-share", type=float, default=0.0, help="only ops with at least this fraction of the FLOPs (e.g. 0.01)")
+    o.add_argument("--views", action="store_true", help="also list view ops (reshape, transpose, ...)")
+    o.set_defaults(handler=_ops)
+
+
+def _ops(args: argparse.Namespace) -> int:
+    from meshplan.inspect.ops import list_ops
+
+    if not 0.0 <= args.min_share <= 1.0:
+        raise ValueError(f"--min-share must be a fraction between 0 and 1, got {args.min_share}")
+    model, inputs, kwargs = load_factory(args.target)
+    print(list_ops(model, inputs, example_kwargs=kwargs, mesh_shape=args.mesh).format(min_share=args.min_share, views=args.views))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> object:
     from meshplan.demo import run_demo  # lazy: keeps `meshplan --help` fast
 
     return run_demo(devices=args.devices, steps=args.steps, model=args.model)
+
+
+def _profile_compute(args: argparse.Namespace) -> int:
+    from meshplan.calibrate import profile_model
+
+    model, inputs, kwargs = load_factory(args.target)
+    profile = profile_model(model, inputs, tuple(args.devices), example_kwargs=kwargs, cluster=args.cluster, out=args.out)
+    print(profile.summary())
+    print(f"written to {_profile_out(args.out)}")
+    return 0
+
+
+def _profile_comm(args: argparse.Namespace) -> int:
+    from meshplan.calibrate import profile_comm, profile_comm_torchrun
+    from meshplan.cost_model.comm_profiler import FULL_SIZES, QUICK_SIZES
+    from meshplan.runtime.launch import is_torchrun
+
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    if args.max_size is not None:
+        sizes = tuple(s for s in sizes if s <= args.max_size)
+        if len(sizes) < 2:
+            raise ValueError(f"--max-size {args.max_size} leaves fewer than 2 message sizes; allowed: >= {FULL_SIZES[1]} bytes")
+    if is_torchrun():
+        if args.local:
+            raise ValueError("--local starts its own processes; under torchrun leave it out (the launched group is measured)")
+        profile = profile_comm_torchrun(cluster=args.cluster, sizes=sizes, reps=args.reps, out=args.out)
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        profile = profile_comm(tuple(args.local or (2, 4)), cluster=args.cluster, sizes=sizes, reps=args.reps, out=args.out)
+    print(profile.summary())
+    for f in profile.collectives:
+        bw = f"{1 / f.seconds_per_byte / 1e6:,.0f} MB/s" if f.seconds_per_byte else "inf"
+        print(f"  {f.kind:<14} group {f.group} of world {f.world} ({f.axis}): alpha {f.alpha_s * 1e6:,.0f} us, {bw}")
+    print(f"written to {_profile_out(args.out)}")
+    return 0
+
+
+def _profile_show(args: argparse.Namespace) -> int:
+    from meshplan.cost_model.profile import load_profile
+
+    print(load_profile(_profile_out(args.path)).summary())
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from meshplan import fidelity
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    profile = args.profile or fidelity.calibrate(quick=args.quick, out=args.save_profile, log=say)
+    rows = fidelity.run(profile, quick=args.quick, steps=args.steps, log=say)
+    print(fidelity.table(rows))
+    return 0
+
+
+def _profile_out(out: str) -> str:
+    from meshplan.cost_model.profile import profile_path
+
+    return str(profile_path()) if out == "local" else out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -98,7 +98,7 @@ def test_get_cluster():
     assert isinstance(h100, ClusterPreset) and h100.devices_per_node == 8
     assert get_cluster(h100) is h100
     assert h100.device.peak("bfloat16") == 989e12 and h100.device.peak("float32") == 67e12
-    with pytest.raises(ValueError, match=r"^unknown cluster 'x'; known: a100, cpu, h100$"):
+    with pytest.raises(ValueError, match=r"^unknown cluster 'x'; known: a100, cpu, h100, h200$"):
         get_cluster("x")
 
 

@@ -19,7 +19,7 @@ def sync_axes(x_layout) -> tuple[int, ...]:
 
 @register_region_cost(BATCH_NORM_TARGET)
 def batch_norm_cost(node, in_metas, in_layouts, out_layouts, mesh_shape, cluster, *, backward: bool) -> RegionCost:
-    compute = compute_time(node.target, in_metas, node.outputs, out_layouts, mesh_shape, cluster, backward=backward)
+    compute = compute_time(node.target, in_metas, node.outputs, out_layouts, mesh_shape, cluster, backward=backward, in_layouts=in_layouts)
     x = in_metas[0]
     channels = local_shape(x.shape, in_layouts[0], mesh_shape)[1]
     forward = tuple(CommStep("all_reduce", a, nbytes=(2 * channels + 1) * x.itemsize) for a in sync_axes(in_layouts[0]))

@@ -3,6 +3,13 @@
 These are the numbers the solver minimises. Compute is a roofline on the local share of the work;
 backward is `BACKWARD_FACTOR` x forward where gradients flow; communication is the alpha-beta time
 of exactly the steps `redistribution_steps` lists (forward and, where gradients flow, backward).
+
+With a measured profile on the cluster (`ClusterPreset.profile`), an op's time is its measured
+forward + backward on the local shapes (times the measured compute contention of the world size),
+a collective's time is its fitted alpha + bytes * beta for that group and world size, and the
+runtime's local copies around collectives (chunk, pad, cat, stack, clone: see
+`runtime/collectives.py`) are priced at the measured copy rate. What the profile lacks falls back
+to the presets.
 """
 
 from __future__ import annotations
@@ -36,22 +43,78 @@ def compute_time(
     cluster: ClusterPreset,
     *,
     backward: bool,
+    in_layouts: Sequence[Placements] | None = None,
 ) -> float:
-    """Seconds one device spends on this op per step (forward, plus backward when `backward`)."""
+    """Seconds one device spends on this op per step (forward, plus backward when `backward`).
+
+    `in_layouts` (the strategy's input layouts) lets a measured profile find the op's local shapes."""
+    prof = cluster.profile
+    if prof is not None and in_layouts is not None:
+        loc_in = [_local_meta(m, p, mesh_shape) for m, p in zip(inputs, in_layouts)]
+        loc_out = [_local_meta(m, p, mesh_shape) for m, p in zip(outputs, out_layouts)]
+        t = prof.op(target, loc_in, loc_out)
+        if t is not None:
+            bwd = (t.backward_s if t.backward_s is not None else BACKWARD_FACTOR * t.forward_s) if backward else 0.0
+            return (t.forward_s + bwd) * prof.slowdown(math.prod(mesh_shape))
     split = work_split(out_layouts, mesh_shape)
     flops = op_flops(target, list(inputs), list(outputs)) / split
     nbytes = op_bytes(target, list(inputs), list(outputs)) / split
     dtype = next((m.dtype for m in outputs if m is not None), "float32")
     fwd = roofline_time(flops, nbytes, cluster.device, dtype)
+    if prof is not None:  # not profiled: the roofline plus the dispatch cost every measured op pays
+        fwd += prof.op_overhead_s or 0.0
+        return fwd * (1.0 + BACKWARD_FACTOR if backward else 1.0) * prof.slowdown(math.prod(mesh_shape))
     return fwd * (1.0 + BACKWARD_FACTOR) if backward else fwd
 
 
+def _local_meta(meta: TensorMeta | None, layout: Placements | None, mesh_shape: tuple[int, ...]) -> TensorMeta | None:
+    if meta is None or layout is None:
+        return meta
+    return TensorMeta(local_shape(meta.shape, layout, mesh_shape), meta.dtype)
+
+
+def group_collective_time(kind: str, nbytes: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
+    """One collective over the mesh `axes`: the profile's fit for this group and world size if it
+    has one, else the alpha-beta ring model on the axes' link."""
+    group = math.prod(mesh_shape[a] for a in axes)
+    if group == 1 or nbytes == 0:
+        return 0.0
+    prof = cluster.profile
+    if prof is not None:
+        fit = prof.collective(kind, group, math.prod(mesh_shape))
+        if fit is not None:
+            return fit.time(nbytes)
+    return collective_time(kind, nbytes, group, cluster.link_for_axes(mesh_shape, axes))
+
+
+def local_copy_bytes(step: CommStep, n: int) -> float:
+    """Bytes the runtime copies on the device around one step on an axis of `n` ranks
+    (runtime/collectives.py `run_step` / `_communicate`)."""
+    b = step.nbytes
+    if n == 1:
+        return 0.0
+    if step.kind == "chunk":  # chunk(...)[me].contiguous(): a copy unless the chunk is already contiguous (dim 0)
+        return b / n if step.dim > 0 else 0.0
+    if step.kind == "pad":  # new_zeros of the full tensor, then the shard copied in
+        return b * n + b
+    if step.kind == "to_partial":  # zeros_like on every rank but the first
+        return b
+    extra = b if step.reduce == "avg" else 0.0  # out / n
+    if step.kind == "all_reduce":  # clone into the buffer reduced in place
+        return b + extra
+    if step.kind in ("all_gather", "reduce_scatter"):  # cat of the blocks when the dim is not 0
+        return (b if step.dim > 0 else 0.0) + extra
+    if step.kind == "all_to_all":  # stack of the pieces, cat of what arrived
+        return 2 * b + extra
+    return 0.0
+
+
 def steps_time(steps: Sequence[CommStep], mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
-    return sum(
-        collective_time(s.kind, s.nbytes, mesh_shape[s.axis], cluster.link_for_axis(mesh_shape, s.axis))
-        for s in steps
-        if s.communicates
-    )
+    total = sum(group_collective_time(s.kind, s.nbytes, (s.axis,), mesh_shape, cluster) for s in steps if s.communicates)
+    rate = cluster.profile.copy_seconds_per_byte if cluster.profile is not None else None
+    if rate:
+        total += rate * sum(local_copy_bytes(s, mesh_shape[s.axis]) for s in steps)
+    return total
 
 
 def transfer_time(
@@ -84,17 +147,44 @@ def grad_sync_time(
     if group == 1:
         return 0.0
     nbytes = math.prod(local_shape(meta.shape, layout, mesh_shape)) * meta.itemsize
-    link = cluster.link_for_axes(mesh_shape, axes)
-    fixed = collective_time("all_reduce", 1, group, link)
+    fixed = group_collective_time("all_reduce", 1, axes, mesh_shape, cluster)
     share = min(1.0, nbytes / bucket_bytes)
-    return collective_time("all_reduce", nbytes, group, link) - fixed + fixed * share
+    return bucket_time(nbytes, axes, mesh_shape, cluster) - fixed + fixed * share
 
 
 def bucket_time(nbytes: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
-    """One bucket's all-reduce over `axes`."""
+    """One bucket's all-reduce over `axes`, as runtime/grad_buckets.py runs it: the gradients are
+    copied into the bucket's flat buffer, all-reduced, and copied back (copies priced with a profile).
+
+    No overlap with backward is discounted: the runtime does launch each bucket asynchronously as
+    soon as it is full, but the solver has no backward timeline to hide it under (and on a CPU whose
+    cores the ranks share, gloo's communication thread competes with backward for them)."""
     group = math.prod(mesh_shape[a] for a in axes)
-    return collective_time("all_reduce", nbytes, group, cluster.link_for_axes(mesh_shape, axes)) if group > 1 else 0.0
+    if group == 1:
+        return 0.0
+    t = group_collective_time("all_reduce", nbytes, axes, mesh_shape, cluster)
+    rate = cluster.profile.copy_seconds_per_byte if cluster.profile is not None else None
+    return t + (2 * nbytes * rate if rate else 0.0)
 
 
 def local_bytes(meta: TensorMeta, layout: Placements, mesh_shape: tuple[int, ...]) -> int:
     return math.prod(local_shape(meta.shape, layout, mesh_shape)) * meta.itemsize
+
+
+_OPTIMIZER_BYTES_PER_ELEMENT = {"adam": 28, "adamw": 28, "sgd": 12, "sgd_momentum": 20, "adagrad": 20, "rmsprop": 20}
+"""Bytes an optimizer step reads + writes per fp32 element without a profile (Adam: reads param,
+grad, exp_avg, exp_avg_sq, writes param, exp_avg, exp_avg_sq)."""
+
+
+def optimizer_step_time(numels: Sequence[int], optimizer: str, mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
+    """Seconds of one `optimizer.step()` over this device's parameter tensors (`numels`, local
+    elements each): the profile's per-tensor + per-element rate (times contention), else memory
+    traffic at the device's bandwidth. The planner's step time does not include it yet; the
+    fidelity benchmark adds it to both plans' predictions alike."""
+    prof = cluster.profile
+    if prof is not None and optimizer in prof.optimizer_steps:
+        per_tensor, per_element = prof.optimizer_steps[optimizer]
+        return (per_tensor * len(numels) + per_element * sum(numels)) * prof.slowdown(math.prod(mesh_shape))
+    if optimizer not in _OPTIMIZER_BYTES_PER_ELEMENT:
+        raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(_OPTIMIZER_BYTES_PER_ELEMENT)}")
+    return _OPTIMIZER_BYTES_PER_ELEMENT[optimizer] * sum(numels) / cluster.device.memory_bandwidth

@@ -13,8 +13,9 @@ from typing import Any
 
 # Optimizer state tensors per parameter element, each kept in fp32 (also for bf16 models, as
 # mixed-precision training does).
-OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
-"""optimizer name -> fp32 state tensors per parameter (adam: exp_avg and exp_avg_sq)."""
+OPTIMIZER_STATES: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1, "rmsprop": 1}
+"""optimizer name -> fp32 state tensors per parameter (adam: exp_avg and exp_avg_sq; adagrad: sum;
+rmsprop: square_avg, without momentum)."""
 _STATE_ITEMSIZE = 4  # fp32
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -61,6 +62,47 @@ def optimizer_state_bytes(param_numel: int, optimizer: str = "adam") -> int:
     if param_numel < 0:
         raise ValueError(f"param_numel must be >= 0; got {param_numel!r}")
     return OPTIMIZER_STATES[optimizer] * _STATE_ITEMSIZE * param_numel
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+"""ZeRO stages: 0 none, 1 optimizer state sharded, 2 + gradients, 3 + parameters (= FSDP full shard)."""
+
+
+def training_state_bytes(
+    param_numel: int, *, optimizer: str = "adam", param_itemsize: int = 4, grad_itemsize: int | None = None,
+    master_weights: bool = False, param_shards: int = 1, grad_shards: int = 1, state_shards: int = 1,
+) -> MemoryBreakdown:
+    """Per-device bytes of parameters, gradients and optimizer state for `param_numel` elements.
+
+    Mixed precision (`param_itemsize=2, master_weights=True`) keeps bf16 parameters and gradients
+    plus an fp32 master copy, which counts as optimizer state (as in the ZeRO paper: K = 4 + 8 = 12
+    bytes per element for Adam). Each part is divided by the number of devices it is sharded over.
+    """
+    if param_numel < 0:
+        raise ValueError(f"param_numel must be >= 0; got {param_numel!r}")
+    for name, v in (("param_shards", param_shards), ("grad_shards", grad_shards), ("state_shards", state_shards)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int; got {v!r}")
+    grad_itemsize = param_itemsize if grad_itemsize is None else grad_itemsize
+    state = optimizer_state_bytes(param_numel, optimizer) + (_STATE_ITEMSIZE * param_numel if master_weights else 0)
+    return MemoryBreakdown(
+        params=param_numel * param_itemsize // param_shards, grads=param_numel * grad_itemsize // grad_shards,
+        optimizer=state // state_shards, activations=0,
+    )
+
+
+def zero_state_bytes(param_numel: int, dp: int, stage: int, *, optimizer: str = "adam", mixed_precision: bool = True) -> MemoryBreakdown:
+    """Model state per device under ZeRO `stage` over `dp` data-parallel ranks (Rajbhandari et al.
+    2020, fig. 1). For mixed-precision Adam (Psi = `param_numel`): 16 Psi, 4 Psi + 12 Psi / N,
+    2 Psi + 14 Psi / N, 16 Psi / N for stages 0-3. FSDP's FULL_SHARD is stage 3, SHARD_GRAD_OP stage 2."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage {stage!r} is not one of {ZERO_STAGES}")
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be a positive int; got {dp!r}")
+    return training_state_bytes(
+        param_numel, optimizer=optimizer, param_itemsize=2 if mixed_precision else 4, master_weights=mixed_precision,
+        state_shards=dp if stage >= 1 else 1, grad_shards=dp if stage >= 2 else 1, param_shards=dp if stage >= 3 else 1,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

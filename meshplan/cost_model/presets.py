@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from meshplan.cost_model.profile import Profile
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,6 +31,11 @@ class DevicePreset:
     """Device memory bandwidth in bytes/s (reads + writes together)."""
     memory_bytes: int
     """Memory one device can use, in bytes; the planner's per-device budget."""
+    host_link_bandwidth: float | None = None
+    """Bytes/s each way between this device and host memory (PCIe); None: the device's memory is host
+    memory (a CPU rank), so there is nowhere to offload to."""
+    host_memory_bandwidth: float | None = None
+    """Host memory bytes/s available to this device's share of the host CPUs (runs offloaded optimizer steps)."""
 
     def peak(self, dtype: str) -> float:
         """FLOP/s for `dtype`. Other real torch dtypes (int64 indices, bool masks, float64) use the
@@ -69,6 +78,12 @@ class ClusterPreset:
     """Link between devices of one node."""
     inter_node: LinkPreset
     """Link between nodes (per device)."""
+    profile: Profile | None = None
+    """Measured op times and collective fits (`meshplan profile ...`); None: presets only. Costs
+    use a measurement where the profile has one and these presets everywhere else."""
+
+    def with_profile(self, profile: Profile | None) -> ClusterPreset:
+        return replace(self, profile=profile)
 
     def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> LinkPreset:
         """The link a collective over mesh axis `axis` uses.
@@ -104,6 +119,10 @@ H100_SXM = DevicePreset(
     peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
     memory_bandwidth=3.35e12,  # HBM3
     memory_bytes=80 * 2**30,
+    # PCIe Gen5 x16: 128 GB/s bidirectional (H100 datasheet) = 64 GB/s each way. DGX H100 host: two Xeon
+    # 8480C, 8 channels of DDR5-4800 each (2 x 307 GB/s) shared by 8 GPUs: ~77 GB/s per GPU.
+    host_link_bandwidth=64e9,
+    host_memory_bandwidth=77e9,
 )
 # NVLink 4 / NVSwitch: 900 GB/s bidirectional per GPU = 450 GB/s each way; a few us per hop.
 # Every NCCL collective is at least one CUDA kernel launch (~5 us, CUDA C programming guide's
@@ -111,22 +130,42 @@ H100_SXM = DevicePreset(
 NVLINK4 = LinkPreset(name="NVLink4", latency_s=3e-6, bandwidth=450e9, call_overhead_s=5e-6)
 # One ConnectX-7 InfiniBand NDR port per GPU: 400 Gb/s = 50 GB/s; ~5-10 us through the switch.
 IB_NDR = LinkPreset(name="IB-NDR400", latency_s=8e-6, bandwidth=50e9, call_overhead_s=5e-6)
+
 DGX_H100 = ClusterPreset(name="h100", device=H100_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR)
 
-# --- A100 (Selene / DGX A100, the machine of Narayanan et al. 2021) -------------------------------
-# Sources: NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB column) and the DGX A100 user guide.
-# bf16/fp16 dense tensor-core peak 312 TFLOP/s; float32 non-tensor-core 19.5 TFLOP/s (TF32 off, as for H100).
-A100_SXM_80GB = DevicePreset(
+# --- H200 --------------------------------------------------------------------------------------
+# Sources: NVIDIA H200 Tensor Core GPU datasheet (SXM column) and the DGX H200 datasheet. Same
+# Hopper compute as the H100 SXM (989 TFLOP/s dense bf16, 67 TFLOP/s fp32 without TF32); 141 GB of
+# HBM3e at 4.8 TB/s. A DGX H200 has the same NVLink 4 / NVSwitch fabric (900 GB/s bidirectional)
+# and eight ConnectX-7 400 Gb/s InfiniBand NDR ports (one per GPU) as the DGX H100.
+H200_SXM = DevicePreset(
+    name="H200-SXM-141GB",
+    peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
+    memory_bandwidth=4.8e12,
+    memory_bytes=141 * 10**9,
+    host_link_bandwidth=64e9,  # PCIe Gen5 x16 and the DGX H200's host, as for the DGX H100
+    host_memory_bandwidth=77e9,
+)
+DGX_H200 = ClusterPreset(name="h200", device=H200_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR)
+
+# --- A100 --------------------------------------------------------------------------------------
+# Sources: NVIDIA A100 Tensor Core GPU datasheet (80GB SXM column) and the DGX A100 user guide.
+# bf16/fp16 dense tensor-core peak 312 TFLOP/s; fp32 without TF32 19.5 TFLOP/s (see the H100 note);
+# HBM2e 2,039 GB/s. NVLink 3 / NVSwitch: 600 GB/s bidirectional per GPU = 300 GB/s each way. DGX
+# A100: eight ConnectX-6 HDR 200 Gb/s InfiniBand ports (one per GPU) = 25 GB/s each way.
+A100_80GB = DevicePreset(
     name="A100-SXM4-80GB",
     peak_flops={"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12},
-    memory_bandwidth=2.039e12,  # HBM2e
+    memory_bandwidth=2.039e12,
     memory_bytes=80 * 2**30,
+    # PCIe Gen4 x16: 64 GB/s bidirectional (A100 datasheet) = 32 GB/s each way. DGX A100 host: two EPYC
+    # 7742, 8 channels of DDR4-3200 each (2 x 205 GB/s) shared by 8 GPUs: ~51 GB/s per GPU.
+    host_link_bandwidth=32e9,
+    host_memory_bandwidth=51e9,
 )
-# NVLink 3 / NVSwitch: 600 GB/s bidirectional per GPU = 300 GB/s each way.
 NVLINK3 = LinkPreset(name="NVLink3", latency_s=3e-6, bandwidth=300e9, call_overhead_s=5e-6)
-# Eight ConnectX-6 InfiniBand HDR ports per node, one per GPU: 200 Gb/s = 25 GB/s.
 IB_HDR = LinkPreset(name="IB-HDR200", latency_s=8e-6, bandwidth=25e9, call_overhead_s=5e-6)
-DGX_A100 = ClusterPreset(name="a100", device=A100_SXM_80GB, devices_per_node=8, intra_node=NVLINK3, inter_node=IB_HDR)
+DGX_A100 = ClusterPreset(name="a100", device=A100_80GB, devices_per_node=8, intra_node=NVLINK3, inter_node=IB_HDR)
 
 # --- CPU (this development machine) ------------------------------------------------------------
 # Measured 2026-11-21 on the 2-core AMD EPYC (AVX2+FMA, no AVX512-BF16) with torch 2.13.0, one
@@ -149,12 +188,18 @@ CPU_GLOO = ClusterPreset(
     name="cpu", device=CPU_RANK, devices_per_node=8, intra_node=GLOO_LOOPBACK, inter_node=GLOO_LOOPBACK
 )
 
-CLUSTERS: Mapping[str, ClusterPreset] = MappingProxyType({"cpu": CPU_GLOO, "h100": DGX_H100, "a100": DGX_A100})
+CLUSTERS: Mapping[str, ClusterPreset] = MappingProxyType(
+    {"cpu": CPU_GLOO, "a100": DGX_A100, "h100": DGX_H100, "h200": DGX_H200}
+)
 """Named presets, by the name `get_cluster` accepts."""
+DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
+    {"A100-80GB": A100_80GB, "H100-SXM": H100_SXM, "H200": H200_SXM, "cpu": CPU_RANK}
+)
+"""Device presets by short name (each is also the device of the cluster preset of its kind)."""
 
 
 def get_cluster(name_or_preset: str | ClusterPreset) -> ClusterPreset:
-    """A preset by name (`"h100"`, `"cpu"`), or the given preset unchanged."""
+    """A preset by name (`"a100"`, `"h100"`, `"h200"`, `"cpu"`), or the given preset unchanged."""
     if isinstance(name_or_preset, ClusterPreset):
         return name_or_preset
     if isinstance(name_or_preset, str) and name_or_preset in CLUSTERS:

@@ -34,6 +34,11 @@ aten = torch.ops.aten
 KEEP_WHOLE = (aten.scaled_dot_product_attention.default,)
 """Ops kept from decomposition: meshplan has its own sharding rules for them."""
 
+CHECKS = (aten._assert_tensor_metadata.default,)
+"""Assertions export inserts on the dtype/device of tensors (`.to()` calls in the model): they hold by
+construction when the traced program runs, produce nothing and would need a sharding rule, so the
+trace drops them."""
+
 STRIDE_SAFE = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 """The trace bakes in the strides fake kernels chose; executing on other kernels (or on shards) a
 view may meet a non-contiguous tensor, so views run as reshapes (a view whenever one is possible)."""
@@ -86,12 +91,17 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(model, args, kwargs, strict=False)
+            _inline_regions(ep.graph_module)
+            _drop_checks(ep.graph_module)
             if _decompose_in_place(ep.graph_module):
                 return ep
             table = torch.export.default_decompositions()
             for op in KEEP_WHOLE:
                 table.pop(op, None)
-            return ep.run_decompositions(table)
+            ep = ep.run_decompositions(table)
+            _inline_regions(ep.graph_module)
+            _drop_checks(ep.graph_module)
+            return ep
     except Exception as e:  # noqa: BLE001 - re-raised with context for the user
         where = user_frame(e)
         line = f"{where.filename}:{where.lineno} in {where.name}: `{where.line}`" if where else "a line outside the model"
@@ -100,6 +110,50 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
             f"could not trace {type(model).__name__} with torch.export (non-strict) at {line}: {type(e).__name__}: "
             f"{first} (the full torch.export error is this exception's __cause__)"
         ) from e
+
+
+def _drop_checks(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in CHECKS and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _inline_regions(gm: fx.GraphModule) -> None:
+    """Splice the bodies of `torch.no_grad()` / `enable_grad()` / disabled-autocast regions (export
+    keeps them as higher-order ops over submodules) into the graph, so every op is one node with a
+    sharding rule. A region run without gradients has its outputs detached, as it would at run time;
+    an enabled autocast region would change dtypes the graph does not show, so it is refused."""
+    hop = torch.ops.higher_order
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (hop.wrap_with_set_grad_enabled, hop.wrap_with_autocast):
+            continue
+        if node.target is hop.wrap_with_set_grad_enabled:
+            grad, body_node, inputs = node.args[0], node.args[1], list(node.args[2:])
+        else:
+            device, dtype, enabled, _cache, body_node, *inputs = node.args
+            if enabled:
+                raise TraceError(
+                    f"the model runs a torch.autocast({device!r}, dtype={dtype}) region at {_module_path(node) or '<top>'}; "
+                    "meshplan plans and runs the model in the dtypes it traces: remove the autocast or apply it around the call"
+                )
+            grad = True
+        body: fx.GraphModule = getattr(gm, body_node.target)
+        _inline_regions(body)
+        if not grad:
+            out = next(n for n in body.graph.nodes if n.op == "output")
+            with body.graph.inserting_before(out):
+                detached = fx.node.map_arg(out.args[0], lambda a: body.graph.call_function(aten.detach.default, (a,)))
+            out.args = (detached,)
+        for attr in body.graph.nodes:  # constants the body reads become the outer module's
+            if attr.op == "get_attr":
+                setattr(gm, attr.target, getattr(body, attr.target))
+        _splice(gm.graph, node, body, inputs)
+        if not body_node.users:
+            gm.graph.erase_node(body_node)
+            delattr(gm, body_node.target)
+    gm.graph.lint()
+    gm.recompile()
 
 
 @functools.lru_cache(maxsize=1)
@@ -119,8 +173,8 @@ def _decompose_in_place(gm: fx.GraphModule) -> bool:
     whole-program pass)."""
     table = _decomposition_table()
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
-    if any(n.target._schema.is_mutable for n in calls) or any(n.op == "get_attr" for n in gm.graph.nodes):
-        return False  # mutations need functionalisation, higher-order ops (no_grad regions) inlining: the whole-program pass
+    if any(n.target._schema.is_mutable for n in calls):
+        return False
     templates: dict[tuple, fx.GraphModule] = {}
     for node in calls:
         if node.target in KEEP_WHOLE or (node.target not in table and not _composite(node.target)):

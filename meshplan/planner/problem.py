@@ -54,7 +54,7 @@ def op_time(node: Node, in_metas: list[TensorMeta], s: Strategy, shape: tuple[in
     region = region_cost(node, in_metas, s.inputs, s.outputs, shape, cluster, backward=backward)
     if region is not None:
         return region.total_s
-    return compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=backward)
+    return compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=backward, in_layouts=s.inputs)
 
 
 def transfer_memory(meta: TensorMeta, src: Placements, dst: Placements, consumer: Node, mesh_shape: tuple[int, ...]) -> int:

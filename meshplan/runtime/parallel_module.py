@@ -18,6 +18,7 @@ from meshplan.planner.rules.random import is_random
 from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.grad_buckets import GradBuckets
+from meshplan.runtime.offload import make_optimizer
 from meshplan.runtime.rewrite import local_program
 
 
@@ -127,6 +128,11 @@ class ParallelModule(nn.Module):
                 f"(layout {choice.layout}), got {list(x.shape)}"
             )
         return x
+
+    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
+        """`optimizer_cls(params, **kwargs)` as the plan wants it: the state of parameters the plan
+        offloads lives in host memory (runtime/offload.py). Works for every plan."""
+        return make_optimizer(self, self.plan, self._leaf, optimizer_cls, **kwargs)
 
     # ---------------------------------------------------------------- introspection
 

@@ -1,0 +1,251 @@
+"""Measure the interconnect: collectives per mesh axis over message sizes, fitted to alpha-beta.
+
+`measure_cluster` runs on every rank of an initialised process group (torchrun, or
+`runtime.launch.run_local`). For each mesh shape and axis it runs all_reduce, all_gather,
+reduce_scatter, all_to_all and send/recv (a ring shift) with the same torch.distributed calls the
+runtime issues (`all_gather_single`, `reduce_scatter_single`, `all_to_all_single`, in-place
+`all_reduce`, `batch_isend_irecv`). Every group of the axis runs at once, as in a real step, so the
+fit includes the contention between them (on a CPU: for cores, too). Per size the time is the
+median over repetitions of the slowest rank; `fit_alpha_beta` then fits alpha + bytes * beta with
+relative weights, so that 4 KB and 256 MB messages count alike.
+
+It also measures compute contention: the same small training-like workload on rank 0 alone and on
+all ranks at once; the ratio is how much slower each rank computes when the world runs together
+(about world / cores when ranks outnumber cores).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from meshplan.cost_model.collectives import COLLECTIVE_KINDS
+from meshplan.cost_model.op_profiler import Timer
+from meshplan.cost_model.profile import CollectiveFit, Profile, device_name, torch_version
+
+FULL_SIZES: tuple[int, ...] = tuple(4 * 2**10 * 4**k for k in range(10))
+"""4 KiB, 16 KiB, ..., 256 MiB (bytes of the full tensor, as `collective_time` counts them)."""
+QUICK_SIZES: tuple[int, ...] = (4 * 2**10, 64 * 2**10, 2**20)
+"""A small range for CI and smoke tests."""
+
+
+def fit_alpha_beta(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
+    """(alpha_s, seconds_per_byte) minimising the squared RELATIVE error of alpha + beta * size,
+    both clamped at >= 0 (a negative latency or bandwidth is noise, not physics)."""
+    if len(sizes) != len(times) or len(sizes) < 2:
+        raise ValueError(f"fit_alpha_beta needs >= 2 (size, time) pairs of equal length; got {len(sizes)} sizes, {len(times)} times")
+    w = [1.0 / max(t, 1e-12) ** 2 for t in times]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, sizes))
+    sy = sum(wi * y for wi, y in zip(w, times))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, times))
+    det = sw * sxx - sx * sx
+    if det <= 0:
+        raise ValueError(f"fit_alpha_beta needs at least two different sizes; got {sorted(set(sizes))}")
+    beta = (sw * sxy - sx * sy) / det
+    alpha = (sy - beta * sx) / sw
+    if beta < 0:
+        return max(sy / sw, 0.0), 0.0
+    if alpha < 0:  # through the origin
+        return 0.0, max(sxy / sxx, 0.0)
+    return alpha, beta
+
+
+def _groups(mesh_shape: tuple[int, ...], axis: int, rank: int) -> tuple[object, list[int]]:
+    """Create (collectively) every group along `axis`; return this rank's group and its ranks."""
+    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
+    mine = None
+    others = [a for a in range(len(mesh_shape)) if a != axis]
+    for fixed in itertools.product(*(range(mesh_shape[a]) for a in others)):
+        ranks = [r for r, c in enumerate(coords) if all(c[a] == v for a, v in zip(others, fixed))]
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            mine = (pg, ranks)
+    assert mine is not None, (mesh_shape, axis, rank)
+    return mine
+
+
+def _device() -> torch.device:
+    """NCCL needs CUDA tensors (the current device, which the launcher set per rank); gloo CPU ones."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _run(kind: str, nbytes: int, n: int, pg, ranks: list[int], rank: int):
+    """A closure issuing one `kind` collective of `nbytes` (full-tensor bytes) on group `pg`."""
+    numel = max(nbytes // 4 // n * n, n)
+    torch.set_default_device(_device())
+    if kind == "all_reduce":
+        buf = torch.zeros(numel)
+        return lambda: dist.all_reduce(buf, group=pg)
+    if kind == "all_gather":
+        out, inp = torch.empty(numel), torch.zeros(numel // n)
+        return lambda: dist.all_gather_single(out, inp, group=pg)
+    if kind == "reduce_scatter":
+        out, inp = torch.empty(numel // n), torch.zeros(numel)
+        return lambda: dist.reduce_scatter_single(out, inp, group=pg)
+    if kind == "all_to_all":
+        out, inp = torch.empty(numel), torch.zeros(numel)
+        return lambda: dist.all_to_all_single(out, inp, group=pg)
+    assert kind == "send_recv", kind
+    me = ranks.index(rank)
+    send, recv = torch.zeros(numel), torch.empty(numel)
+    peer_to, peer_from = ranks[(me + 1) % n], ranks[(me - 1) % n]
+
+    def ring_shift() -> None:
+        ops = [dist.P2POp(dist.isend, send, peer_to, group=pg), dist.P2POp(dist.irecv, recv, peer_from, group=pg)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    return ring_shift
+
+
+def _issue(kind: str, nbytes: int, n: int, pg, ranks: list[int], rank: int):
+    prev = torch.get_default_device()
+    try:
+        return _run(kind, nbytes, n, pg, ranks, rank)
+    finally:
+        torch.set_default_device(prev)
+
+
+def _slowest_median(samples: list[float]) -> float:
+    """Median of this rank's samples, then the largest over all ranks (a collective ends when the slowest does)."""
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure_axis(
+    mesh_shape: tuple[int, ...], axis: int, *, sizes: Sequence[int] = FULL_SIZES, kinds: Sequence[str] = COLLECTIVE_KINDS,
+    reps: int = 5, warmup: int = 1, budget_s: float = 0.3,
+) -> list[CollectiveFit]:
+    """Fits for every kind on `axis` of `mesh_shape`; call on every rank. Each size gets at least
+    `reps` timed runs after `warmup` (at least 2 when one run takes longer than `budget_s`), and up
+    to 6x `reps` while they take less than `budget_s` together: small messages, the noisiest, get
+    the most samples."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if math.prod(mesh_shape) != world:
+        raise ValueError(f"mesh shape {mesh_shape} has {math.prod(mesh_shape)} devices but the world size is {world}")
+    pg, ranks = _groups(mesh_shape, axis, rank)
+    n = mesh_shape[axis]
+    for _ in range(3):  # a group connects on first use: keep that out of the timings
+        dist.all_reduce(torch.zeros(1, device=_device()), group=pg)
+    timer = Timer(_device())
+    fits = []
+    for kind in kinds:
+        if kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"unknown collective kind {kind!r}; allowed: {', '.join(COLLECTIVE_KINDS)}")
+        measured = []
+        for nbytes in sizes:
+            fn = _issue(kind, nbytes, n, pg, ranks, rank)
+            for _ in range(warmup):
+                fn()
+            # back-to-back calls, as a step issues them (a barrier before each call would add the
+            # skew of waking every rank to every sample); small messages in batches of up to 8
+            batch = max(1, min(8, 2**20 // max(nbytes, 1)))
+
+            def calls(fn=fn, batch=batch) -> None:
+                for _ in range(batch):
+                    fn()
+
+            samples: list[float] = []
+            while True:
+                dist.barrier()
+                samples.append(timer(calls) / batch)
+                # every rank must run the same number of collectives: rank 0 decides whether to go on
+                more = torch.tensor([len(samples) < 2 or (len(samples) < 6 * reps and (len(samples) < reps or sum(samples) < budget_s))
+                                     and not (len(samples) >= 2 and sum(samples) > budget_s * reps)], device=_device())
+                dist.broadcast(more, src=0)
+                if not bool(more.item()):
+                    break
+            measured.append(_slowest_median(samples))
+        alpha, beta = fit_alpha_beta(sizes, measured)
+        label = f"{'x'.join(map(str, mesh_shape))} axis {axis}"
+        fits.append(CollectiveFit(kind=kind, group=n, world=world, axis=label, alpha_s=alpha, seconds_per_byte=beta,
+                                  sizes=tuple(sizes), times=tuple(measured)))
+    return fits
+
+
+def _workload(seconds: float = 0.4, *, median: bool = False) -> float:
+    """Mean (or median) seconds of a small MLP forward + backward (matmuls and small ops, like a tiny model),
+    repeated for `seconds` of wall time so that ranks started together overlap throughout. The mean,
+    not the median: when ranks outnumber cores the scheduler time-slices them in slices of a few ms,
+    so most short iterations run untouched and a few absorb all the waiting."""
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(128, 256, requires_grad=True), torch.randn(256, 128, requires_grad=True)
+    x = torch.randn(64, 128)
+    times, start = [], time.perf_counter()
+    while time.perf_counter() < start + seconds or len(times) < 5:
+        t0 = time.perf_counter()
+        y = torch.relu(x @ w1) @ w2
+        y.square().mean().backward()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) if median else (time.perf_counter() - start) / len(times)
+
+
+def measure_contention(pairs: int = 3, seconds: float = 0.3) -> float:
+    """Per-rank compute slowdown when every rank works at once: the mean iteration time of all
+    ranks working together over the median (undisturbed) iteration of rank 0 working alone. Op
+    profiles are medians of undisturbed runs too, so this factor turns them into the wall time a
+    rank sees in a real step, including time-slicing with other ranks and other load on the
+    machine. Solo and together alternate `pairs` times; the median ratio is kept (the load of a
+    shared machine drifts)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ratios = []
+    for _ in range(pairs):
+        solo = torch.zeros(1, dtype=torch.float64, device=_device())
+        dist.barrier()
+        if rank == 0:
+            solo[0] = _workload(seconds, median=True)
+        dist.broadcast(solo, src=0)  # the others sleep in here (gloo waits on its socket)
+        dist.barrier()
+        together = torch.tensor([_workload(seconds)], dtype=torch.float64, device=_device())
+        dist.all_reduce(together)
+        ratios.append(float(together.item()) / world / float(solo.item()))
+    return max(statistics.median(ratios), 1.0)
+
+
+def mesh_shapes_for(world: int) -> list[tuple[int, ...]]:
+    """The 1-D mesh and every 2-D factorisation: the axis sizes and concurrency a plan can use."""
+    return [(world,)] + [(a, world // a) for a in range(2, world) if world % a == 0]
+
+
+def measure_cluster(
+    *, cluster: str = "cpu", sizes: Sequence[int] = FULL_SIZES, kinds: Sequence[str] = COLLECTIVE_KINDS, reps: int = 5,
+    mesh_shapes: Sequence[tuple[int, ...]] | None = None,
+) -> Profile:
+    """Every rank: measure every axis of every mesh shape and the compute contention; returns the
+    same `Profile` on every rank (the caller writes it from rank 0)."""
+    world = dist.get_world_size()
+    fits = []
+    seen = set()
+    for shape in mesh_shapes or mesh_shapes_for(world):
+        for axis in range(len(shape)):
+            key = (shape[axis], tuple(shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            fits += measure_axis(tuple(shape), axis, sizes=sizes, kinds=kinds, reps=reps)
+    contention = measure_contention() if world > 1 else 1.0
+    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return Profile(
+        device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=torch.get_num_threads(),
+        collectives=tuple(_dedupe(fits)), contention={world: contention}, backend=str(dist.get_backend()),
+    )
+
+
+def _dedupe(fits: list[CollectiveFit]) -> list[CollectiveFit]:
+    """One fit per (kind, group, world): a group size measured on several meshes keeps the 2-D one,
+    where other groups run concurrently, as in a plan that uses that axis on a multi-axis mesh."""
+    best: dict[tuple, CollectiveFit] = {}
+    for f in fits:
+        best[(f.kind, f.group, f.world)] = f  # later (2-D) meshes come after the 1-D one
+    return list(best.values())

@@ -1,0 +1,191 @@
+"""Time ATen ops on the shapes one device really runs: forward and backward, warm-up, medians.
+
+`time_op` runs one traced op (its fx node gives the callable and the non-tensor arguments) on fresh
+tensors of the given local shapes, the way the per-rank program runs it: shape arguments are
+localised as the runtime's rewrite does, views run as reshapes. On CUDA the time comes from CUDA
+events (kernels are asynchronous, so wall-clock time would measure the launch); on CPU from
+`time.perf_counter`. The backward of one op is timed with `torch.autograd.grad` on a fresh forward,
+so it includes autograd's per-node work, as a real backward pass does.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+from meshplan.cost_model.profile import OpTiming
+from meshplan.ir.graph import TensorMeta
+
+SHAPE_ARG = dict(DTensor._op_dispatcher.sharding_propagator.op_to_shape_and_stride_idx)
+"""Ops whose argument at this index is their output's (global) shape; the runtime localises it too."""
+_RUNTIME_TARGET = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+                   torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
+"""What the per-rank program calls instead (ir/trace.py STRIDE_SAFE: views may meet non-contiguous shards)."""
+
+
+class Timer:
+    """Seconds of `fn()` on `device`: CUDA events on a GPU, perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def make_tensor(meta: TensorMeta, device: torch.device, requires_grad: bool = False) -> torch.Tensor:
+    """Values that every op accepts: normal floats, zero indices (valid for any gather/embedding), true masks."""
+    dt = meta.torch_dtype
+    if dt.is_floating_point or dt.is_complex:
+        t = torch.randn(meta.shape, dtype=dt, device=device)
+        return t.requires_grad_(requires_grad)
+    if dt == torch.bool:
+        return torch.ones(meta.shape, dtype=dt, device=device)
+    return torch.zeros(meta.shape, dtype=dt, device=device)
+
+
+def _call(node: fx.Node, tensors: Sequence[torch.Tensor], out_shape: tuple[int, ...] | None) -> Callable[[], object]:
+    feed = iter(tensors)
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda _: next(feed))
+    idx = SHAPE_ARG.get(node.target)
+    if idx is not None and out_shape is not None:
+        args = list(args)
+        args[idx[0] if isinstance(idx, tuple) else idx] = list(out_shape)
+    target = _RUNTIME_TARGET.get(node.target, node.target)
+    return lambda: target(*args, **kwargs)
+
+
+def _float_outputs(out: object) -> list[torch.Tensor]:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def time_op(
+    node: fx.Node,
+    inputs: Sequence[TensorMeta],
+    needs_grad: Sequence[bool],
+    out_shape: tuple[int, ...] | None,
+    *,
+    device: torch.device | str = "cpu",
+    warmup: int = 2,
+    min_runs: int = 5,
+    max_runs: int = 25,
+    budget_s: float = 0.05,
+    grad_call_s: float = 0.0,
+) -> OpTiming:
+    """Median forward (and, when any input in `needs_grad` is set, backward) seconds of `node` on
+    tensors shaped `inputs` (local shapes); `out_shape` is the local shape of output 0.
+
+    Runs at least `min_runs` timed repetitions after `warmup`, and more (up to `max_runs`) while the
+    total stays under `budget_s`: tiny ops get many samples, big ones few. `grad_call_s` (see
+    `grad_call_overhead`) is subtracted from each backward sample: a real backward pass starts
+    autograd's engine once per step, not once per op.
+    """
+    assert len(inputs) == len(needs_grad), (node, inputs, needs_grad)
+    device = torch.device(device)
+    timer = Timer(device)
+    tensors = [make_tensor(m, device, g) for m, g in zip(inputs, needs_grad)]
+    grad_in = [t for t, g in zip(tensors, needs_grad) if g and t.requires_grad]
+    run = _call(node, tensors, out_shape)
+
+    fwd: list[float] = []
+    with torch.set_grad_enabled(bool(grad_in)):
+        for i in range(warmup + max_runs):
+            t = timer(run)
+            if i >= warmup:
+                fwd.append(t)
+                if len(fwd) >= min_runs and sum(fwd) > budget_s:
+                    break
+    if not grad_in:
+        return OpTiming(forward_s=statistics.median(fwd), backward_s=None, runs=len(fwd))
+
+    bwd: list[float] = []
+    for i in range(warmup + len(fwd)):
+        with torch.enable_grad():
+            outs = _float_outputs(run())
+        if not outs:  # integer outputs (argmax, comparisons): nothing flows back
+            return OpTiming(forward_s=statistics.median(fwd), backward_s=0.0, runs=len(fwd))
+        grads = [torch.ones_like(o) for o in outs]
+        t = timer(lambda: torch.autograd.grad(outs, grad_in, grads, allow_unused=True))
+        if i >= warmup:
+            bwd.append(max(t - grad_call_s, 0.0))
+    return OpTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd), runs=len(fwd))
+
+
+def copy_rate(device: torch.device | str = "cpu", nbytes: int = 4 * 2**20, runs: int = 15) -> float:
+    """Seconds per byte written by a plain copy (the runtime's chunk().contiguous(), cat, stack)."""
+    device = torch.device(device)
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    timer = Timer(device)
+    times = [timer(lambda: dst.copy_(src)) for _ in range(runs + 2)][2:]
+    return statistics.median(times) / nbytes
+
+
+def op_overhead(device: torch.device | str = "cpu", runs: int = 50) -> float:
+    """Forward seconds of an op on 8 elements: the dispatch cost every op pays however small."""
+    device = torch.device(device)
+    a, b = torch.randn(8, device=device), torch.randn(8, device=device)
+    timer = Timer(device)
+    times = [timer(lambda: torch.add(a, b)) for _ in range(runs + 5)][5:]
+    return statistics.median(times)
+
+
+def grad_call_overhead(device: torch.device | str = "cpu", runs: int = 30, long: int = 33) -> float:
+    """The fixed cost of one `torch.autograd.grad` call (engine start-up), apart from its nodes:
+    the intercept of backward time over chains of 1 and `long` tiny multiplications."""
+    device = torch.device(device)
+    timer = Timer(device)
+
+    def median_backward(length: int) -> float:
+        times = []
+        for _ in range(runs + 3):
+            x = torch.randn(8, device=device, requires_grad=True)
+            y = x
+            for _ in range(length):
+                y = y * 1.0
+            times.append(timer(lambda: torch.autograd.grad(y, x, torch.ones_like(y))))
+        return statistics.median(times[3:])
+
+    short_t, long_t = median_backward(1), median_backward(long)
+    per_node = max(long_t - short_t, 0.0) / (long - 1)
+    return max(short_t - per_node, 0.0)
+
+
+OPTIMIZERS = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-3), "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3), "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)}
+"""torch optimizers `optimizer_rate` can time, by the names the memory model uses, with torch's defaults."""
+
+
+def optimizer_rate(name: str = "adam", device: torch.device | str = "cpu", runs: int = 9) -> tuple[float, float]:
+    """(seconds per parameter tensor, seconds per element) of `optimizer.step()` with torch's
+    default implementation for the device: from 32 tiny tensors and from one of 2**20 elements."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r} cannot be timed; allowed: {', '.join(OPTIMIZERS)}")
+    device = torch.device(device)
+    timer = Timer(device)
+
+    def step_time(shapes: list[int]) -> float:
+        params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = OPTIMIZERS[name](params)
+        return statistics.median([timer(opt.step) for _ in range(runs + 2)][2:])
+
+    many, big = step_time([16] * 32), step_time([2**20])
+    per_tensor = many / 32
+    return per_tensor, max(big - per_tensor, 0.0) / 2**20

@@ -1,0 +1,187 @@
+"""Predicted peak memory of one training step on one device: a liveness walk over the plan.
+
+Where `planner/problem.py`'s per-node sum (what the solver bounds) keeps every activation and
+every gradient resident at once, this walks the step as the runtime runs it:
+
+- resident throughout: local parameters and buffers, optimizer state (per optimizer, fp32), the
+  gradient-bucket buffers the runtime keeps (`runtime/grad_buckets.py`);
+- forward, op by op: its outputs are allocated (views alias their input, 0 bytes), and so is every
+  resharded copy of an input (`plan.transfers`: an all-gathered ZeRO/FSDP weight is one); a tensor
+  is freed after its last forward reader unless an op saved it for backward (`SAVED`);
+- backward, in reverse: each op allocates the gradients of its inputs, then frees its output
+  gradients and the tensors only it saved; parameter gradients stay until the optimizer step;
+- the optimizer step adds its per-parameter temporaries (`STEP_TEMPORARIES`).
+
+The result is the highest total reached. Collectives' own buffers are counted by the copies the
+runtime makes (the gathered or reduced tensor is the op's input / output here).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from meshplan.cost_model.compute import is_view
+from meshplan.cost_model.memory import MemoryBreakdown, OPTIMIZER_STATES, format_bytes
+from meshplan.ir.graph import Graph, TensorRef
+from meshplan.ir.placement import local_shape
+
+SAVED: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "mm": ((0, 1), ()), "addmm": ((1, 2), ()), "bmm": ((0, 1), ()), "baddbmm": ((1, 2), ()),
+    "mul": ((0, 1), ()), "div": ((0, 1), ()), "gelu": ((0,), ()), "silu": ((0,), ()), "sigmoid": ((), (0,)),
+    "tanh": ((), (0,)), "relu": ((), (0,)), "threshold": ((), (0,)), "exp": ((), (0,)), "rsqrt": ((), (0,)),
+    "pow": ((0,), ()), "sqrt": ((), (0,)), "log": ((0,), ()),
+    "_softmax": ((), (0,)), "_log_softmax": ((), (0,)), "embedding": ((1,), ()),
+    "native_layer_norm": ((0,), (1, 2)), "native_group_norm": ((0,), (1, 2)),
+    "scaled_dot_product_attention": ((0, 1, 2), (0,)),
+    "_scaled_dot_product_flash_attention_for_cpu": ((0, 1, 2), (0, 1)),
+    "nll_loss_forward": ((1,), (1,)), "nll_loss2d_forward": ((1,), (1,)),
+    "mean": ((), ()), "sum": ((), ()), "add": ((), ()), "sub": ((), ()), "neg": ((), ()), "clone": ((), ()),
+    "cat": ((), ()), "where": ((0,), ()), "masked_fill": ((1,), ()), "gather": ((1,), ()), "index_select": ((1,), ()),
+    "convolution": ((0, 1), ()), "amax": ((0,), (0,)), "_to_copy": ((), ()), "copy": ((), ()),
+}
+"""ATen op -> (input positions, output indices) its autograd node keeps for backward. Ops not
+listed are assumed to keep every input (conservative)."""
+STEP_TEMPORARIES = {"adam": 3, "adamw": 3, "sgd": 0, "sgd_momentum": 1, "adagrad": 2, "rmsprop": 2}
+"""Temporaries of the largest local parameter that one (per-tensor) optimizer update allocates."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeakMemory:
+    """The predicted peak and what was resident throughout."""
+
+    peak: int
+    resident: MemoryBreakdown
+    """Parameters, optimizer state (+ bucket buffers in `grads`) held for the whole step."""
+    phase: str
+    """Where the peak is: forward, backward or optimizer."""
+
+    def __str__(self) -> str:
+        return f"peak {format_bytes(self.peak)} in {self.phase} (resident {self.resident})"
+
+
+def _name(target: str) -> str:
+    return re.sub(r"^aten(\.|::)", "", target).split(".", 1)[0]
+
+
+def predict_peak(graph: Graph, plan, *, optimizer: str = "adam") -> PeakMemory:
+    """Peak bytes one device holds during a step of `plan` (a `meshplan.planner.Plan` for `graph`)."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
+    shape = plan.mesh.shape
+    out_layout = {n.name: n.strategy.outputs for n in plan.nodes}
+    in_layout = {n.name: n.strategy.inputs for n in plan.nodes}
+    out_layout.update({p.node: (p.layout,) for p in plan.params})
+    out_layout.update({i.name: (i.layout,) for i in plan.inputs})
+    moved = {(t.consumer, t.position): t for t in plan.transfers if t.forward}
+
+    def nbytes(meta, layout) -> int:
+        return math.prod(local_shape(meta.shape, layout, shape)) * meta.itemsize if layout is not None else meta.nbytes
+
+    # resident state
+    param_bytes = sum(nbytes(graph[p.node].out, p.layout) for p in plan.params)
+    trainable = [p for p in plan.params if not p.is_buffer and graph[p.node].grad(0)]
+    numels = [math.prod(local_shape(p.shape, p.layout, shape)) for p in trainable]
+    state = OPTIMIZER_STATES[optimizer] * 4 * sum(numels)
+    buckets = sum(b.nbytes for b in plan.buckets)
+    resident = MemoryBreakdown(params=param_bytes, grads=buckets, optimizer=state, activations=0)
+
+    # tensors: a producer's output ("ref") or a resharded copy ("move"); views alias their input's root
+    size: dict[object, int] = {}
+    root: dict[object, object] = {}
+    born: dict[object, int] = {}
+    last_read: dict[object, int] = {}
+    saved_until: dict[object, int] = {}  # root -> smallest index of an op that saved it (freed in backward there)
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    index = {n.name: i for i, n in enumerate(ops)}
+
+    def tensor_in(node, pos: int, ref: TensorRef) -> object:
+        if (node.name, pos) in moved:
+            return ("move", node.name, pos)
+        return root.get(("ref", ref.node, ref.index), ("ref", ref.node, ref.index))
+
+    for i, node in enumerate(ops):
+        ins = []
+        for pos, ref in enumerate(node.inputs):
+            if (node.name, pos) in moved:
+                key = ("move", node.name, pos)
+                size[key], born[key] = nbytes(graph.meta(ref), moved[(node.name, pos)].dst), i
+            key = tensor_in(node, pos, ref)
+            last_read[key] = i
+            ins.append(key)
+        for j, meta in enumerate(node.outputs):
+            key = ("ref", node.name, j)
+            if meta is None:
+                continue
+            if is_view(node.target) and ins:
+                root[key] = ins[0]
+            else:
+                size[key], born[key] = nbytes(meta, out_layout[node.name][j]), i
+        if any(node.requires_grad) or any(graph[r.node].grad(r.index) for r in node.inputs):
+            keep_in, keep_out = SAVED.get(_name(node.target), (tuple(range(len(ins))), ()))
+            kept = [ins[p] for p in keep_in if p < len(ins)]
+            kept += [root.get(("ref", node.name, j), ("ref", node.name, j)) for j in keep_out if j < len(node.outputs)]
+            for key in kept:
+                saved_until[key] = min(saved_until.get(key, i), i)
+    for ref in graph.output.inputs:  # the loss (outputs) live to the end of forward and into backward
+        key = root.get(("ref", ref.node, ref.index), ("ref", ref.node, ref.index))
+        saved_until[key] = min(saved_until.get(key, len(ops)), -1)
+
+    base = resident.total
+    level, peak, where = 0, 0, "forward"
+    live: set = set()
+    for i in range(len(ops)):  # forward
+        for key in [k for k, b in born.items() if b == i]:
+            live.add(key)
+            level += size[key]
+        if base + level > peak:
+            peak, where = base + level, "forward"
+        for key in [k for k in live if last_read.get(k, born[k]) <= i and k not in saved_until]:
+            live.discard(key)
+            level -= size[key]
+
+    is_param = {n.name for n in graph.nodes if n.kind == "param"}
+    grads: dict[object, int] = {}  # gradient of a tensor (root) -> bytes, alive until its producer's backward
+    done_params: set[str] = set()
+    param_grads = 0
+
+    def grad_of(key, ref: TensorRef) -> int:
+        """Allocate the gradient of `key` (once); parameters' gradients stay until the optimizer step."""
+        nonlocal param_grads
+        if key[0] == "ref" and key[1] in is_param:
+            if key[1] not in done_params:
+                done_params.add(key[1])
+                param_grads += nbytes(graph[key[1]].out, out_layout[key[1]][0])
+            return 0
+        if key in grads:
+            return 0
+        grads[key] = size.get(key, 0)
+        return grads[key]
+
+    for i in range(len(ops) - 1, -1, -1):  # backward
+        node = ops[i]
+        if not any(node.requires_grad) or is_view(node.target):
+            continue
+        for pos, ref in enumerate(node.inputs):
+            if not graph[ref.node].grad(ref.index):
+                continue
+            key = tensor_in(node, pos, ref)
+            level += grad_of(key, ref)
+            if key[0] == "move":  # its dual step brings the gradient back to the producer's layout
+                src = root.get(("ref", ref.node, ref.index), ("ref", ref.node, ref.index))
+                level += grad_of(src, ref)
+        if base + level + param_grads > peak:
+            peak, where = base + level + param_grads, "backward"
+        for key in [("ref", node.name, j) for j in range(len(node.outputs))] + [("move", node.name, p) for p in range(len(node.inputs))]:
+            if key in grads:  # consumed by this op's backward (or sent back by the dual step)
+                level -= grads.pop(key)
+        for key in [k for k in live if saved_until.get(k) == i]:
+            live.discard(key)
+            level -= size[key]
+
+    biggest = max(numels, default=0) * 4
+    at_step = base + param_grads + STEP_TEMPORARIES.get(optimizer, 0) * biggest
+    if at_step > peak:
+        peak, where = at_step, "optimizer"
+    return PeakMemory(peak=int(peak), resident=resident, phase=where)

@@ -1,0 +1,334 @@
+"""Measured costs: the profile database that planning reads (JSON, never pickle).
+
+A `Profile` holds what `meshplan profile compute` and `meshplan profile comm` measured on one
+device kind with one torch version:
+
+- op times: forward and backward seconds of each distinct (op, local input/output shapes, dtype);
+- collective fits: alpha + bytes * beta per (collective kind, group size, world size), from
+  timings over a range of message sizes, measured the way the runtime issues them;
+- contention: how much slower a rank's compute gets when `world` ranks run at once (on a CPU
+  whose cores the ranks share, e.g. 4 ranks on 2 cores, this is about 2);
+- copy and op-overhead rates used for the runtime's local copies and for ops not profiled.
+
+Planning attaches a profile to a cluster preset (`ClusterPreset.with_profile`); the cost functions
+in `estimate.py` use a measurement where one exists and the preset's roofline / ring model
+elsewhere. Profiles live in files keyed by device name and torch version (`profile_path`), by
+default under `$MESHPLAN_PROFILE_DIR` or `~/.cache/meshplan/profiles`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from meshplan.ir.graph import TensorMeta
+
+log = logging.getLogger("meshplan")
+
+FORMAT = "meshplan-profile"
+VERSION = 1
+PROFILE_DIR_ENV = "MESHPLAN_PROFILE_DIR"
+LOCAL = "local"
+"""`profile="local"`: the database entry for this machine's device and torch version."""
+
+
+def torch_version() -> str:
+    """`2.13.0+cpu` -> `2.13.0`: the build suffix does not change op semantics, the release does."""
+    return torch.__version__.split("+", 1)[0]
+
+
+def device_name(device: str | torch.device | None = None) -> str:
+    """What a profile is keyed by: the GPU's marketing name, or the CPU model and core count."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        if m:
+            model = m.group(1).strip()
+    except OSError:
+        pass
+    return f"cpu {model} x{os.cpu_count()}"
+
+
+def op_key(target: str, inputs: Sequence[TensorMeta | None], outputs: Sequence[TensorMeta | None]) -> str:
+    """`aten.mm.default(float32[8,64],float32[64,64])->float32[8,64]`: an op on local shapes."""
+    ins = ",".join("-" if m is None else str(m) for m in inputs)
+    outs = ",".join("-" if m is None else str(m) for m in outputs)
+    return f"{target}({ins})->{outs}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpTiming:
+    """Median seconds of one op on local shapes."""
+
+    forward_s: float
+    backward_s: float | None = None
+    """None when the op was timed without gradients (nothing it reads needs one)."""
+    runs: int = 0
+    """Timed repetitions the medians are over (after warm-up)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveFit:
+    """time(bytes) = alpha_s + bytes * seconds_per_byte for one collective on one group."""
+
+    kind: str
+    """all_reduce | all_gather | reduce_scatter | all_to_all | send_recv."""
+    group: int
+    """Ranks in the collective's group (the mesh axis size)."""
+    world: int
+    """Ranks running at once when it was measured (other groups of the mesh run theirs concurrently)."""
+    alpha_s: float
+    seconds_per_byte: float
+    sizes: tuple[int, ...] = ()
+    """Message sizes measured (bytes of the full tensor, as `collective_time` counts them)."""
+    times: tuple[float, ...] = ()
+    """Median seconds at each size."""
+    axis: str = ""
+    """Which mesh axis it was measured on, e.g. `2x2 axis 1`."""
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes * self.seconds_per_byte
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    """Measurements for one device kind and torch version (see the module docstring)."""
+
+    device: str
+    """`device_name()` where it was measured."""
+    torch_version: str
+    cluster: str
+    """The cluster preset it calibrates (`"cpu"`, `"h100"`, ...): used for whatever was not measured."""
+    threads: int = 1
+    """Intra-op threads per rank during the op timings."""
+    ops: Mapping[str, OpTiming] = field(default_factory=dict)
+    """`op_key(...)` -> timing."""
+    collectives: tuple[CollectiveFit, ...] = ()
+    contention: Mapping[int, float] = field(default_factory=dict)
+    """world size -> factor by which per-rank compute slows when that many ranks run together."""
+    copy_seconds_per_byte: float | None = None
+    """Local copy rate (bytes written): prices the runtime's chunk/cat/stack copies around collectives."""
+    op_overhead_s: float | None = None
+    """Forward seconds of a tiny op: the floor added to the roofline of ops that were not profiled."""
+    backend: str = ""
+    """Process-group backend of the collective fits (gloo, nccl)."""
+    optimizer_steps: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    """optimizer name -> (seconds per parameter tensor, seconds per element) of `optimizer.step()`."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", MappingProxyType(dict(self.ops)))
+        object.__setattr__(self, "contention", MappingProxyType({int(k): float(v) for k, v in self.contention.items()}))
+        object.__setattr__(self, "optimizer_steps", MappingProxyType({k: (float(a), float(b)) for k, (a, b) in self.optimizer_steps.items()}))
+
+    # ---------------------------------------------------------------- lookups the cost model uses
+
+    def op(self, target: str, inputs: Sequence[TensorMeta | None], outputs: Sequence[TensorMeta | None]) -> OpTiming | None:
+        return self.ops.get(op_key(target, inputs, outputs))
+
+    def slowdown(self, world: int) -> float:
+        """Compute contention at `world` ranks: measured, else the nearest smaller measured world, else 1."""
+        known = [w for w in self.contention if w <= world]
+        return self.contention[max(known)] if known else 1.0
+
+    def collective(self, kind: str, group: int, world: int) -> CollectiveFit | None:
+        """The fit for `kind` on groups of `group` ranks, measured at this world size if possible."""
+        fits = [f for f in self.collectives if f.kind == kind and f.group == group]
+        if not fits:
+            return None
+        return min(fits, key=lambda f: (abs(f.world - world), -f.world))
+
+    # ---------------------------------------------------------------- combining and checking
+
+    def merged(self, other: Profile) -> Profile:
+        """This profile with `other`'s measurements added (other wins where both measured)."""
+        self.check_compatible(other.device, other.torch_version)
+        keep = [f for f in self.collectives if not any((f.kind, f.group, f.world) == (g.kind, g.group, g.world) for g in other.collectives)]
+        return replace(
+            self,
+            ops={**self.ops, **other.ops},
+            collectives=tuple(keep) + other.collectives,
+            contention={**self.contention, **other.contention},
+            optimizer_steps={**self.optimizer_steps, **other.optimizer_steps},
+            copy_seconds_per_byte=other.copy_seconds_per_byte or self.copy_seconds_per_byte,
+            op_overhead_s=other.op_overhead_s or self.op_overhead_s,
+            backend=other.backend or self.backend,
+            threads=other.threads if other.ops else self.threads,
+        )
+
+    def check_compatible(self, device: str, version: str) -> None:
+        if device != self.device or version != self.torch_version:
+            raise ValueError(
+                f"profile measured on {self.device!r} with torch {self.torch_version} cannot be combined with or used as "
+                f"{device!r} with torch {version}; allowed: measurements of the same device and torch version"
+            )
+
+    # ---------------------------------------------------------------- JSON
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "device": self.device,
+            "torch_version": self.torch_version,
+            "cluster": self.cluster,
+            "threads": self.threads,
+            "backend": self.backend,
+            "copy_seconds_per_byte": self.copy_seconds_per_byte,
+            "op_overhead_s": self.op_overhead_s,
+            "contention": {str(k): v for k, v in sorted(self.contention.items())},
+            "optimizer_steps": {k: list(v) for k, v in sorted(self.optimizer_steps.items())},
+            "ops": {k: {"forward_s": t.forward_s, "backward_s": t.backward_s, "runs": t.runs} for k, t in sorted(self.ops.items())},
+            "collectives": [
+                {"kind": f.kind, "group": f.group, "world": f.world, "axis": f.axis, "alpha_s": f.alpha_s,
+                 "seconds_per_byte": f.seconds_per_byte, "sizes": list(f.sizes), "times": list(f.times)}
+                for f in self.collectives
+            ],
+        }
+
+    @staticmethod
+    def from_json(d: Any, source: str = "profile") -> Profile:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"{source} is not a meshplan profile (expected a JSON object with format={FORMAT!r})")
+        if d.get("version") != VERSION:
+            raise ValueError(f"{source} has profile format version {d.get('version')!r}; this meshplan reads version {VERSION}")
+        try:
+            return Profile(
+                device=_str(d["device"]), torch_version=_str(d["torch_version"]), cluster=_str(d["cluster"]),
+                threads=int(d["threads"]), backend=_str(d.get("backend", "")),
+                copy_seconds_per_byte=_opt_float(d.get("copy_seconds_per_byte")),
+                op_overhead_s=_opt_float(d.get("op_overhead_s")),
+                contention={int(k): _pos(v) for k, v in d.get("contention", {}).items()},
+                optimizer_steps={_str(k): (_pos(v[0]), _pos(v[1])) for k, v in d.get("optimizer_steps", {}).items()},
+                ops={_str(k): OpTiming(forward_s=_pos(v["forward_s"]), backward_s=_opt_float(v.get("backward_s")), runs=int(v.get("runs", 0)))
+                     for k, v in d.get("ops", {}).items()},
+                collectives=tuple(
+                    CollectiveFit(kind=_str(f["kind"]), group=int(f["group"]), world=int(f["world"]), axis=_str(f.get("axis", "")),
+                                  alpha_s=float(f["alpha_s"]), seconds_per_byte=float(f["seconds_per_byte"]),
+                                  sizes=tuple(int(x) for x in f.get("sizes", ())), times=tuple(float(x) for x in f.get("times", ())))
+                    for f in d.get("collectives", [])
+                ),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{source} is a corrupt meshplan profile: {type(e).__name__}: {e}") from None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        tmp.replace(path)  # atomic: a reader never sees half a file
+        return path
+
+    def summary(self) -> str:
+        per = ", ".join(f"{w} ranks x{f:.2f}" for w, f in sorted(self.contention.items())) or "not measured"
+        return (
+            f"profile for {self.device} (torch {self.torch_version}, calibrates cluster {self.cluster!r}): "
+            f"{len(self.ops)} op timings, {len(self.collectives)} collective fits ({self.backend or '-'}), contention {per}"
+        )
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise TypeError(f"expected a string, got {v!r}")
+    return v
+
+
+def _pos(v: Any) -> float:
+    x = float(v)
+    if not x >= 0:
+        raise ValueError(f"expected a non-negative number, got {v!r}")
+    return x
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else _pos(v)
+
+
+# ---------------------------------------------------------------- the database: files by device and torch version
+
+
+def profile_dir() -> Path:
+    return Path(os.environ.get(PROFILE_DIR_ENV) or Path.home() / ".cache" / "meshplan" / "profiles")
+
+
+def profile_path(device: str | None = None, version: str | None = None, directory: str | os.PathLike | None = None) -> Path:
+    """The database file for `device` and torch `version` (default: this machine's)."""
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{device or device_name()}__torch-{version or torch_version()}").strip("-")
+    return Path(directory or profile_dir()) / f"{slug}.json"
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    """Read a profile file; a missing, corrupt or foreign file is a `ValueError` that names it."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read profile {str(path)!r}: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"profile {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}); re-measure it with `meshplan profile`") from None
+    return Profile.from_json(data, source=f"profile {str(path)!r}")
+
+
+def save_merged(profile: Profile, path: str | os.PathLike) -> Profile:
+    """Add `profile`'s measurements to the file at `path` (created if absent) and return the result."""
+    if Path(path).exists():
+        profile = load_profile(path).merged(profile)
+    profile.save(path)
+    return profile
+
+
+_warned_presets: set[str] = set()
+
+
+def resolve_profile(profile: Profile | str | os.PathLike | None, cluster: str | None, default_cluster: str = "cpu") -> Profile | None:
+    """What `meshplan.plan(profile=...)` accepts: a Profile, a file path, `"local"` (this machine's
+    database entry) or None (presets only, said once per cluster and process)."""
+    if profile is None:
+        name = cluster or default_cluster
+        if name not in _warned_presets:
+            _warned_presets.add(name)
+            log.warning(
+                "meshplan: planning with the %r cluster presets (roofline compute, alpha-beta links), no measured profile; "
+                "measure one with `meshplan profile compute` / `meshplan profile comm` and pass profile=", name,
+            )
+        return None
+    if isinstance(profile, Profile):
+        prof = profile
+    elif isinstance(profile, (str, os.PathLike)):
+        if str(profile) == LOCAL:
+            path = profile_path()
+            if not path.exists():
+                raise ValueError(
+                    f"profile='local': no profile for this machine ({device_name()}, torch {torch_version()}) at {path}; "
+                    "make one with `python -m meshplan profile compute MODULE:FACTORY --devices N`"
+                )
+            profile = path
+        prof = load_profile(profile)
+    else:
+        raise ValueError(f"profile must be a Profile, a path to a profile JSON file, 'local' or None; got {profile!r}")
+    if prof.torch_version != torch_version():
+        raise ValueError(
+            f"profile for {prof.device!r} was measured with torch {prof.torch_version} but this is torch {torch_version()}; "
+            "allowed: a profile measured with the running torch version (re-measure with `meshplan profile`)"
+        )
+    if cluster is not None and cluster != prof.cluster:
+        raise ValueError(
+            f"profile measured on {prof.device!r} calibrates cluster {prof.cluster!r}, but cluster={cluster!r} was asked for; "
+            f"allowed: cluster={prof.cluster!r} (or no cluster) with this profile"
+        )
+    return prof

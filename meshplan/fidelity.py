@@ -1,0 +1,301 @@
+"""Cost-model fidelity: predicted against measured step time and peak memory, plan by plan.
+
+One model (a small GPT whose forward returns its language-model loss, so the whole step is in
+the plan), several forced plans (data parallel, FSDP/ZeRO-3, Megatron tensor parallel, DP x TP,
+and the solver's own), on 2 and 4 local gloo processes. Each plan trains `steps` Adam steps after
+a warm-up; a step is forward + backward + `optimizer.step()`, timed between barriers, its time the
+slowest rank's.
+
+Prediction: `plan.step_time_s` (compute + communication, what the solver minimised) plus
+`optimizer_step_time` of the rank's local parameters (the planner does not price the optimizer
+step yet), from the cluster preset calibrated with a measured profile (`meshplan profile`).
+
+Peak memory, measured: the bytes of the tensors a rank holds when a step starts (parameters,
+optimizer state, gradient-bucket buffers) plus the highest point of the running sum of every
+allocation and free torch's CPU allocator reports during the step (`torch.profiler` with
+`profile_memory=True`). Predicted: `cost_model.peak.predict_peak` (see there).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshplan.models import GPT, GPTConfig
+
+MODEL = GPTConfig(vocab_size=256, seq_len=32, hidden=128, heads=4, layers=2)
+BATCH = 16
+QUICK_MODEL = GPTConfig(vocab_size=64, seq_len=8, hidden=32, heads=2, layers=1)
+QUICK_BATCH = 8
+MEGATRON = {"gpt.layers.*.attn.q_proj": "colwise", "gpt.layers.*.attn.k_proj": "colwise", "gpt.layers.*.attn.v_proj": "colwise",
+            "gpt.layers.*.attn.out_proj": "rowwise", "gpt.layers.*.mlp.fc1": "colwise", "gpt.layers.*.mlp.fc2": "rowwise"}
+
+
+class LMLoss(nn.Module):
+    """A GPT whose forward returns its loss: the loss is part of the planned program."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.gpt = GPT(cfg)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # cross-entropy against a uniform target: F.cross_entropy's decomposition leaves a meta
+        # constant in the traced program that the runtime cannot run yet
+        return -F.log_softmax(self.gpt(tokens), dim=-1).mean()
+
+
+def build(cfg: GPTConfig, batch: int) -> tuple[LMLoss, torch.Tensor]:
+    torch.manual_seed(0)
+    model = LMLoss(cfg)
+    return model, torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """One plan to measure: a name, a world size and the `meshplan.plan` keywords that force it."""
+
+    name: str
+    world: int
+    options: dict = field(default_factory=dict)
+
+
+def cases(quick: bool = False) -> list[Case]:
+    fsdp = {"mode": "manual", "parameter_plan": {"*": "S(0)"}, "input_layouts": {"tokens": "S(0)"}}
+    tp = {"mode": "semi_auto", "parallelize_plan": MEGATRON, "input_layouts": {"tokens": "R"}}
+    all_cases = [
+        Case(name="DP", world=2, options={"mode": "data_parallel"}),
+        Case(name="FSDP", world=2, options=fsdp),
+        Case(name="TP", world=2, options=tp),
+        Case(name="auto", world=2, options={}),
+        Case(name="DP", world=4, options={"mode": "data_parallel"}),
+        Case(name="FSDP", world=4, options=fsdp),
+        Case(name="TP", world=4, options=tp),
+        Case(name="DPxTP", world=4, options={"mode": "semi_auto", "mesh_shape": (2, 2), "axis_names": ("dp", "tp"),
+                                             "parallelize_plan": MEGATRON, "input_layouts": {"tokens": "S(0)R"}}),
+        Case(name="auto", world=4, options={}),
+    ]
+    return [c for c in all_cases if c.world == 2 and c.name in ("DP", "TP")] if quick else all_cases
+
+
+# ---------------------------------------------------------------- measuring (runs on every rank)
+
+
+def _resident_bytes(pmodel, opt) -> int:
+    seen: set[int] = set()
+    total = 0
+    tensors = list(pmodel.parameters()) + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    tensors += [b for b in getattr(pmodel, "_grad_buckets")._flat if b is not None]
+    tensors += [p.grad for p in pmodel.parameters() if p.grad is not None]
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _peak_during(fn) -> int:
+    """Highest net bytes allocated (allocations minus frees) at any moment while `fn` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    level = peak = 0
+    for _, nbytes in events:
+        level += nbytes
+        peak = max(peak, level)
+    return peak
+
+
+def _measure_world(rank: int, world: int, plans_json: list[str], cfg: GPTConfig, batch: int, warmup: int, steps: int,
+                   rounds: int = 3) -> list[dict]:
+    """Every plan of this world in one process group. Timed steps are interleaved across plans in
+    `rounds` (one untimed step re-warms a plan at the start of each), so a change in background
+    load hits all plans alike."""
+    import time
+
+    import meshplan
+    from meshplan.planner.plan import Plan
+
+    runs = []
+    for text in plans_json:
+        plan = Plan.from_json(text)
+        model, tokens = build(cfg, batch)
+        pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
+        opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
+
+        def step(pmodel=pmodel, opt=opt, tokens=tokens) -> float:
+            loss = pmodel(tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+        for _ in range(warmup):
+            step()
+        runs.append((pmodel, opt, step, []))
+    per_round = max(1, steps // rounds)
+    for _ in range(rounds):
+        for _, _, step, times in runs:
+            step()
+            for _ in range(per_round):
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                t = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+                times.append(float(t))
+    out = []
+    for pmodel, opt, step, times in runs:
+        peak = torch.tensor(float(_resident_bytes(pmodel, opt) + _peak_during(step)), dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out.append({"time_s": statistics.median(times), "peak_bytes": float(peak)})
+    return out
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Row:
+    case: Case
+    mesh: tuple[int, ...]
+    predicted_s: float
+    measured_s: float
+    predicted_bytes: float
+    measured_bytes: float
+    parts_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Predicted compute, communication and optimizer-step seconds (their sum is `predicted_s`)."""
+
+    @property
+    def time_error(self) -> float:
+        return abs(self.predicted_s - self.measured_s) / self.measured_s
+
+    @property
+    def memory_error(self) -> float:
+        return abs(self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"spearman needs two equally long lists of >= 2 values; got {len(a)} and {len(b)}")
+
+    def ranks(xs: list[float]) -> list[float]:
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        r = [0.0] * len(xs)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return cov / var if var else 0.0
+
+
+def predict(plan, graph, cluster, optimizer: str = "adam") -> tuple[tuple[float, float, float], float]:
+    """((compute, communication, optimizer) seconds, peak bytes) predicted for one training step of
+    `plan` on one device."""
+    from meshplan.cost_model.estimate import optimizer_step_time
+    from meshplan.cost_model.peak import predict_peak
+    from meshplan.ir.placement import local_shape
+
+    numels = [math.prod(local_shape(p.shape, p.layout, plan.mesh.shape)) for p in plan.params if not p.is_buffer]
+    opt_s = optimizer_step_time(numels, optimizer, plan.mesh.shape, cluster)
+    return (plan.compute_s + plan.bubble_s, plan.comm_s, opt_s), float(predict_peak(graph, plan, optimizer=optimizer).peak)
+
+
+def run(profile=None, *, quick: bool = False, steps: int = 12, warmup: int = 3, log=print) -> list[Row]:
+    """Plan every case with `profile` (see `meshplan.plan(profile=)`), measure each, return the rows."""
+    import meshplan
+    from meshplan.cost_model.presets import get_cluster
+    from meshplan.cost_model.profile import resolve_profile
+    from meshplan.ir.trace import trace
+    from meshplan.runtime.launch import run_local
+
+    cfg, batch = (QUICK_MODEL, QUICK_BATCH) if quick else (MODEL, BATCH)
+    measured_profile = resolve_profile(profile, None)
+    cluster = get_cluster(measured_profile.cluster if measured_profile else "cpu").with_profile(measured_profile)
+    model, tokens = build(cfg, batch)
+    graph = trace(model, (tokens,))
+    planned = []
+    for case in cases(quick):
+        opts = dict(case.options)
+        plan = meshplan.plan(model, case.world, (tokens,), cluster=cluster, **opts)
+        planned.append((case, plan))
+        log(f"planned {case.name} on {case.world}: mesh {plan.mesh.shape}, predicted {plan.step_time_s * 1e3:.2f} ms")
+    rows = []
+    for world in sorted({c.world for c, _ in planned}):
+        mine = [(c, p) for c, p in planned if c.world == world]
+        log(f"measuring {len(mine)} plans on {world} local gloo processes")
+        results = run_local(world, _measure_world, [p.to_json() for _, p in mine], cfg, batch, warmup, steps, timeout=1200)[0]
+        for (case, plan), got in zip(mine, results):
+            parts, m = predict(plan, graph, cluster)
+            rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=got["time_s"],
+                            predicted_bytes=m, measured_bytes=got["peak_bytes"], parts_s=parts))
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    from meshplan.cost_model.memory import format_bytes
+
+    lines = ["| plan | world | mesh | predicted ms (compute + comm + optimizer) | measured ms | error | predicted peak | measured peak | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        parts = " + ".join(f"{p * 1e3:.1f}" for p in r.parts_s)
+        lines.append(
+            f"| {r.case.name} | {r.case.world} | {'x'.join(map(str, r.mesh))} | {r.predicted_s * 1e3:.2f} ({parts}) | {r.measured_s * 1e3:.2f} | "
+            f"{r.time_error:.0%} | {format_bytes(r.predicted_bytes)} | {format_bytes(r.measured_bytes)} | {r.memory_error:.0%} |"
+        )
+    rho = spearman([r.predicted_s for r in rows], [r.measured_s for r in rows])
+    lines.append("")
+    lines.append(
+        f"Spearman rank correlation of step times: {rho:.3f}; median absolute error: time "
+        f"{statistics.median(r.time_error for r in rows):.1%}, peak memory {statistics.median(r.memory_error for r in rows):.1%}"
+    )
+    return "\n".join(lines)
+
+
+def calibrate(*, quick: bool = False, out=None, log=print):
+    """Measure this machine for the benchmark: the model's op shapes on 2 and 4 devices
+    (`profile_model`) and collectives + contention on 2 and 4 local processes (`profile_comm`)."""
+    from meshplan.calibrate import profile_comm, profile_model
+
+    cfg, batch = (QUICK_MODEL, QUICK_BATCH) if quick else (MODEL, BATCH)
+    worlds = sorted({c.world for c in cases(quick)})
+    model, tokens = build(cfg, batch)
+    log(f"profiling the ops of {type(model).__name__} for {worlds} devices")
+    compute = profile_model(model, (tokens,), tuple(worlds), budget_s=0.01 if quick else 0.05)
+    sizes = (4 * 2**10, 64 * 2**10, 2**20) if quick else tuple(4 * 2**10 * 4**k for k in range(7))  # up to 16 MiB
+    log(f"profiling collectives on {worlds} local processes, {len(sizes)} sizes up to {sizes[-1] // 2**10} KiB")
+    comm = profile_comm(tuple(worlds), sizes=sizes, reps=3 if quick else 5)
+    profile = compute.merged(comm)
+    if out is not None:
+        from meshplan.cost_model.profile import save_merged
+
+        profile = save_merged(profile, out)
+    return profile
+
+
+def report(rows: list[Row]) -> dict:
+    """The figures the acceptance targets name."""
+    return {
+        "spearman": spearman([r.predicted_s for r in rows], [r.measured_s for r in rows]),
+        "median_time_error": statistics.median(r.time_error for r in rows),
+        "median_memory_error": statistics.median(r.memory_error for r in rows),
+    }

@@ -1,0 +1,49 @@
+"""`meshplan validate --quick` / benchmarks/fidelity.py --quick run end to end: calibration with both
+profilers, two plans measured on 2 gloo processes, the table and the target lines printed.
+
+The fidelity figures themselves live in the benchmark's output (docs/cost_model.md), not here."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshplan.fidelity import spearman
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="spearman needs"):
+        spearman([1], [1])
+
+
+@pytest.mark.multiprocess
+def test_fidelity_quick_runs(tmp_path):
+    prof = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, "benchmarks/fidelity.py", "--quick", "--steps", "3", "--save-profile", str(prof)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = re.findall(r"^\| (DP|TP) \| 2 \| 2 \| ([0-9.]+) \(([0-9.]+) \+ ([0-9.]+) \+ ([0-9.]+)\) \| ([0-9.]+) \|", out, re.M)
+    assert [r[0] for r in rows] == ["DP", "TP"], out
+    for _, total, *rest in rows:
+        parts = [float(x) for x in rest[:3]]
+        assert float(total) == pytest.approx(sum(parts), abs=0.16) and float(rest[3]) > 0
+    assert re.search(r"Spearman rank correlation of step times: -?[0-9.]+; median absolute error", out)
+    assert len(re.findall(r"\(target [<>]= [0-9.]+\): (met|NOT met)", out)) == 3
+    # the calibration wrote a profile with both op timings and collective fits, and it plans
+    from meshplan.cost_model.profile import load_profile
+
+    p = load_profile(prof)
+    assert p.ops and {f.kind for f in p.collectives} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+    assert 2 in p.contention and p.optimizer_steps["adam"][0] > 0
+    cli = subprocess.run([sys.executable, "-m", "meshplan", "profile", "show", str(prof)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "collective fits (gloo)" in cli.stdout, cli.stderr

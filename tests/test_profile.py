@@ -1,0 +1,187 @@
+"""Measured profiles: JSON database, compute profiler, comm fits, and planning with them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+
+import pytest
+import torch
+
+import meshplan
+from meshplan.calibrate import op_workload, profile_graph
+from meshplan.cost_model import profile as profile_mod
+from meshplan.cost_model.comm_profiler import fit_alpha_beta
+from meshplan.cost_model.estimate import group_collective_time, local_copy_bytes, steps_time
+from meshplan.cost_model.op_profiler import time_op
+from meshplan.cost_model.presets import CLUSTERS, DEVICES, get_cluster
+from meshplan.cost_model.profile import CollectiveFit, OpTiming, Profile, load_profile, resolve_profile, torch_version
+from meshplan.cost_model.redistribution import CommStep
+from meshplan.ir.graph import TensorMeta
+from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.trace import trace
+from meshplan.models import mlp_small
+
+
+def _profile(**kw) -> Profile:
+    base = dict(device="test-device", torch_version=torch_version(), cluster="cpu")
+    return Profile(**{**base, **kw})
+
+
+def test_presets_cover_gpus_and_this_cpu():
+    assert {"cpu", "a100", "h100", "h200"} <= set(CLUSTERS)
+    assert {"A100-80GB", "H100-SXM", "H200", "cpu"} <= set(DEVICES)
+    assert get_cluster("h200").device.memory_bandwidth > get_cluster("h100").device.memory_bandwidth
+    assert get_cluster("a100").intra_node.bandwidth < get_cluster("h100").intra_node.bandwidth
+
+
+def test_profile_json_round_trip(tmp_path):
+    p = _profile(
+        ops={"aten.mm.default(float32[2,2],float32[2,2])->float32[2,2]": OpTiming(forward_s=1e-5, backward_s=3e-5, runs=7)},
+        collectives=(CollectiveFit(kind="all_reduce", group=2, world=2, alpha_s=1e-4, seconds_per_byte=1e-9, sizes=(1, 2), times=(0.1, 0.2)),),
+        contention={4: 2.0}, copy_seconds_per_byte=1e-10, op_overhead_s=5e-6, backend="gloo",
+    )
+    path = p.save(tmp_path / "p.json")
+    q = load_profile(path)
+    assert q == p and q.slowdown(4) == 2.0 and q.slowdown(8) == 2.0 and q.slowdown(2) == 1.0
+    assert "pickle" not in path.read_text() and json.loads(path.read_text())["format"] == "meshplan-profile"
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"format": "other"}', "not a meshplan profile"),
+        ('{"format": "meshplan-profile", "version": 99}', "format version 99"),
+        ('{"format": "meshplan-profile", "version": 1, "device": "x"}', "corrupt meshplan profile"),
+        ('{"format": "meshplan-profile", "version": 1, "device": "x", "torch_version": "1", "cluster": "cpu", "threads": 1,'
+         ' "ops": {"k": {"forward_s": -1}}}', "corrupt meshplan profile"),
+    ],
+)
+def test_corrupt_profile_is_a_clear_error(tmp_path, text, match):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_profile(path)
+    with pytest.raises(ValueError, match=match):
+        model, inputs = mlp_small()
+        meshplan.plan(model, 2, inputs, profile=str(path))
+
+
+def test_mismatched_profile_is_a_clear_error(tmp_path, monkeypatch):
+    old = _profile(torch_version="1.0.0")
+    with pytest.raises(ValueError, match=r"torch 1\.0\.0 but this is torch"):
+        resolve_profile(old, None)
+    with pytest.raises(ValueError, match=r"calibrates cluster 'cpu', but cluster='h100'"):
+        resolve_profile(_profile(), "h100")
+    with pytest.raises(ValueError, match="cannot be combined"):
+        _profile().merged(_profile(device="other"))
+    monkeypatch.setenv(profile_mod.PROFILE_DIR_ENV, str(tmp_path))
+    with pytest.raises(ValueError, match="profile='local': no profile for this machine"):
+        resolve_profile("local", None)
+    with pytest.raises(ValueError, match="profile must be"):
+        resolve_profile(3, None)
+
+
+def test_planning_without_profile_says_so_once(caplog, monkeypatch):
+    monkeypatch.setattr(profile_mod, "_warned_presets", set())
+    with caplog.at_level(logging.WARNING, logger="meshplan"):
+        assert resolve_profile(None, "h100") is None
+        assert resolve_profile(None, "h100") is None
+    said = [r for r in caplog.records if "no measured profile" in r.getMessage()]
+    assert len(said) == 1 and "'h100' cluster presets" in said[0].getMessage()
+
+
+def test_time_op_forward_and_backward():
+    gm = trace(*mlp_small()).fx.gm
+    addmm = next(n for n in gm.graph.nodes if n.op == "call_function" and "addmm" in str(n.target))
+    metas = [TensorMeta(tuple(a.meta["val"].shape), "float32") for a in addmm.args if isinstance(a, torch.fx.Node)]
+    t = time_op(addmm, metas, [True, False, True], tuple(addmm.meta["val"].shape), budget_s=0.005)
+    assert t.forward_s > 0 and t.backward_s is not None and t.backward_s >= 0 and t.runs >= 5
+    t2 = time_op(addmm, metas, [False, False, False], tuple(addmm.meta["val"].shape), budget_s=0.005)
+    assert t2.backward_s is None
+
+
+@pytest.fixture(scope="module")
+def mlp_profile():
+    model, inputs = mlp_small()
+    graph = trace(model, inputs)
+    return graph, profile_graph(graph, [MeshSpec((2,))], budget_s=0.002)
+
+
+def test_compute_profile_covers_every_candidate_shape(mlp_profile):
+    graph, prof = mlp_profile
+    work = op_workload(graph, [MeshSpec((2,))])
+    assert set(work) == set(prof.ops), "every distinct local op shape is timed"
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    # the replicated (global-shape) and the batch-split shapes of each op are there
+    assert len(prof.ops) > len({(n.target, n.outputs) for n in ops})
+    assert prof.op_overhead_s > 0 and prof.copy_seconds_per_byte > 0
+
+
+def test_plan_prices_ops_with_the_profile(mlp_profile):
+    """With every op measured at 1 ms forward / 2 ms backward, the plan's compute time is exactly
+    that per op (times the world's contention): the profile, not the roofline, prices compute."""
+    graph, prof = mlp_profile
+    fake = dataclasses.replace(
+        prof, ops={k: OpTiming(forward_s=1e-3, backward_s=2e-3 if t.backward_s is not None else None) for k, t in prof.ops.items()},
+        contention={2: 1.5},
+    )
+    model, inputs = mlp_small()
+    plan = meshplan.plan(model, 2, inputs, profile=fake, mesh_shape=(2,))
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    expected = sum(1e-3 + (2e-3 if any(n.requires_grad) else 0.0) for n in ops) * 1.5
+    assert plan.compute_s == pytest.approx(expected, rel=1e-9)
+    preset_plan = meshplan.plan(model, 2, inputs, mesh_shape=(2,))
+    assert preset_plan.compute_s < plan.compute_s / 10
+
+
+def test_fit_alpha_beta_recovers_a_line():
+    sizes = [4096 * 4**k for k in range(8)]
+    alpha, beta = fit_alpha_beta(sizes, [2e-4 + s * 1.5e-9 for s in sizes])
+    assert alpha == pytest.approx(2e-4, rel=1e-6) and beta == pytest.approx(1.5e-9, rel=1e-6)
+    with pytest.raises(ValueError, match="two different sizes"):
+        fit_alpha_beta([8, 8], [1.0, 2.0])
+
+
+def test_collectives_use_the_fit_for_their_group_and_world():
+    fit2 = CollectiveFit(kind="all_gather", group=2, world=4, alpha_s=1e-3, seconds_per_byte=1e-8)
+    cluster = get_cluster("cpu").with_profile(_profile(collectives=(fit2,), copy_seconds_per_byte=1e-9))
+    assert group_collective_time("all_gather", 1000, (1,), (2, 2), cluster) == pytest.approx(1e-3 + 1e-5)
+    # no fit for all_reduce: the preset ring model
+    preset = get_cluster("cpu")
+    assert group_collective_time("all_reduce", 1000, (1,), (2, 2), cluster) == group_collective_time("all_reduce", 1000, (1,), (2, 2), preset)
+    # the runtime's gather on dim 1 concatenates the blocks: one copy of the gathered tensor
+    step = CommStep("all_gather", 1, dim=1, nbytes=1000)
+    assert local_copy_bytes(step, 2) == 1000 and local_copy_bytes(CommStep("all_gather", 1, dim=0, nbytes=1000), 2) == 0
+    assert steps_time([step], (2, 2), cluster) == pytest.approx(1e-3 + 1e-5 + 1000 * 1e-9)
+    assert math.isclose(steps_time([CommStep("chunk", 0, dim=1, nbytes=1000)], (2, 2), cluster), 500 * 1e-9)
+
+
+# --- memory formulas ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_zero_stages_match_the_paper_for_mixed_precision_adam(n):
+    from meshplan.cost_model.memory import zero_state_bytes
+
+    psi = 7_500_000 * n * 2  # divisible by every n used
+    expected = {0: 16 * psi, 1: 4 * psi + 12 * psi // n, 2: 2 * psi + 14 * psi // n, 3: 16 * psi // n}
+    for stage, total in expected.items():
+        assert zero_state_bytes(psi, n, stage).total == total, stage
+
+
+def test_training_state_per_optimizer_and_precision():
+    from meshplan.cost_model.memory import training_state_bytes, zero_state_bytes
+
+    fp32_adam = training_state_bytes(1000)
+    assert (fp32_adam.params, fp32_adam.grads, fp32_adam.optimizer) == (4000, 4000, 8000)
+    assert training_state_bytes(1000, optimizer="sgd").optimizer == 0
+    assert training_state_bytes(1000, optimizer="sgd_momentum", state_shards=4).optimizer == 1000
+    assert zero_state_bytes(1000, 4, 0, mixed_precision=False).total == 16000
+    with pytest.raises(ValueError, match="ZeRO stage 4"):
+        zero_state_bytes(1000, 4, 4)
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        training_state_bytes(10, optimizer="lamb")
