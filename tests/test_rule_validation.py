@@ -166,9 +166,18 @@ def test_random_rules(n, rows, cols, p):
     validate(aten.native_dropout.default, (torch.randn(rows, cols), p, True), n, atol=0, rtol=0)
 
 
+@SETTINGS
+@given(n=mesh_n, rows=sizes, cols=sizes, src_kind=st.sampled_from(["same", "row", "column", "lower rank"]))
+def test_copy_rules(n, rows, cols, src_kind):
+    g = torch.Generator().manual_seed(rows * 10 + cols)
+    dst = torch.randn(rows, cols, generator=g)
+    src_shape = {"same": (rows, cols), "row": (1, cols), "column": (rows, 1), "lower rank": (cols,)}[src_kind]
+    assert validate(aten.copy.default, (dst, torch.randn(src_shape, generator=g)), n) >= 1 + (rows % n == 0) + (cols % n == 0)
+
+
 def test_every_registered_rule_has_a_validation():
     """A new rule in meshplan/planner/rules/ must get a generator above."""
-    covered = {str(op) for op in (aten.convolution.default, BATCH_NORM, aten.scaled_dot_product_attention.default, MOE_OP)}
+    covered = {str(op) for op in (aten.convolution.default, BATCH_NORM, aten.scaled_dot_product_attention.default, MOE_OP, aten.copy.default)}
     covered |= {str(op) for op in RANDOM_OPS}
     missing = set(RULES) - covered
     assert not missing, f"rules without a validation: {sorted(missing)}"
