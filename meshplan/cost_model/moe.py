@@ -66,3 +66,9 @@ def moe_cost(node, in_metas, in_layouts, out_layouts, mesh_shape, cluster, *, ba
             back += [CommStep("all_to_all", a, nbytes=routed), CommStep("all_to_all", a, nbytes=routed)]
     comm = steps_time(forward, mesh_shape, cluster) + steps_time(back, mesh_shape, cluster)
     return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back), comm_s=comm)
+
+
+def node_flops(node, in_metas) -> float:
+    """Forward FLOPs of a moe node on whole tensors (for FLOP shares; `op_flops` cannot see top_k)."""
+    x, _, gate_up, down = in_metas
+    return moe_flops(math.prod(x.shape[:-1]), x.shape[-1], down.shape[2], gate_up.shape[0], int(node.attrs[0]))

@@ -57,3 +57,9 @@ class ResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.pool(self.layers(self.stem(x))).flatten(1))
+
+
+def resnet_small():
+    """`(model, example_inputs, example_kwargs)`: the default ResNet on a batch of 8 16x16 images."""
+    torch.manual_seed(0)
+    return ResNet(), (torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1)),), {}
