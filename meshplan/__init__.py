@@ -5,15 +5,17 @@
 """
 
 from meshplan.api import auto_parallelize, plan
-from meshplan.inspect import load_plan, plan_code
+from meshplan.inspect import list_ops, load_plan, plan_code
 from meshplan.ir.placement import Partial, Replicate, Shard
 from meshplan.planner.annotations import Layout, shard
+from meshplan.planner.pipeline import PipelineOptions
 from meshplan.planner.plan import Plan
 from meshplan.runtime.checkpoint import load_checkpoint, save_checkpoint
 from meshplan.runtime.collectives import CollectiveError
 from meshplan.runtime.parallel_module import ParallelModule
+from meshplan.runtime.pipeline import PipelineRunner
 
 __all__ = [
-    "CollectiveError", "Layout", "ParallelModule", "Partial", "Plan", "Replicate", "Shard", "auto_parallelize",
-    "load_checkpoint", "load_plan", "plan", "plan_code", "save_checkpoint", "shard",
+    "CollectiveError", "Layout", "ParallelModule", "Partial", "PipelineOptions", "PipelineRunner", "Plan", "Replicate", "Shard",
+    "auto_parallelize", "list_ops", "load_checkpoint", "load_plan", "plan", "plan_code", "save_checkpoint", "shard",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -12,19 +12,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshplan.cost_model.memory import format_bytes
+from meshplan.cost_model.memory import format_bytes, parse_bytes
 from meshplan.cost_model.presets import ClusterPreset, get_cluster
 from meshplan.cost_model.profile import Profile, resolve_profile
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
 from meshplan.planner.annotations import AnnotationError, module_annotations
 from meshplan.planner.constraints import Annotations
+from meshplan.planner.pipeline import PipelineOptions, pipeline_options, plan_pipeline
 from meshplan.planner.plan import Plan
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
 from meshplan.progress import phase
 from meshplan.runtime.collectives import resolve_timeout
 from meshplan.runtime.launch import init_torchrun_group
 from meshplan.runtime.parallel_module import ParallelModule
+from meshplan.runtime.pipeline import PipelineRunner
 
 log = logging.getLogger("meshplan")
 
@@ -104,7 +106,10 @@ def plan(
     parameter_plan: dict | None = None,
     parallelize_plan: dict | None = None,
     recompute: str = "auto",
+    offload: str = "never",
     profile: Profile | str | os.PathLike | None = None,
+    pipeline: int | str | PipelineOptions | None = None,
+    stage_config: dict[str, int] | None = None,
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
@@ -113,11 +118,17 @@ def plan(
     time is returned. `memory_budget` bounds the predicted peak per device ('80GB', '16GiB' or
     bytes; default: the cluster device's memory); if no plan fits, the `MemoryBudgetError` says
     the smallest budget that would. `recompute` lets the solve recompute repeated layers' activations
-    in backward when that beats other ways of fitting the budget ('auto'), or 'never' / 'always'.
+    in backward when that beats other ways of fitting the budget ('auto'), or 'never' / 'always';
+    `offload` ('never', 'auto', 'always') may keep optimizer state in host memory instead (train with
+    `ParallelModule.make_optimizer`).
     Meshes on which the annotations cannot hold (a split factor no axis has) are skipped.
 
     Modes (`mode=`), `search=` and the annotations (`meshplan.shard` on submodules,
     `parameter_plan`, `parallelize_plan`, `input_layouts`) are described in docs/modes.md.
+
+    `pipeline='auto'` (or a degree, or a `PipelineOptions`) also searches pipeline stages, schedule and
+    microbatches (docs/pipeline.md); `stage_config` pins units to stages. The plan's `mesh` is then one
+    stage's sub-mesh and `plan.pipeline` holds the rest.
 
     `profile`: measured costs (a `Profile`, a profile JSON path, or "local" for this machine's
     database entry; see docs/cost_model.md). Without one the cluster's presets price everything,
@@ -129,11 +140,19 @@ def plan(
         default = "h100" if torch.cuda.is_available() else "cpu"
         measured = resolve_profile(profile, cluster if isinstance(cluster, str) or cluster is None else cluster.name, default)
         cluster_preset = get_cluster(cluster or (measured.cluster if measured is not None else default)).with_profile(measured)
+    if pipeline is not None or stage_config:
+        if not isinstance(devices, int) or mode != "auto" or param_layouts or input_layouts or parameter_plan or parallelize_plan:
+            raise ValueError("pipeline search takes an int `devices` and mode='auto' without layout annotations; "
+                             f"got devices={devices!r}, mode={mode!r}")
+        budget = None if memory_budget is None else float(parse_bytes(memory_budget))
+        opts = pipeline_options("auto" if pipeline is None else pipeline, stage_config, optimizer, budget)
+        inputs_ = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        return plan_pipeline(model, devices, inputs_, cluster=cluster_preset, options=opts, example_kwargs=example_kwargs).plan
     meshes = resolve_mesh(devices, mesh_shape, axis_names, cluster_preset.devices_per_node)
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
         input_layouts=dict(input_layouts or {}), optimizer=optimizer, memory_budget=memory_budget, search=search,
-        recompute=recompute,
+        recompute=recompute, offload=offload,
         annotations=Annotations(
             parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=module_annotations(model)
         ),
@@ -173,8 +192,9 @@ def auto_parallelize(
     plan: Plan | None = None,
     example_kwargs: dict | None = None,
     timeout: timedelta | float | None = None,
+    loss_fn: Callable | None = None,
     **plan_kwargs,
-) -> ParallelModule:
+) -> ParallelModule | PipelineRunner:
     """Plan `model` (or take `plan`) and return this rank's `ParallelModule`.
 
     Call on every rank of an initialised process group (torchrun's environment is used to
@@ -182,6 +202,10 @@ def auto_parallelize(
     `timeout` (seconds or a timedelta; default $MESHPLAN_TIMEOUT, else 10 minutes) bounds every
     collective the runtime runs: a rank that dies, never joins or skips a collective makes the
     others raise `CollectiveError` instead of hanging.
+
+    A plan with a pipeline (`pipeline=` in the plan options) returns a `PipelineRunner` instead: pass
+    `loss_fn(output, target)`; each step is `loss = runner.step(*batch, target=y)` then the user's
+    `optimizer.step()` over `runner.parameters()`.
     """
     timeout = resolve_timeout(timeout)
     _ensure_process_group(timeout)
@@ -191,12 +215,19 @@ def auto_parallelize(
     if isinstance(devices, int) and devices != world:
         raise ValueError(f"devices={devices} but the process group has world size {world}; they must be equal")
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    graph = trace(model, example_inputs, example_kwargs)
     if plan is None:
         plan = globals()["plan"](model, devices, example_inputs, example_kwargs=example_kwargs, **plan_kwargs)
+    if plan.pipeline is not None:
+        if loss_fn is None:
+            raise ValueError("a pipelined plan runs forward and backward together: pass auto_parallelize(..., loss_fn=loss_fn)")
+        micro = plan.pipeline.microbatches
+        if any(x.shape[0] % micro for x in example_inputs):
+            raise ValueError(f"example inputs of batch {[x.shape[0] for x in example_inputs]} do not split into {micro} microbatches")
+        graph = trace(model, tuple(x[: x.shape[0] // micro] for x in example_inputs), example_kwargs)
+        return PipelineRunner(model, graph, plan, loss_fn, timeout=timeout)
     if plan.mesh.size != world:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the world size is {world}")
-    return ParallelModule(model, graph, plan, timeout=timeout)
+    return ParallelModule(model, trace(model, example_inputs, example_kwargs), plan, timeout=timeout)
 
 
 def _ensure_process_group(timeout: timedelta) -> None:

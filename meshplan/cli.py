@@ -1,7 +1,7 @@
-"""The `meshplan` command line (also `python -m meshplan`): plan, show, explain, diff, report, code, demo,
+"""The `meshplan` command line (also `python -m meshplan`): plan, show, explain, diff, report, code, ops, demo,
 profile (compute | comm | show), validate.
 
-Every command but `plan`, `code` and `demo` reads only the plan file. Bad input exits with status 2
+Every command but `plan`, `code`, `ops` and `demo` reads only the plan file. Bad input exits with status 2
 and one line on stderr naming what was given and what is allowed.
 """
 
@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("target", metavar="MODULE:FACTORY")
     c.add_argument("--rank", type=int, default=0, help="which rank (default 0)")
     c.set_defaults(handler=_code)
+
+    _add_ops_command(commands, common)
 
     demo = commands.add_parser(
         "demo", parents=[common],
@@ -275,6 +277,30 @@ def _code(args: argparse.Namespace) -> int:
     the_plan = read_plan(args.plan)
     model, inputs, kwargs = load_factory(args.target)
     print(plan_code(the_plan, model, inputs, rank=args.rank, example_kwargs=kwargs))
+    return 0
+
+
+def _add_ops_command(commands, common) -> None:
+    o = commands.add_parser(
+        "ops", parents=[common], help="list a model's ops with their sharding-rule source and FLOP share",
+        description="Trace the model FACTORY builds (MODULE:FACTORY) and list every op with the source of its sharding "
+        "rule (dtensor, meshplan, fallback), its share of the forward FLOPs and whether any candidate splits its work; "
+        "nothing is planned or run.",
+    )
+    o.add_argument("target", metavar="MODULE:FACTORY")
+    o.add_argument("--mesh", type=parse_mesh, default=(2,), help="mesh shape the candidates are listed for (default 2)")
+    o.add_argument("--min-share", type=float, default=0.0, help="only ops with at least this fraction of the FLOPs (e.g. 0.01)")
+    o.add_argument("--views", action="store_true", help="also list view ops (reshape, transpose, ...)")
+    o.set_defaults(handler=_ops)
+
+
+def _ops(args: argparse.Namespace) -> int:
+    from meshplan.inspect.ops import list_ops
+
+    if not 0.0 <= args.min_share <= 1.0:
+        raise ValueError(f"--min-share must be a fraction between 0 and 1, got {args.min_share}")
+    model, inputs, kwargs = load_factory(args.target)
+    print(list_ops(model, inputs, example_kwargs=kwargs, mesh_shape=args.mesh).format(min_share=args.min_share, views=args.views))
     return 0
 
 

@@ -1,20 +1,36 @@
-"""Pipeline runtime parity on real gloo processes: loss and gradients of a tiny GPT against one process."""
+"""Pipeline runtime parity on real gloo processes: loss and gradients of a tiny GPT against one process.
+
+Each stage runs its intra-op plan on its sub-mesh: pp=2 alone (world 2), pp=2 x tp=2 (world 4),
+pp=2 x dp=2 x tp=2 (world 8), under GPipe, 1F1B, interleaved 1F1B and ZB-V; and the plan meshplan.plan's
+own search returns (pp=2 x dp=2 with pins and a recomputing stage) runs through auto_parallelize in
+the user's loop for two SGD steps. Every rank also
+checks the plan is the truth: the collectives its stages ran in the step are exactly those the plan
+lists for them (each microbatch's moves, the gradient buckets, the tied-weight sum).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import meshplan
 from meshplan.cost_model.memory import MemoryBreakdown
+from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig
 from meshplan.planner.pipeline_plan import PipelinePlan, PipelineStage
 from meshplan.runtime.launch import run_local
+from meshplan.runtime.parallel_module import shard_tensor
+
+from _parity import megatron_layouts
 
 BATCH, SEQ, VOCAB = 8, 8, 64
+STEPS = 2
 CFG = dict(layers=4, hidden=32, heads=2, vocab_size=VOCAB, seq_len=SEQ)
+UNITS = ["pre", "layers.0", "layers.1", "layers.2", "layers.3", "post"]
 
 
 def loss_fn(out, y):
@@ -28,56 +44,154 @@ def data():
     return model, x
 
 
-def pipe_plan(schedule: str, degree: int, micro: int, starts: list[str]) -> PipelinePlan:
+def pipe_plan(schedule: str, micro: int, starts: list[str], degree: int = 2) -> PipelinePlan:
+    """A hand-made pipeline section: stages begin at `starts` (unit names)."""
     zero = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
-    v = 1 if schedule in ("gpipe", "1f1b") else 2
+    cut = [UNITS.index(s) for s in starts] + [len(UNITS)]
     stages = tuple(
-        PipelineStage(index=k, device=k % degree, units=(m,), modules=(m,), time_s=0.0, recompute=False, memory=zero) for k, m in enumerate(starts)
+        PipelineStage(index=k, device=k % degree, units=tuple(UNITS[cut[k] : cut[k + 1]]), modules=(UNITS[cut[k]],), time_s=0.0,
+                      recompute=False, memory=zero)
+        for k in range(len(starts))
     )
-    assert len(stages) == degree * v
-    return PipelinePlan(degree=degree, schedule=schedule, microbatches=micro, chunks=v, stages=stages, step_s=0.0, bubble_s=0.0,
-                        bubble_fraction=0.0, p2p_s=0.0)
+    return PipelinePlan(degree=degree, schedule=schedule, microbatches=micro, chunks=len(starts) // degree, stages=stages, step_s=0.0,
+                        bubble_s=0.0, bubble_fraction=0.0, p2p_s=0.0)
 
 
-def worker(rank, world, cases):
+def stage_plan(kind: str, mesh: tuple[int, ...], pipe: PipelinePlan):
+    """The intra-op plan of one stage's sub-mesh at the microbatch size, with `pipe` as its pipeline."""
+    model, x = data()
+    micro = x[: BATCH // pipe.microbatches]
+    if kind == "tp":
+        params, inputs = megatron_layouts("gpt", len(mesh))
+        kw = dict(param_layouts=params, input_layouts=inputs)
+    else:
+        kw = dict(mode="data_parallel" if kind == "dp" else "auto")
+    return dataclasses.replace(meshplan.plan(model, mesh, (micro,), **kw), pipeline=pipe)
+
+
+def worker(rank, world, plans, searched=None):
     from meshplan.runtime.pipeline import PipelineRunner
+    from meshplan.runtime.rewrite import Recomputed
 
     warnings.simplefilter("ignore")
     out = []
-    for pipe, dp in cases:
+    if searched is not None:  # the user's path: auto_parallelize with the searched plan, the user's loop and optimizer
         model, x = data()
-        local = x.chunk(dp)[rank % dp]
-        runner = PipelineRunner(model, pipe, (local[: local.shape[0] // pipe.microbatches],), loss_fn, data=dp)
-        loss = runner.step(local, local)
-        out.append((None if loss is None else float(loss), {n: p.grad.clone() for n, p in runner.named_parameters()}))
+        runner = meshplan.auto_parallelize(model, example_inputs=(x,), plan=searched, loss_fn=loss_fn)
+        opt = torch.optim.SGD(runner.parameters(), lr=0.1)
+        losses = []
+        for _ in range(STEPS):
+            runner.reset_collective_counts()
+            opt.zero_grad()
+            loss = runner.step(x, target=x)
+            opt.step()
+            losses.append(None if loss is None else float(loss))
+        params = {n: p.detach().clone() for n, p in runner.named_parameters()}
+        checkpointed = sum(isinstance(m, Recomputed) for st in runner.modules.values() for m in st.modules())
+        out.append((losses, params, runner.local, runner.collective_counts(), runner.expected_collectives(), checkpointed))
+    for plan in plans:
+        model, x = data()
+        runner = PipelineRunner(model, trace(model, (x[: BATCH // plan.pipeline.microbatches],)), plan, loss_fn)
+        runner.reset_collective_counts()
+        loss = runner.step(x, target=x)
+        grads = {n: p.grad.clone() for n, p in runner.named_parameters()}
+        out.append((None if loss is None else float(loss), grads, runner.local, runner.collective_counts(), runner.expected_collectives()))
     return out
 
 
-CASES = [
-    (pipe_plan("gpipe", 2, 2, ["wte", "layers.2"]), 1),
-    (pipe_plan("1f1b", 2, 4, ["wte", "layers.1"]), 1),
-    (pipe_plan("interleaved_1f1b", 2, 2, ["wte", "layers.1", "layers.2", "layers.3"]), 1),
-    (pipe_plan("1f1b", 2, 2, ["wte", "layers.2"]), 2),
-]
-
-
-@pytest.mark.multiprocess
-def test_pipeline_parity_world2_and_4():
+def check(plans, results):
     model, x = data()
     ref_loss = loss_fn(model(x), x)
     ref_loss.backward()
     ref = {n: p.grad for n, p in model.named_parameters()}
-    results2 = run_local(2, worker, CASES[:3], timeout=600)
-    results4 = run_local(4, worker, CASES[3:], timeout=600)
-    for i, (pipe, dp) in enumerate(CASES):
-        results = results2 if dp == 1 else results4
-        idx = i if dp == 1 else i - 3
-        losses = [r[idx][0] for r in results if r[idx][0] is not None]
-        # each data-parallel replica reports its own shard's loss; their mean is the whole batch's
-        assert len(losses) == dp and abs(sum(losses) / dp - ref_loss.item()) < 1e-5, (pipe.schedule, losses, ref_loss.item())
+    for i, plan in enumerate(plans):
+        what = f"{plan.pipeline.schedule} on {plan.pipeline.degree} x {plan.mesh}"
+        layouts = {prm.fqns[0]: prm.layout for prm in plan.params}
+        losses = [r[i][0] for r in results if r[i][0] is not None]
+        assert len(losses) == plan.mesh.size, (what, losses)  # every rank of the last stage reports the batch's loss
+        for got in losses:
+            assert abs(got - ref_loss.item()) < 1e-5, (what, got, ref_loss.item())
         seen = set()
-        for r in results:
-            for name, g in r[idx][1].items():
-                torch.testing.assert_close(g, ref[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{pipe.schedule} dp={dp} {name}: {m}")
+        for rank, r in enumerate(results):
+            _, grads, local, counts, expected = r[i]
+            for name, g in grads.items():
+                want = shard_tensor(ref[name], layouts[name], plan.mesh, local)
+                torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what} rank {rank} {name}: {m}")
                 seen.add(name)
+            assert expected and dict(counts) == dict(expected), f"{what} rank {rank} ran {dict(counts)}, the plan lists {dict(expected)}"
         assert seen == set(ref), set(ref) ^ seen  # every parameter checked on some rank
+
+
+def searched_plan():
+    """meshplan.plan's own pipeline search, with two pins and a budget that makes stage 0 recompute its layers."""
+    model, x = data()
+    opts = meshplan.PipelineOptions(degrees=(2,), microbatch_sizes=(2,), schedules=("gpipe", "1f1b"))
+    return meshplan.plan(model, 4, (x,), cluster="cpu", pipeline=opts, stage_config={"layers.1": 0, "layers.2": 1}, memory_budget=760_000)
+
+
+def check_searched(plan, results):
+    """Losses of STEPS SGD steps and the parameters after them, against one process."""
+    model, x = data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = loss_fn(model(x), x)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    ref = dict(model.named_parameters())
+    layouts = {prm.fqns[0]: prm.layout for prm in plan.params}
+    last = [r[0][0] for r in results if r[0][0][0] is not None]
+    assert len(last) == plan.mesh.size
+    for losses in last:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    seen = set()
+    for rank, r in enumerate(results):
+        _, params, local, counts, expected, _ = r[0]
+        for name, v in params.items():
+            torch.testing.assert_close(v, shard_tensor(ref[name].detach(), layouts[name], plan.mesh, local), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"searched plan rank {rank} {name}: {m}")
+            seen.add(name)
+        assert dict(counts) == dict(expected), f"searched plan rank {rank} ran {dict(counts)}, the plan lists {dict(expected)}"
+        # stage 0 recomputes: its program runs each of its layers under a checkpoint; stage 1 runs none
+        want = len(plan.recompute) if rank < plan.mesh.size else 0
+        assert r[0][5] == want, (rank, r[0][5], plan.recompute)
+    assert seen == set(ref), set(ref) ^ seen
+
+
+@pytest.mark.multiprocess
+def test_pipeline_parity_pp2_world2_and_pp2_tp2_dp2_world4():
+    plans2 = [
+        stage_plan("auto", (1,), pipe_plan("gpipe", 2, ["pre", "layers.2"])),
+        stage_plan("auto", (1,), pipe_plan("1f1b", 4, ["pre", "layers.1"])),
+        stage_plan("auto", (1,), pipe_plan("interleaved_1f1b", 2, ["pre", "layers.1", "layers.2", "layers.3"])),
+    ]
+    check(plans2, run_local(2, worker, plans2, timeout=600))
+    plans4 = [
+        stage_plan("tp", (2,), pipe_plan("gpipe", 2, ["pre", "layers.2"])),
+        stage_plan("tp", (2,), pipe_plan("1f1b", 4, ["pre", "layers.3"])),
+        stage_plan("tp", (2,), pipe_plan("interleaved_1f1b", 2, ["pre", "layers.1", "layers.2", "layers.3"])),
+        # zero bubble: backward split into input and weight gradients, stages in a V (rank 0 holds pre and post)
+        stage_plan("tp", (2,), pipe_plan("zbv", 4, ["pre", "layers.1", "layers.2", "layers.3"])),
+    ]
+    for plan in plans4:  # tensor parallel inside the stages: the plan lists collectives within each layer
+        assert any(t.forward for t in plan.transfers if t.consumer != "output"), plan.collectives()
+    searched = searched_plan()
+    pipe = searched.pipeline
+    assert pipe.degree == 2 and searched.mesh.size == 2 and pipe.pinned == (("layers.1", 0), ("layers.2", 1))
+    assert pipe.stage_of("layers.1") == 0 and pipe.stage_of("layers.2") == 1
+    assert pipe.stages[0].recompute and set(searched.recompute) == {u for u in pipe.stages[0].units if u.startswith("layers.")}
+    results = run_local(4, worker, plans4, searched, timeout=600)
+    check_searched(searched, results)
+    check(plans4, [r[1:] for r in results])
+
+
+@pytest.mark.multiprocess
+def test_pipeline_parity_pp2_dp2_tp2_world8():
+    plans = [
+        stage_plan("tp", (2, 2), pipe_plan("gpipe", 2, ["pre", "layers.2"])),
+        stage_plan("tp", (2, 2), pipe_plan("1f1b", 2, ["pre", "layers.1"])),
+    ]
+    assert all(len(p.buckets) and p.mesh.shape == (2, 2) for p in plans)
+    check(plans, run_local(8, worker, plans, timeout=900))

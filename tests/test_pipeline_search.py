@@ -69,7 +69,7 @@ def gpt_plan():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return plan_pipeline(model, 4, (torch.randint(0, 64, (8, 16)),), cluster=get_cluster("cpu"),
-                             options=PipelineOptions(degrees=(2,), tensor_degrees=(2,), microbatch_sizes=(2,), refine=1,
+                             options=PipelineOptions(degrees=(2,), tensor_degrees=(2,), microbatch_sizes=(2,), 
                                                      schedules=("gpipe", "1f1b"), stage_config={"layers.0": 0}))
 
 
@@ -98,3 +98,26 @@ def test_bad_stage_config_names_the_units():
     with pytest.raises(ValueError, match="stage_config names 'layers.9'.*units: pre, layers.0, layers.1, post"):
         plan_pipeline(model, 2, (torch.randint(0, 64, (4, 16)),), cluster=get_cluster("cpu"),
                       options=PipelineOptions(degrees=(2,), tensor_degrees=(1,), microbatch_sizes=(2,), stage_config={"layers.9": 1}))
+
+
+def test_search_is_exact_over_its_space():
+    """Every (t, p, d) priced alone (as the Megatron table prices the paper's) is no cheaper than the free search."""
+    from meshplan.ir.trace import trace
+    from meshplan.planner.pipeline import search
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=4, hidden=32, vocab_size=64))
+    x = torch.randint(0, 64, (8, 16))
+    opts = PipelineOptions(tensor_degrees=(1, 2), microbatch_sizes=(1, 2), stage_plan=False)
+    cache: dict = {}
+    graph_at = lambda n: trace(model, (x[:n],))  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        free = search(graph_at, 8, 8, get_cluster("a100"), opts, cache=cache)
+        solves = free.solves
+        triples = [(t, p, 8 // (t * p)) for t in (1, 2) for p in (1, 2, 4) if 8 % (t * p) == 0]
+        fixed = [search(graph_at, 8, 8, get_cluster("a100"), opts, fixed=tp, cache=cache) for tp in triples]
+    assert free.plan is None and solves == 4  # one intra-op solve per (t, b), shared with the fixed searches
+    assert all(f.solves == 0 for f in fixed)
+    assert min(f.step_s for f in (r.best for r in fixed)) == free.best.step_s
+    assert all(f.best.step_s >= free.best.step_s for f in fixed)

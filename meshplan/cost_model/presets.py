@@ -31,6 +31,11 @@ class DevicePreset:
     """Device memory bandwidth in bytes/s (reads + writes together)."""
     memory_bytes: int
     """Memory one device can use, in bytes; the planner's per-device budget."""
+    host_link_bandwidth: float | None = None
+    """Bytes/s each way between this device and host memory (PCIe); None: the device's memory is host
+    memory (a CPU rank), so there is nowhere to offload to."""
+    host_memory_bandwidth: float | None = None
+    """Host memory bytes/s available to this device's share of the host CPUs (runs offloaded optimizer steps)."""
 
     def peak(self, dtype: str) -> float:
         """FLOP/s for `dtype`. Other real torch dtypes (int64 indices, bool masks, float64) use the
@@ -114,6 +119,10 @@ H100_SXM = DevicePreset(
     peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
     memory_bandwidth=3.35e12,  # HBM3
     memory_bytes=80 * 2**30,
+    # PCIe Gen5 x16: 128 GB/s bidirectional (H100 datasheet) = 64 GB/s each way. DGX H100 host: two Xeon
+    # 8480C, 8 channels of DDR5-4800 each (2 x 307 GB/s) shared by 8 GPUs: ~77 GB/s per GPU.
+    host_link_bandwidth=64e9,
+    host_memory_bandwidth=77e9,
 )
 # NVLink 4 / NVSwitch: 900 GB/s bidirectional per GPU = 450 GB/s each way; a few us per hop.
 # Every NCCL collective is at least one CUDA kernel launch (~5 us, CUDA C programming guide's
@@ -134,6 +143,8 @@ H200_SXM = DevicePreset(
     peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
     memory_bandwidth=4.8e12,
     memory_bytes=141 * 10**9,
+    host_link_bandwidth=64e9,  # PCIe Gen5 x16 and the DGX H200's host, as for the DGX H100
+    host_memory_bandwidth=77e9,
 )
 DGX_H200 = ClusterPreset(name="h200", device=H200_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR)
 
@@ -147,6 +158,10 @@ A100_80GB = DevicePreset(
     peak_flops={"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12},
     memory_bandwidth=2.039e12,
     memory_bytes=80 * 2**30,
+    # PCIe Gen4 x16: 64 GB/s bidirectional (A100 datasheet) = 32 GB/s each way. DGX A100 host: two EPYC
+    # 7742, 8 channels of DDR4-3200 each (2 x 205 GB/s) shared by 8 GPUs: ~51 GB/s per GPU.
+    host_link_bandwidth=32e9,
+    host_memory_bandwidth=51e9,
 )
 NVLINK3 = LinkPreset(name="NVLink3", latency_s=3e-6, bandwidth=300e9, call_overhead_s=5e-6)
 IB_HDR = LinkPreset(name="IB-HDR200", latency_s=8e-6, bandwidth=25e9, call_overhead_s=5e-6)

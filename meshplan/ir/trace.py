@@ -19,17 +19,25 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 
+from meshplan.ir import moe as _moe  # noqa: F401  (registers the moe region)
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
+from meshplan.ir.regions import regions_patched
 from meshplan.ir.verify import verify
 
 aten = torch.ops.aten
 
 KEEP_WHOLE = (aten.scaled_dot_product_attention.default,)
 """Ops kept from decomposition: meshplan has its own sharding rules for them."""
+
+CHECKS = (aten._assert_tensor_metadata.default,)
+"""Assertions export inserts on the dtype/device of tensors (`.to()` calls in the model): they hold by
+construction when the traced program runs, produce nothing and would need a sharding rule, so the
+trace drops them."""
 
 STRIDE_SAFE = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 """The trace bakes in the strides fake kernels chose; executing on other kernels (or on shards) a
@@ -45,6 +53,9 @@ class TracedProgram:
     out_spec: Any
     constants: dict[str, torch.Tensor]
     """Lifted tensor constants by placeholder name."""
+    mutations: tuple[str, ...] = ()
+    """FQNs of the buffers the program updates (batch norm's running statistics), one per leading
+    output of the graph, in order; the user's outputs follow them."""
 
 
 class TraceError(ValueError):
@@ -80,12 +91,17 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(model, args, kwargs, strict=False)
+            _inline_regions(ep.graph_module)
+            _drop_checks(ep.graph_module)
             if _decompose_in_place(ep.graph_module):
                 return ep
             table = torch.export.default_decompositions()
             for op in KEEP_WHOLE:
                 table.pop(op, None)
-            return ep.run_decompositions(table)
+            ep = ep.run_decompositions(table)
+            _inline_regions(ep.graph_module)
+            _drop_checks(ep.graph_module)
+            return ep
     except Exception as e:  # noqa: BLE001 - re-raised with context for the user
         where = user_frame(e)
         line = f"{where.filename}:{where.lineno} in {where.name}: `{where.line}`" if where else "a line outside the model"
@@ -94,6 +110,50 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
             f"could not trace {type(model).__name__} with torch.export (non-strict) at {line}: {type(e).__name__}: "
             f"{first} (the full torch.export error is this exception's __cause__)"
         ) from e
+
+
+def _drop_checks(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in CHECKS and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _inline_regions(gm: fx.GraphModule) -> None:
+    """Splice the bodies of `torch.no_grad()` / `enable_grad()` / disabled-autocast regions (export
+    keeps them as higher-order ops over submodules) into the graph, so every op is one node with a
+    sharding rule. A region run without gradients has its outputs detached, as it would at run time;
+    an enabled autocast region would change dtypes the graph does not show, so it is refused."""
+    hop = torch.ops.higher_order
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (hop.wrap_with_set_grad_enabled, hop.wrap_with_autocast):
+            continue
+        if node.target is hop.wrap_with_set_grad_enabled:
+            grad, body_node, inputs = node.args[0], node.args[1], list(node.args[2:])
+        else:
+            device, dtype, enabled, _cache, body_node, *inputs = node.args
+            if enabled:
+                raise TraceError(
+                    f"the model runs a torch.autocast({device!r}, dtype={dtype}) region at {_module_path(node) or '<top>'}; "
+                    "meshplan plans and runs the model in the dtypes it traces: remove the autocast or apply it around the call"
+                )
+            grad = True
+        body: fx.GraphModule = getattr(gm, body_node.target)
+        _inline_regions(body)
+        if not grad:
+            out = next(n for n in body.graph.nodes if n.op == "output")
+            with body.graph.inserting_before(out):
+                detached = fx.node.map_arg(out.args[0], lambda a: body.graph.call_function(aten.detach.default, (a,)))
+            out.args = (detached,)
+        for attr in body.graph.nodes:  # constants the body reads become the outer module's
+            if attr.op == "get_attr":
+                setattr(gm, attr.target, getattr(body, attr.target))
+        _splice(gm.graph, node, body, inputs)
+        if not body_node.users:
+            gm.graph.erase_node(body_node)
+            delattr(gm, body_node.target)
+    gm.graph.lint()
+    gm.recompile()
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,12 +192,19 @@ def _decompose_in_place(gm: fx.GraphModule) -> bool:
                 args, kwargs = pytree.tree_unflatten(values, _spec)
                 return _op(*args, **kwargs)
 
-            examples = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="meta") for m in metas]
-            templates[key] = make_fx(call, decomposition_table=table)(*examples)
+            templates[key] = _trace_decomposition(call, metas, table)
         _splice(gm.graph, node, templates[key], [flat[i] for i in tensor_at])
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return True
+
+
+def _trace_decomposition(call, metas: list, table: dict) -> fx.GraphModule:
+    """make_fx of `call` on fake tensors like `metas`, on their own device: a decomposition may move
+    tensors between devices (`to(device=cpu)`), which meta examples cannot do."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        examples = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
+    return make_fx(call, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
 
 
 def _composite(op: torch._ops.OpOverload) -> bool:
@@ -200,7 +267,8 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    ep = _export(model, example_inputs, example_kwargs or {})
+    with regions_patched(model):  # blocks with data-dependent control flow trace as one op each
+        ep = _export(model, example_inputs, example_kwargs or {})
     gm = ep.graph_module
 
     # FQNs of every tensor, so tied parameters collapse to the first placeholder naming them.
@@ -244,7 +312,8 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
             refs[n] = TensorRef(refs[src].node, idx)
         elif n.op == "call_function":
             inputs = tuple(refs[a] for a in _tensor_args(n))
-            nodes.append(Node(n.name, "op", op_name(n.target), inputs, _metas(n.meta.get("val")), _module_path(n)))
+            attrs = _static_args(n) if str(n.target).startswith("meshplan.") else ()
+            nodes.append(Node(n.name, "op", op_name(n.target), inputs, _metas(n.meta.get("val")), _module_path(n), attrs=attrs))
             refs[n] = TensorRef(n.name)
         elif n.op == "output":
             outs = [a for a in fx.node.map_arg(n.args[0], lambda x: x) if isinstance(a, fx.Node)]
@@ -255,21 +324,24 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     gm.recompile()
     grads = _requires_grad(gm, {n.name: n.kind == "param" and tensor_of[n.target].requires_grad for n in nodes if n.kind == "param"})
     nodes = [replace(n, requires_grad=grads.get(n.name, ())) if n.kind != "output" else n for n in nodes]
-    program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants)
+    program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants, _buffer_mutations(ep))
     graph = Graph(nodes, fx=program, input_names=tuple(input_names))
     verify(graph)
     return graph
 
 
 def _requires_grad(gm: fx.GraphModule, param_grad: dict[str, bool]) -> dict[str, tuple[bool, ...]]:
-    """Run the graph on meta tensors with autograd on, to learn which outputs carry gradients."""
+    """Run the graph on fake tensors with autograd on, to learn which outputs carry gradients.
+
+    Fake rather than meta tensors: they keep each tensor's device, so ops the model pins to a device
+    (`arange(device="cpu")` next to a parameter) run as they did in the trace."""
     seen: dict[str, tuple[bool, ...]] = {}
 
     class Probe(fx.Interpreter):
         def run_node(self, n: fx.Node):
             if n.op == "placeholder":
                 val = n.meta["val"]
-                out = torch.empty(val.shape, dtype=val.dtype, device="meta")
+                out = torch.empty(val.shape, dtype=val.dtype, device=val.device)
                 if param_grad.get(n.name) and out.is_floating_point():
                     out.requires_grad_(True)
             elif n.op == "call_function":
@@ -282,7 +354,7 @@ def _requires_grad(gm: fx.GraphModule, param_grad: dict[str, bool]) -> dict[str,
                 seen[n.name] = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
             return out
 
-    with torch.enable_grad():
+    with torch.enable_grad(), FakeTensorMode(allow_non_fake_inputs=True):
         Probe(gm).run(*[None for n in gm.graph.nodes if n.op == "placeholder"])
     return seen
 
@@ -292,3 +364,17 @@ def _tensor_args(n: fx.Node) -> list[fx.Node]:
     found: list[fx.Node] = []
     fx.node.map_arg((n.args, n.kwargs), found.append)
     return found
+
+
+def _static_args(n: fx.Node) -> tuple:
+    """The non-tensor arguments of an op, in argument order (for meshplan's region ops)."""
+    return tuple(a for a in pytree.tree_leaves((n.args, n.kwargs)) if not isinstance(a, fx.Node))
+
+
+def _buffer_mutations(ep: torch.export.ExportedProgram) -> tuple[str, ...]:
+    """FQNs of the buffers written by the graph's leading outputs."""
+    kinds = [s.kind for s in ep.graph_signature.output_specs]
+    mutated = tuple(s.target for s in ep.graph_signature.output_specs if s.kind == OutputKind.BUFFER_MUTATION)
+    if any(k != OutputKind.BUFFER_MUTATION for k in kinds[: len(mutated)]):
+        raise TraceError(f"the exported program mutates buffers after its user outputs ({kinds}); meshplan cannot run it")
+    return mutated

@@ -60,8 +60,9 @@ class PipelineOptions:
     """Pinned stages: module path (`layers.0`, `wte`, `pre`, `post`) -> stage index; the rest is searched."""
     layers: int | None = None
     """Stretch the traced repeated layers to this many (plan a deep model from a 2-layer trace)."""
-    refine: int = 3
-    """Candidates re-planned on their real 2-D sub-mesh."""
+    stage_plan: bool = True
+    """Solve the winner's intra-op plan on its real sub-mesh (d, t) at batch d b, for the runtime; False leaves
+    `PipelineResult.plan` None (pricing only: the Megatron table)."""
     optimizer: str = "adam"
     memory_budget: float | None = None
     """Bytes per device; None: the cluster device's memory."""
@@ -86,8 +87,8 @@ class Candidate:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineResult:
     best: Candidate
-    plan: Plan
-    """The stage sub-mesh's intra-op plan (mesh (d, t)) with `pipeline` set."""
+    plan: Plan | None
+    """The stage sub-mesh's intra-op plan (mesh (d, t)) with `pipeline` set; None with `stage_plan=False`."""
     considered: int
     seconds: float
     solves: int
@@ -238,20 +239,27 @@ def divisors(n: int) -> list[int]:
 
 
 def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: ClusterPreset, options: PipelineOptions,
-           *, model_name: str = "model", fixed: tuple[int, int, int] | None = None) -> PipelineResult:
+           *, model_name: str = "model", fixed: tuple[int, int, int] | None = None, cache: dict | None = None) -> PipelineResult:
     """Search (t, p, d), b, m, schedule and cuts for `devices` devices and global batch `batch`.
 
+    Every candidate is priced by one function (`evaluate` on the (t,) profile at b, data parallelism over d
+    outside the stage's tensor-parallel group, as Megatron arranges them) and the search is exhaustive over
+    (t, p, d, b, m, schedule) and exact over the cuts, so it returns the cheapest configuration of its space:
+    a configuration priced with `fixed=` is never cheaper than the unrestricted search's answer.
+
     `graph_at(n)` traces the model at batch n. `fixed=(t, p, d)` restricts the degrees (to price a
-    given configuration, e.g. a paper's, under the same model)."""
+    given configuration, e.g. a paper's, under the same model). `cache` (a dict) keeps intra-op solves
+    between calls for the same model and cluster."""
     t0 = time.perf_counter()
     budget = float(options.memory_budget or cluster.device.memory_bytes)
     solves = 0
-    profiles: dict[tuple, list[Unit]] = {}
-    plans: dict[tuple, Plan] = {}
+    cache = {} if cache is None else cache
+    profiles: dict[tuple, list[Unit]] = cache.setdefault("profiles", {})
+    plans: dict[tuple, Plan] = cache.setdefault("plans", {})
 
     def profile(mesh: tuple[int, ...], n: int) -> list[Unit]:
         nonlocal solves
-        key = (mesh, n)
+        key = (mesh, n, options.layers, options.optimizer)
         if key not in profiles:
             g = graph_at(n)
             plan = make_plan(g, MeshSpec(mesh), cluster, PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer), model_name=model_name)
@@ -261,6 +269,10 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
                 units = repeat_layers(units, options.layers)
             profiles[key], plans[key] = units, plan
         return profiles[key]
+
+    def plan_of(mesh: tuple[int, ...], n: int) -> Plan:
+        profile(mesh, n)
+        return plans[(mesh, n, options.layers, options.optimizer)]
 
     tensors = options.tensor_degrees or tuple(x for x in divisors(devices) if x <= cluster.devices_per_node)
     if fixed is not None:
@@ -302,31 +314,45 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             f"no pipeline configuration of {devices} devices fits the memory budget of {budget / 2**30:.1f} GiB per device "
             f"for batch {batch}" + (f" with (tensor, pipeline, data) = {fixed}" if fixed else "")
         )
-    cands.sort(key=lambda c: (c.step_s, c.pipe.peak_memory))
-    # re-plan the best distinct (t, p, d, b) on their real sub-mesh (d, t) at batch d*b
-    refined: list[tuple[Candidate, Plan]] = []
-    seen = set()
-    for c in cands:
-        key = (c.tensor, c.pipeline, c.data, c.micro)
-        if key in seen:
-            continue
-        seen.add(key)
-        mesh = tuple(x for x in (c.data, c.tensor) if x > 1) or (1,)
-        units = profile(mesh, c.data * c.micro)
-        pins = _pins(units, options.stage_config)
-        pipe = evaluate(units, p=c.pipeline, d=c.data, t=c.tensor, m=c.pipe.microbatches, schedule=c.pipe.schedule, cluster=cluster,
-                        budget=budget, virtual=options.virtual, pins=pins, dp_in_profile=True, recompute=options.recompute)
-        if pipe is not None:
-            refined.append((replace(c, pipe=replace(pipe, pinned=tuple(sorted(options.stage_config.items())))), plans[(mesh, c.data * c.micro)]))
-        if len(seen) >= options.refine:
-            break
-    if not refined:
-        raise ValueError(f"no pipeline configuration fits the memory budget on its real sub-mesh (after re-planning {len(seen)})")
-    best, plan = min(refined, key=lambda cp: (cp[0].step_s, cp[0].pipe.peak_memory))
-    mesh_names = ("dp", "tp") if plan.mesh.ndim == 2 else (("tp",) if best.tensor > 1 else ("dp",))
-    plan = replace(plan, mesh=MeshSpec(plan.mesh.shape, mesh_names), pipeline=best.pipe)
+    best = min(cands, key=lambda c: (c.step_s, c.pipe.peak_memory))
+    best = replace(best, pipe=replace(best.pipe, pinned=tuple(sorted(options.stage_config.items()))))
+    plan = None
+    if options.stage_plan:
+        # the runtime's plan: the stage sub-mesh (d, t) at the data-parallel microbatch d b
+        mesh = tuple(x for x in (best.data, best.tensor) if x > 1) or (1,)
+        plan = plan_of(mesh, best.data * best.micro)
+        mesh_names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if best.tensor > 1 else ("dp",))
+        plan = replace(plan, mesh=MeshSpec(plan.mesh.shape, mesh_names), pipeline=best.pipe)
+        if options.layers is None:  # the runtime checkpoints the layers of recomputing stages (a stretched profile has no such layers)
+            plan = with_stage_recompute(plan, graph_at(best.data * best.micro))
     log.info("pipeline search: %d candidates, %d solves, %.1f s", considered, solves, time.perf_counter() - t0)
     return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves)
+
+
+def with_stage_recompute(plan: Plan, graph: Graph) -> Plan:
+    """`plan` with the layers of its recomputing stages in `Plan.recompute` (the runtime runs each under a checkpoint)
+    and the moves feeding them marked to run again in backward, as the intra-op solve marks its own recomputed layers."""
+    layers = tuple(u for s in plan.pipeline.stages if s.recompute for u in s.units if u not in (PRE, POST))
+    if not layers:
+        return plan
+    again = set(layers) | set(plan.recompute)
+    transfers = tuple(replace(t, recompute=True) if t.consumer in graph and graph[t.consumer].kind == "op" and graph[t.consumer].layer in again
+                      else t for t in plan.transfers)
+    return replace(plan, recompute=tuple(dict.fromkeys(plan.recompute + layers)), transfers=transfers)
+
+
+def pipeline_options(pipeline: int | str | PipelineOptions, stage_config: dict | None, optimizer: str, memory_budget: float | None) -> PipelineOptions:
+    """`meshplan.plan(..., pipeline=)`: 'auto' searches every degree, an int fixes it, PipelineOptions says everything."""
+    if isinstance(pipeline, PipelineOptions):
+        options = pipeline
+    elif pipeline == "auto":
+        options = PipelineOptions()
+    elif isinstance(pipeline, int) and not isinstance(pipeline, bool) and pipeline >= 1:
+        options = PipelineOptions(degrees=(pipeline,))
+    else:
+        raise ValueError(f"pipeline={pipeline!r} is not supported; give 'auto', a pipeline degree >= 1, or a PipelineOptions")
+    pins = dict(options.stage_config) | dict(stage_config or {})
+    return replace(options, stage_config=pins, optimizer=optimizer, memory_budget=options.memory_budget if memory_budget is None else memory_budget)
 
 
 def units_of(graph: Graph) -> list[str]:

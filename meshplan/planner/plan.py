@@ -39,6 +39,10 @@ class NodeChoice:
     strategy: Strategy
     time_s: float
     """Predicted compute seconds per step on one device (forward + backward)."""
+    forward_comm: tuple[CommStep, ...] = ()
+    """Collectives the op runs itself in forward (region ops such as the moe op under expert parallelism)."""
+    backward_comm: tuple[CommStep, ...] = ()
+    """Collectives the op runs itself in backward."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,8 @@ class ParamChoice:
     is_buffer: bool
     time_s: float
     dtype: str = "float32"
+    offload: bool = False
+    """Optimizer state and fp32 master copy live in host memory; the step runs there (runtime/offload.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +137,8 @@ class Plan:
     """Gradient all-reduce buckets, launched in this order during backward."""
     alternatives: tuple[NodeAlternatives, ...] = ()
     """Per parameter, input and costly op: the other candidates and what ruled some out (`explain`)."""
+    host_s: float = 0.0
+    """Seconds per step of offloaded optimizer state: gradients down, the host step, parameters up."""
     recompute: tuple[str, ...] = ()
     """Layers whose activations are recomputed in backward (each runs under torch.utils.checkpoint)."""
     pipeline: PipelinePlan | None = None
@@ -150,7 +158,7 @@ class Plan:
         """With a pipeline: the schedule's step over all microbatches (compute_s and comm_s are one microbatch's)."""
         if self.pipeline:
             return self.pipeline.step_s
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.comm_s + self.host_s
 
     def strategy_of(self, node: str) -> Strategy:
         for n in self.nodes:
@@ -161,6 +169,9 @@ class Plan:
     def collectives(self, *, include_grad_sync: bool = True) -> Counter:
         """Collectives of one training step: Counter of 'forward:all_gather', 'backward:all_reduce', ..."""
         c: Counter = Counter()
+        for n in self.nodes:
+            c.update(f"forward:{s.kind}" for s in n.forward_comm if s.communicates)
+            c.update(f"backward:{s.kind}" for s in n.backward_comm if s.communicates)
         for t in self.transfers:
             c.update(f"forward:{s.kind}" for s in t.forward if s.communicates)
             c.update(f"backward:{s.kind}" for s in t.backward if s.communicates)
@@ -286,7 +297,13 @@ def _decode_plan(d: dict) -> Plan:
         mode=d["mode"],
         inputs_mode=d["inputs_mode"],
         cluster=d["cluster"],
-        nodes=tuple(NodeChoice(n["name"], n["target"], n["module_path"], Strategy.from_json(n["strategy"]), n["time_s"]) for n in d["nodes"]),
+        nodes=tuple(
+            NodeChoice(
+                n["name"], n["target"], n["module_path"], Strategy.from_json(n["strategy"]), n["time_s"],
+                steps(n.get("forward_comm", [])), steps(n.get("backward_comm", [])),
+            )
+            for n in d["nodes"]
+        ),
         transfers=tuple(
             Transfer(
                 t["tensor"], t["consumer"], t["position"], parse(t["src"]), parse(t["dst"]), steps(t["forward"]), steps(t["backward"]), t["time_s"],
@@ -299,6 +316,7 @@ def _decode_plan(d: dict) -> Plan:
         memory=MemoryBreakdown.from_dict(d["memory"]),
         compute_s=d["compute_s"],
         comm_s=d["comm_s"],
+        host_s=d.get("host_s", 0.0),
         solver=SolverInfo(**d["solver"], seconds=None),
         fallbacks=seq(d["fallbacks"]),
         buckets=tuple(GradBucket(seq(b["axes"]), seq(b["params"]), b["nbytes"], b["time_s"]) for b in seq(d["buckets"])),
@@ -311,7 +329,8 @@ def _decode_plan(d: dict) -> Plan:
 
 def _decode_param(p: dict, seq) -> ParamChoice:
     return ParamChoice(
-        p["node"], seq(p["fqns"]), seq(p["shape"]), parse(p["layout"]), seq(p["grad_sync_axes"]), p["is_buffer"], p["time_s"], dtype=p["dtype"]
+        p["node"], seq(p["fqns"]), seq(p["shape"]), parse(p["layout"]), seq(p["grad_sync_axes"]), p["is_buffer"], p["time_s"], dtype=p["dtype"],
+        offload=p.get("offload", False),
     )
 
 

@@ -10,11 +10,13 @@ from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, compute
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, parse_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import backward_steps, redistribution_steps
+from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
 from meshplan.planner.constraints import Annotations, constrain
 from meshplan.planner.explain import record_alternatives
+from meshplan.planner.offload import add_offload_options, check_offload
 from meshplan.planner.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
 from meshplan.planner.problem import INFEASIBLE_S, build_tables, grad_flows, node_memory, transfer_memory
 from meshplan.planner.propagation import propagate
@@ -73,6 +75,9 @@ class PlanOptions:
     recompute: str = "auto"
     """Activation recomputation of repeated-layer groups: 'auto' (the solve decides when the memory budget
     binds), 'never', or 'always' (see planner/recompute.py)."""
+    offload: str = "never"
+    """Optimizer state (with fp32 master weights) in host memory: 'never', 'auto' (the solve decides per
+    parameter) or 'always'. Needs the optimizer from `ParallelModule.make_optimizer` (see planner/offload.py)."""
 
 
 def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, *, model_name: str = "model") -> Plan:
@@ -97,11 +102,13 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
     # propagation walks the real graph (layer k hands its layouts to layer k+1); tying serves the solver
     tie = options.tie_layers and search == "ilp"
     check_recompute(options.recompute)
+    check_offload(options.offload, cluster)
     groups = recompute_groups(graph) if options.recompute != "never" and search == "ilp" else []
     tables = build_tables(
         graph, mesh, cluster, cands.by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie,
         recompute=groups, force_recompute=options.recompute == "always",
     )
+    offload_from = add_offload_options(tables, graph, cands.by_node, cluster, optimizer=options.optimizer, mode=options.offload)
     rep = tables.tying.rep
     phase(f"{search} search on mesh {mesh}")
     try:
@@ -116,19 +123,25 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         raise MemoryBudgetError(budget, smallest.objective, mesh) from None
     if solution.objective >= INFEASIBLE_S:
         raise InfeasiblePlan("no consistent choice of strategies exists for the repeated layers; plan with tie_layers=False")
-    choice = {n.name: solution.choice[rep[n.name]] for n in graph.nodes}
+    raw = {n.name: solution.choice[rep[n.name]] for n in graph.nodes}  # indexes the cost tables
+    decoded = {name: offload_from.decode(rep[name], i) for name, i in raw.items()}
+    choice = {name: i for name, (i, _) in decoded.items()}
+    offloaded = {name for name, (_, host) in decoded.items() if host}
     chosen = {name: cands.by_node[name][i] for name, i in choice.items()}
 
     nodes, transfers, params, inputs = [], [], [], []
-    compute_s = comm_s = 0.0
+    compute_s = comm_s = host_s = 0.0
     memory = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
     recomputed = {layer: g.name for g in groups if g.name in solution.recompute for layer in g.layers}
     internal = internal_outputs(graph) if recomputed else set()
     rematerialised: dict[str, float] = {}  # recomputed layer -> bytes it holds again during its backward
     for node in graph.nodes:
         s = chosen[node.name]
-        cost = tables.unit_costs[rep[node.name]][choice[node.name]]
+        cost = tables.unit_costs[rep[node.name]][raw[node.name]]
         node_mem = node_memory(node, s, shape, options.optimizer)
+        if node.name in offloaded:
+            node_mem = dataclasses.replace(node_mem, optimizer=0)
+            host_s += offload_from.host_s[rep[node.name]][choice[node.name]]
         if node.kind == "op" and node.layer in recomputed:
             in_metas = [graph.meta(r) for r in node.inputs]
             cost += compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False, in_layouts=s.inputs)
@@ -155,14 +168,21 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=held)
             transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t, recompute=again))
         if node.kind == "op":
-            compute_s += cost
-            nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost))
+            region = region_cost(node, [graph.meta(r) for r in node.inputs], s.inputs, s.outputs, shape, cluster, backward=any(node.requires_grad))
+            if region is not None:  # a region op's own collectives are communication, listed in the plan
+                compute_s, comm_s, cost = compute_s + region.compute_s, comm_s + region.comm_s, region.compute_s
+                nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost, region.forward, region.backward))
+            else:
+                compute_s += cost
+                nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost))
         elif node.kind in ("param", "buffer"):
             layout = s.outputs[0]
             trainable = node.kind == "param" and node.grad(0)
             axes = grad_sync_axes(layout) if trainable else ()
             axes = tuple(a for a in axes if shape[a] > 1)
-            params.append(ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype))
+            params.append(
+                ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype, offload=node.name in offloaded)
+            )
         elif node.kind == "input":
             inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
     for g in groups:  # one layer of each recomputed group is whole again while its backward runs
@@ -189,6 +209,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         memory=memory,
         compute_s=compute_s,
         comm_s=comm_s,
+        host_s=host_s,
         solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables),
         fallbacks=tuple(cands.fallbacks),
         buckets=tuple(buckets),

@@ -14,6 +14,7 @@ from meshplan.cost_model.estimate import compute_time, grad_sync_time, local_byt
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import InfeasibleRedistribution
+from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
@@ -46,6 +47,14 @@ def node_memory(node: Node, strategy: Strategy, mesh_shape: tuple[int, ...], opt
         acts = sum(local_bytes(m, p, mesh_shape) for m, p in zip(node.outputs, strategy.outputs) if m is not None and p is not None)
         return MemoryBreakdown(params=0, grads=0, optimizer=0, activations=acts)
     return MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
+
+
+def op_time(node: Node, in_metas: list[TensorMeta], s: Strategy, shape: tuple[int, ...], cluster: ClusterPreset, *, backward: bool) -> float:
+    """Seconds of one op node under strategy `s`: compute, plus the collectives a region op runs itself."""
+    region = region_cost(node, in_metas, s.inputs, s.outputs, shape, cluster, backward=backward)
+    if region is not None:
+        return region.total_s
+    return compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=backward, in_layouts=s.inputs)
 
 
 def transfer_memory(meta: TensorMeta, src: Placements, dst: Placements, consumer: Node, mesh_shape: tuple[int, ...]) -> int:
@@ -104,7 +113,7 @@ def build_tables(
         if node.kind == "op":
             in_metas = [graph.meta(r) for r in node.inputs]
             grad = any(node.requires_grad)
-            costs = [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad, in_layouts=s.inputs) for s in strategies]
+            costs = [op_time(node, in_metas, s, shape, cluster, backward=grad) for s in strategies]
         elif node.kind == "param" and node.grad(0):
             costs = [grad_sync_time(node.out, s.outputs[0], shape, cluster) for s in strategies]
         else:

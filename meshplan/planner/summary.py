@@ -170,6 +170,7 @@ def format_summary(plan: Plan, *, ops: bool = False) -> str:
         con.print(
             f"predicted step {plan.step_time_s * 1e3:.3f} ms = compute {plan.compute_s * 1e3:.3f} ms + communication "
             f"{plan.comm_s * 1e3:.3f} ms + bubble {plan.bubble_s * 1e3:.3f} ms (no pipeline stages)"
+            + (f" + host {plan.host_s * 1e3:.3f} ms (offloaded optimizer state)" if plan.host_s else "")
         )
         con.print(f"memory per device: {plan.memory}")
     else:  # the intra-op figures below are one microbatch of the whole model on one stage's sub-mesh
@@ -181,6 +182,11 @@ def format_summary(plan: Plan, *, ops: bool = False) -> str:
         con.print(plan.pipeline.summary())
         con.print(f"one microbatch, whole model, on one stage's sub-mesh: compute {plan.compute_s * 1e3:.3f} ms + communication "
                   f"{plan.comm_s * 1e3:.3f} ms, memory {plan.memory}")
+    if plan.recompute:
+        con.print(f"recomputed in backward: {', '.join(plan.recompute)}")
+    offloaded = [p.fqns[0] for p in plan.params if p.offload]
+    if offloaded:
+        con.print(f"optimizer state in host memory for {len(offloaded)} parameters: {', '.join(offloaded[:6])}" + (", ..." if len(offloaded) > 6 else ""))
     took = "" if plan.solver.seconds is None else f" in {plan.solver.seconds:.2f} s"
     con.print(f"solver {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.2%}){took}")
     coll = plan.collectives()

@@ -13,6 +13,7 @@ through their own edges).
 
 from __future__ import annotations
 
+import difflib
 import logging
 from dataclasses import dataclass
 
@@ -51,8 +52,7 @@ def tie_repeated_layers(graph: Graph, by_node: dict[str, list[Strategy]], *, ena
             first = members[names[0]]
             tied = 0
             for other in (members[k] for k in names[1:]):
-                for i, n in enumerate(other[: len(first)]):
-                    head = first[i]
+                for head, n in _aligned(graph, first, other):
                     if _same(graph, head, n) and by_node[head.name] == by_node[n.name]:
                         rep[n.name] = head.name
                         tied += 1
@@ -65,6 +65,20 @@ def tie_repeated_layers(graph: Graph, by_node: dict[str, list[Strategy]], *, ena
     for r in rep.values():
         count[r] = count.get(r, 0) + 1
     return Tying(rep, count, layers)
+
+
+def _aligned(graph: Graph, first: list[Node], other: list[Node]) -> list[tuple[Node, Node]]:
+    """Pairs of corresponding nodes of two layers. Position by position when the layers are alike;
+    otherwise the longest matching runs of (op, shapes), so a layer that computes something extra (T5's
+    first block computes the relative position bias the others reuse) still ties its common part."""
+    def sig(n: Node) -> tuple:
+        return (n.kind, n.target if n.kind == "op" else "", n.outputs, tuple(graph.meta(r) for r in n.inputs))
+
+    a, b = [sig(n) for n in first], [sig(n) for n in other]
+    if a == b:
+        return list(zip(first, other))
+    matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
+    return [(first[i + k], other[j + k]) for i, j, size in matcher.get_matching_blocks() for k in range(size)]
 
 
 def _same(graph: Graph, a: Node, b: Node) -> bool:

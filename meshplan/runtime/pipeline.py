@@ -1,128 +1,292 @@
-"""Run a plan's pipeline: cut the model at the planned stage boundaries and drive torch's schedules.
+"""Run a plan with a pipeline: each stage runs its intra-op plan on its sub-mesh, torch's schedules drive the stages.
 
-The cut is `torch.distributed.pipelining.pipeline` (it traces the model with torch.export and
-splits the graph at `SplitPoint`s placed before each stage's first module); every stage becomes a
-`PipelineStage`, and the plan's schedule class (`ScheduleGPipe`, `Schedule1F1B`,
-`ScheduleInterleaved1F1B`, ...) runs the microbatches. Ranks form a (pipeline, data) grid with the
-pipeline axis outermost, as the planner assumed: rank = stage_rank * data + data_rank.
+The world is `degree` pipeline ranks x `plan.mesh.size` sub-mesh ranks, pipeline axis outermost:
+global rank = stage_rank * mesh.size + sub-mesh rank. Every rank builds its per-rank program with
+the plan's collectives (runtime/rewrite.py) on its stage's sub-mesh, cuts it at the planned stage
+boundaries (runtime/stage_split.py) and wraps the stages it owns in `PipelineStage`s; the plan's
+schedule class (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, ...) sends the
+activations crossing a cut between ranks with the same sub-mesh coordinate, which hold the same
+block of the crossing tensor.
 
-After the schedule, two gradient reductions complete the step: parameters that several stages
-hold (a tied embedding and head: torch gives each stage a copy) sum their gradients over the
-ranks holding them, and every gradient is averaged over the data-parallel group.
-
-Not yet: the intra-op plan inside a stage (tensor parallelism in a stage); stages here run whole
-on their rank.
+After the schedule, gradients are finished the way the plan lists: a parameter used by stages on
+several pipeline ranks (a tied embedding and head) sums its gradient over them, then every
+gradient bucket of the plan is all-reduced over its mesh axes (data parallel, and tensor-parallel
+replicas) once per step.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.utils import _pytree as pytree
 
 from meshplan.cost_model.schedules import TORCH_SCHEDULE_CLASS
-from meshplan.planner.pipeline_plan import PipelinePlan
-from meshplan.planner.stage_profile import POST, PRE
-
-
-def split_spec(model: nn.Module, pipe: PipelinePlan) -> dict[str, SplitPoint]:
-    """A SplitPoint before the first module of every stage but the first."""
-    names = {n for n, _ in model.named_modules()}
-    spec = {}
-    for st in pipe.stages[1:]:
-        first = st.modules[0] if st.modules else None
-        if first is None or first not in names:
-            raise ValueError(f"stage {st.index} starts at {first!r}, which is no submodule of {type(model).__name__}")
-        spec[first] = SplitPoint.BEGINNING
-    return spec
+from meshplan.ir.graph import Graph
+from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.placement import local_shape
+from meshplan.planner.plan import Plan
+from meshplan.runtime import collectives
+from meshplan.runtime.collectives import MeshComm, count_collective
+from meshplan.runtime.parallel_module import _owner, shard_tensor
+from meshplan.runtime.rewrite import local_program
+from meshplan.runtime.stage_split import StageProgram, example_values, node_stages, split_program, unit_stages
 
 
 def stage_device(k: int, p: int, schedule: str) -> int:
+    """Pipeline rank of virtual stage k: round robin, or down and back up for ZB-V's V."""
     return (k if k < p else 2 * p - 1 - k) if schedule == "zbv" else k % p
 
 
-class PipelineRunner:
-    """This rank's stages of a pipeline plan; `step(x, y)` runs one training step's forward and backward."""
+class StageComm(MeshComm):
+    """A MeshComm for one stage's sub-mesh: sub-mesh rank r is global rank `ranks[r]`.
 
-    def __init__(self, model: nn.Module, pipe: PipelinePlan, example_microbatch: tuple, loss_fn: Callable, *, data: int = 1,
+    Every rank creates the groups of every stage (torch wants each new_group called everywhere, in one
+    order); only a member keeps them."""
+
+    def __init__(self, mesh: MeshSpec, rank: int, ranks: list[int], member: bool, timeout: timedelta | float | None) -> None:
+        super().__init__(mesh, rank, mesh.size, timeout)
+        assert len(ranks) == mesh.size, (ranks, mesh)
+        self.ranks, self.member = list(ranks), member
+
+    def create_groups(self, axis_sets: list[tuple[int, ...]]) -> None:
+        shape = self.mesh.shape
+        for axes in sorted({tuple(sorted(a)) for a in axis_sets}):
+            if axes in self._groups:
+                continue
+            others = [a for a in range(self.mesh.ndim) if a not in axes]
+            lines: dict[tuple[int, ...], list[int]] = {}
+            for r in range(self.mesh.size):
+                lines.setdefault(tuple(self.mesh.coordinate(r)[a] for a in others), []).append(r)
+            for _, members in sorted(lines.items()):
+                with self.guard(f"creating the process group for mesh axes {axes} of ranks {[self.ranks[r] for r in members]}"):
+                    pg = dist.new_group([self.ranks[r] for r in members], timeout=self.timeout)
+                if self.member and self.rank in members:
+                    self._groups[axes] = pg
+
+
+class StageModule(nn.Module):
+    """One stage's program with the local parameter shards it reads (registered under the model's FQNs)."""
+
+    def __init__(self, program: StageProgram, leaves: dict[str, torch.Tensor], fqns: dict[str, tuple[str, ...]],
+                 localise: Callable[[str, torch.Tensor], torch.Tensor] | None, out_spec) -> None:
+        super().__init__()
+        self.program, self.index = program.gm, program.index
+        self._carried, self._locals = program.carried_in, program.locals_in
+        self._leaves = [leaves[name] for name in program.locals_in]
+        self._localise, self._out_spec = localise, out_spec
+        for name in program.locals_in:
+            for fqn in fqns.get(name, ()):
+                t = leaves[name]
+                if isinstance(t, nn.Parameter):
+                    setattr(_owner(self, fqn), fqn.rsplit(".", 1)[-1], t)
+                else:
+                    _owner(self, fqn).register_buffer(fqn.rsplit(".", 1)[-1], t, persistent=False)
+
+    def forward(self, *carried):
+        if self._localise is not None:  # stage 0: the user's (global) microbatch, sharded as the plan says
+            carried = tuple(self._localise(n, x) for n, x in zip(self._carried, carried))
+        out = self.program(*carried, *self._leaves)
+        if self._out_spec is not None:
+            return pytree.tree_unflatten(list(out), self._out_spec)
+        return out if len(out) != 1 else out[0]
+
+
+class PipelineRunner:
+    """This rank's stages of a pipelined plan. `step(x, y)` runs one training step (forward, backward, gradient sync)
+    over the whole batch; the user's optimizer steps `parameters()` afterwards, as with any module."""
+
+    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, loss_fn: Callable, *, timeout: timedelta | float | None = None,
                  device: torch.device | str = "cpu") -> None:
+        pipe = plan.pipeline
+        if pipe is None:
+            raise ValueError("PipelineRunner needs a plan with a pipeline (plan.pipeline is None); use ParallelModule for single-stage plans")
+        if plan.graph_fingerprint != graph.fingerprint():
+            raise ValueError(f"plan was made for a different graph (fingerprint {plan.graph_fingerprint}, this model traces to "
+                             f"{graph.fingerprint()}); trace the model at the plan's microbatch or re-plan")
+        n, p = plan.mesh.size, pipe.degree
         world, rank = dist.get_world_size(), dist.get_rank()
-        if world != pipe.degree * data:
-            raise ValueError(f"the pipeline needs {pipe.degree} x {data} = {pipe.degree * data} ranks; the world has {world}")
-        self.pipe, self.data, self.loss_fn = pipe, data, loss_fn
-        self.stage_rank, self.data_rank = divmod(rank, data)
-        # process groups: every rank creates every group, in the same order
-        pp_groups = [dist.new_group([s * data + j for s in range(pipe.degree)]) for j in range(data)]
-        dp_groups = [dist.new_group([s * data + j for j in range(data)]) for s in range(pipe.degree)]
-        self.pp_group, self.dp_group = pp_groups[self.data_rank], dp_groups[self.stage_rank]
-        ir = pipeline(model, mb_args=example_microbatch, split_spec=split_spec(model, pipe))
-        assert ir.num_stages == len(pipe.stages), f"torch cut {ir.num_stages} stages, the plan has {len(pipe.stages)}"
-        self.owner = {k: stage_device(k, pipe.degree, pipe.schedule) for k in range(ir.num_stages)}
-        mine = [k for k in range(ir.num_stages) if self.owner[k] == self.stage_rank]
-        self.modules = {k: ir.get_stage_module(k) for k in mine}
-        # tied parameters have several names in the model; the stages may hold a copy under any of them
-        first_name: dict[int, str] = {}
-        self.canonical: dict[str, str] = {}
-        for name, prm in model.named_parameters(remove_duplicate=False):
-            self.canonical[name] = first_name.setdefault(id(prm), name)
-        holders: dict[str, list[int]] = {}
-        for k in range(ir.num_stages):
-            for name, _ in ir.get_stage_module(k).named_parameters(remove_duplicate=False):
-                holders.setdefault(self.canonical.get(name, name), []).append(k)
-        self.tied = {n: sorted({self.owner[k] for k in ks}) for n, ks in holders.items() if len({self.owner[k] for k in ks}) > 1}
-        self.tied_groups = {
-            tuple(devs): [dist.new_group([s * data + j for s in devs]) for j in range(data)] for devs in sorted({tuple(v) for v in self.tied.values()})
+        if world != p * n:
+            raise ValueError(f"the plan runs {p} pipeline stages x {n} devices each = {p * n} ranks; the world has {world}")
+        self.plan, self.pipe, self.loss_fn = plan, pipe, loss_fn
+        self.stage_rank, self.local = divmod(rank, n)
+        axis_sets = [tuple(range(plan.mesh.ndim))] + [(a,) for a in range(plan.mesh.ndim)] + [b.axes for b in plan.buckets]
+        comms = [StageComm(plan.mesh, self.local, list(range(s * n, (s + 1) * n)), s == self.stage_rank, timeout) for s in range(p)]
+        for c in comms:
+            c.create_groups(axis_sets)
+        self.comm = comms[self.stage_rank]
+        _check_same_plan(plan, self.comm)
+        pp_groups = [dist.new_group([s * n + j for s in range(p)], timeout=self.comm.timeout) for j in range(n)]
+
+        # cut this rank's program at the planned stages
+        program = local_program(graph.fx, plan, self.comm)
+        of_traced = unit_stages(graph, pipe)
+        n_stages = len(pipe.stages)
+        self.stage_of_node = of_traced
+        traced = graph.fx
+        leaf_nodes = {prm.node for prm in plan.params}
+        placeholders = [x.name for x in traced.gm.graph.nodes if x.op == "placeholder"]
+        user_inputs = [x for x in placeholders if x not in leaf_nodes and x not in traced.constants]
+        programs = split_program(program, node_stages(program, of_traced, n_stages - 1), n_stages, user_inputs)
+        self.owner = {k: stage_device(k, p, pipe.schedule) for k in range(n_stages)}
+        self.mine = [k for k in range(n_stages) if self.owner[k] == self.stage_rank]
+
+        # parameters: every rank starts from rank 0's weights and keeps the shards its stages read
+        needed = {name for k in self.mine for name in programs[k].locals_in}
+        full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+        self.leaves: dict[str, torch.Tensor] = {}
+        for prm in plan.params:
+            whole = full[prm.fqns[0]].detach().clone()
+            with self.comm.guard(f"broadcasting {prm.fqns[0]} from rank 0"):
+                dist.broadcast(whole, src=0)
+            if prm.node in needed:
+                local = shard_tensor(whole, prm.layout, plan.mesh, self.local).contiguous()
+                self.leaves[prm.node] = local if prm.is_buffer else nn.Parameter(local, requires_grad=full[prm.fqns[0]].requires_grad)
+        self.leaves.update({k: v for k, v in traced.constants.items() if k in needed})
+        fqns = {prm.node: prm.fqns for prm in plan.params}
+        self.fqn_of = {prm.node: prm.fqns[0] for prm in plan.params}
+
+        # a parameter read on several pipeline ranks (tied embedding / head) sums its gradient over them
+        holders: dict[str, set[int]] = {}
+        for prog in programs:
+            for name in prog.locals_in:
+                if name in leaf_nodes:
+                    holders.setdefault(name, set()).add(self.owner[prog.index])
+        self.tied = {name: tuple(sorted(h)) for name, h in holders.items() if len(h) > 1}
+        self.tied_groups = {}
+        for devs in sorted(set(self.tied.values())):
+            for j in range(n):
+                g = dist.new_group([s * n + j for s in devs], timeout=self.comm.timeout)
+                if j == self.local and self.stage_rank in devs:
+                    self.tied_groups[devs] = g
+
+        inputs = {i.name: i for i in plan.inputs}
+        self.modules = {
+            k: StageModule(programs[k], self.leaves, fqns, self._localiser(inputs) if k == 0 else None,
+                           traced.out_spec if k == n_stages - 1 else None)
+            for k in self.mine
         }
-        stages = [PipelineStage(self.modules[k], k, ir.num_stages, torch.device(device), group=self.pp_group) for k in mine]
+        stages = [
+            PipelineStage(self.modules[k], k, n_stages, torch.device(device), group=pp_groups[self.local],
+                          input_args=example_values(program, programs[k].carried_in, graph, plan),
+                          output_args=example_values(program, programs[k].carried_out if k < n_stages - 1 else None, graph, plan))
+            for k in self.mine
+        ]
         cls = getattr(torch_schedules, TORCH_SCHEDULE_CLASS[pipe.schedule])
-        kwargs = dict(n_microbatches=pipe.microbatches, loss_fn=loss_fn)
+        # gradients are scaled once per parameter in _finish_grads (a parameter two local stages share would be scaled twice by torch)
+        kwargs = dict(n_microbatches=pipe.microbatches, loss_fn=loss_fn, scale_grads=False)
         self.schedule = cls(stages[0], **kwargs) if issubclass(cls, torch_schedules.PipelineScheduleSingle) else cls(stages, **kwargs)
-        self.is_first = 0 in mine
-        self.is_last = (ir.num_stages - 1) in mine
+        self.is_first, self.is_last = 0 in self.mine, (n_stages - 1) in self.mine
+
+    def _localiser(self, inputs: dict):
+        mesh, local = self.plan.mesh, self.local
+        global_inputs = self.plan.inputs_mode == "global"
+
+        def localise(name: str, x):
+            choice = inputs.get(name)
+            if choice is None or not isinstance(x, torch.Tensor):
+                return x
+            want = choice.shape if global_inputs else local_shape(choice.shape, choice.layout, mesh.shape)
+            if tuple(x.shape) != tuple(want):
+                raise ValueError(f"microbatch input {name} has shape {list(x.shape)} but the plan was made for {list(want)} "
+                                 f"({self.pipe.microbatches} microbatches per step); re-plan for the new batch")
+            return shard_tensor(x, choice.layout, mesh, local) if global_inputs else x
+
+        return localise
+
+    # ------------------------------------------------------------------ training
 
     def parameters(self):
-        for m in self.modules.values():
-            yield from m.parameters()
+        return iter(self._params().values())
 
     def named_parameters(self):
-        """(model FQN, parameter) of this rank's stages; a tied weight under its first name."""
-        for m in self.modules.values():
-            for name, prm in m.named_parameters():
-                yield self.canonical.get(name, name), prm
+        """(model FQN, local shard) of the parameters this rank's stages hold; a tied weight under its first name."""
+        return iter((self.fqn_of[k], v) for k, v in self._params().items())
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """Forward + backward of one batch (this data rank's share); the mean loss on the last stage, else None."""
+    def _params(self) -> dict[str, nn.Parameter]:
+        return {k: v for k, v in self.leaves.items() if isinstance(v, nn.Parameter) and v.requires_grad}
+
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one whole batch (split into the plan's microbatches) and the gradient sync.
+
+        Every rank passes the same batch (inputs are needed by the first stage, the target by the last). Returns
+        the mean microbatch loss on the last stage's ranks, None elsewhere."""
         losses: list[torch.Tensor] = []
-        args = (x,) if self.is_first else ()
-        kwargs = {"target": y, "losses": losses} if self.is_last else {}
+        args = inputs if self.is_first else ()
+        kwargs = {"target": target, "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kwargs)
-        self._reduce_grads()
-        if self.is_last:
-            return torch.stack([loss.detach() for loss in losses]).mean()
-        return None
+        self._finish_grads()
+        return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
 
-    def _reduce_grads(self) -> None:
-        aliases: dict[str, list[nn.Parameter]] = {}
-        for m in self.modules.values():
-            for name, prm in m.named_parameters(remove_duplicate=False):
-                group = aliases.setdefault(self.canonical.get(name, name), [])
-                if all(prm is not q for q in group):
-                    group.append(prm)
-        for name in sorted(aliases):
-            prms = aliases[name]
-            grads = [q.grad for q in prms if q.grad is not None]
-            total = torch.stack(grads).sum(0) if grads else torch.zeros_like(prms[0])
-            if name in self.tied:  # the embedding's and the head's shares of a tied weight's gradient
-                dist.all_reduce(total, group=self.tied_groups[tuple(self.tied[name])][self.data_rank])
-            if self.data > 1:
-                dist.all_reduce(total, group=self.dp_group)
-                total /= self.data
-            for q in prms:
-                q.grad = total.clone() if len(prms) > 1 else total
+    def _finish_grads(self) -> None:
+        params = self._params()
+        m = self.pipe.microbatches
+        for prm in params.values():
+            if prm.grad is None:
+                prm.grad = torch.zeros_like(prm)
+            prm.grad.div_(m)  # the loss is a mean over microbatches
+        for name in sorted(self.tied):
+            if name in params:
+                count_collective("tied_sync", "all_reduce")
+                with self.comm.guard(f"summing the gradient of tied {self.fqn_of[name]} over pipeline ranks {self.tied[name]}"):
+                    dist.all_reduce(params[name].grad, group=self.tied_groups[self.tied[name]])
+        for i, bucket in enumerate(self.plan.buckets):
+            held = [params[x] for x in bucket.params if x in params]
+            if not held:
+                continue
+            flat = torch.cat([q.grad.reshape(-1) for q in held])
+            count_collective("grad_sync", "all_reduce")
+            with self.comm.guard(f"gradient bucket {i} all_reduce over mesh axes {bucket.axes}"):
+                dist.all_reduce(flat, group=self.comm.group(bucket.axes))
+            offset = 0
+            for q in held:
+                q.grad.copy_(flat[offset : offset + q.numel()].view_as(q.grad))
+                offset += q.numel()
+
+    # ------------------------------------------------------------------ the plan is the truth
+
+    def expected_collectives(self) -> Counter:
+        """What the plan lists for this rank's stages in one step: each microbatch's moves (forward, backward,
+        recompute) of the ops its stages hold, its gradient buckets and tied-weight sums."""
+        m, last = self.pipe.microbatches, len(self.pipe.stages) - 1
+        mine = set(self.mine)
+        c: Counter = Counter()
+        for t in self.plan.transfers:
+            stage = last if t.consumer == "output" else self.stage_of_node[t.consumer]
+            if stage not in mine:
+                continue
+            for phase, steps in (("forward", t.forward), ("backward", t.backward), ("recompute", t.forward if t.recompute else ())):
+                for s in steps:
+                    if s.communicates:
+                        c[f"{phase}:{s.kind}"] += m
+        held = set(self._params())
+        c["grad_sync:all_reduce"] += sum(1 for b in self.plan.buckets if held & set(b.params))
+        c["tied_sync:all_reduce"] += sum(1 for name in self.tied if name in held)
+        return +c
+
+    @staticmethod
+    def collective_counts() -> Counter:
+        return Counter(collectives.COUNTS)
+
+    @staticmethod
+    def reset_collective_counts() -> None:
+        collectives.reset_counts()
 
 
-__all__ = ["PipelineRunner", "split_spec", "PRE", "POST"]
+def _check_same_plan(plan: Plan, comm: MeshComm) -> None:
+    h = int(plan.hash()[:15], 16)
+    t = torch.tensor([h, -h], dtype=torch.int64)
+    with comm.guard("comparing plan hashes"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t[0].item() != h or -t[1].item() != h:
+        raise ValueError(f"ranks computed different plans (rank {dist.get_rank()} has plan hash {plan.hash()}); all ranks must plan "
+                         "the same model with the same inputs and options, or load one plan file")
+
+
+__all__ = ["PipelineRunner", "StageComm", "stage_device"]

@@ -22,7 +22,12 @@ from meshplan.ir.graph import layer_of
 from meshplan.ir.placement import local_shape
 from meshplan.ir.trace import STRIDE_SAFE, TracedProgram
 from meshplan.planner.plan import Plan, Transfer
+from meshplan.runtime import batch_norm as _batch_norm, moe as _moe  # noqa: F401  (register region runtimes)
 from meshplan.runtime.collectives import MeshComm, StepFunction, scale_grad
+from meshplan.runtime.regions import REGION_RUNTIMES
+
+SOURCE = "meshplan_source"
+"""fx meta key on rewritten nodes: the traced node an op came from, or the consumer a move feeds."""
 
 # ops whose argument at this index is the (global) shape of their output; DTensor keeps the same table
 SHAPE_ARG = dict(DTensor._op_dispatcher.sharding_propagator.op_to_shape_and_stride_idx)
@@ -50,6 +55,7 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
     """The per-rank program: same placeholders as the traced graph, local tensors throughout."""
     transfers: dict[tuple[str, int], Transfer] = {(t.consumer, t.position): t for t in plan.transfers}
     out_layout = {n.name: n.strategy.outputs for n in plan.nodes}
+    strategy = {n.name: n.strategy for n in plan.nodes}
     root = nn.Module()
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -73,7 +79,9 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
                 return new
             name = f"move_{len(root._modules)}"
             root.add_module(name, Redistribute(t.forward, comm, f"{t.tensor} {t.src}->{t.dst}".replace("Shard", "S")))
-            return tag(graph.call_module(name, (new,)), layer.get(consumer))
+            node = graph.call_module(name, (new,))
+            node.meta[SOURCE] = consumer  # a move belongs to its consumer (pipeline stages cut by it)
+            return tag(node, layer.get(consumer))
 
         return move
 
@@ -84,8 +92,15 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
             env[n] = tag(graph.call_function(operator.getitem, (env[n.args[0]], n.args[1])), layer.get(n.args[0].name))
         elif n.op == "call_function":
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), moved(n.name))
+            if n.target in REGION_RUNTIMES:  # a region op: this rank's part, built from its strategy
+                name = f"region_{len(root._modules)}"
+                static = tuple(a for a in args if not isinstance(a, fx.Node))
+                root.add_module(name, REGION_RUNTIMES[n.target](strategy[n.name], comm, static))
+                env[n] = graph.call_module(name, tuple(args), kwargs)
+                continue
             args = _localise_shape(n, list(args), out_layout.get(n.name), plan.mesh.shape)
             env[n] = tag(graph.call_function(STRIDE_SAFE.get(n.target, n.target), tuple(args), kwargs), layer.get(n.name))
+            env[n].meta[SOURCE] = n.name
         elif n.op == "output":
             outs = fx.node.map_arg(n.args[0], moved("output"))
             # the user's loss sees whole (or, with inputs="local", per-rank) outputs: its gradient
