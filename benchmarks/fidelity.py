@@ -5,7 +5,7 @@
 The same as `meshplan validate`. Without --profile it first calibrates this machine with the
 profilers (`profile_model` for the model's op shapes on 2 and 4 devices, `profile_comm` for
 collectives and compute contention on 2 and 4 local gloo processes), then plans DP, FSDP, TP,
-DP x TP and the solver's own plan for a small GPT (meshplan/fidelity.py), trains each on local
+DP x TP and HSDP plans for a small GPT (meshplan/fidelity.py), trains each on local
 gloo processes and prints the table, the Spearman rank correlation of predicted and measured step
 times and the median absolute errors, with the targets (>= 0.9; <= 20 % time; <= 10 % memory).
 """
@@ -28,7 +28,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model, two plans, world 2 (smoke test)")
     ap.add_argument("--profile", help="use this profile instead of calibrating now")
     ap.add_argument("--save-profile", help="write the calibration profile here")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=16)
     args = ap.parse_args()
 
     def log(msg: str) -> None:

@@ -6,7 +6,8 @@ For each (world, model size) one `run_local` group of gloo processes trains a GP
 method in turn (Adam, same data, same initial weights) and times forward + backward + optimizer
 step with `time.perf_counter`, after a `dist.barrier()`, on every rank:
 
-- meshplan, inputs="global": `meshplan.plan(...)` (mesh search, cluster "cpu") then
+- meshplan, inputs="global": `meshplan.plan(...)` (mesh search, cluster "cpu", with this machine's
+  profile measured first: the model's ops on every mesh and gloo's collectives, `--profile`) then
   `auto_parallelize`; every rank passes the whole batch and gets whole logits.
 - meshplan, inputs="local": the same, but each rank passes only its slice of the batch (what a
   DDP user's data loader gives it). This is the like-for-like comparison with DDP and FSDP2.
@@ -72,6 +73,8 @@ class Setting:
     steps: int
     rounds: int
     methods: tuple[str, ...] = METHODS
+    profile: str = "measure"
+    """'measure' (this machine, now), a profile path, or 'none' (cpu presets)."""
 
 
 def build(cfg: GPTConfig) -> tuple[GPT, torch.Tensor]:
@@ -212,7 +215,27 @@ def worker(rank: int, world: int, setting: Setting, plans: dict, out_layouts: di
 # ---------------------------------------------------------------- driver and report
 
 
-def plan_meshplan(cfg: GPTConfig, world: int, dp: bool = False) -> tuple[dict, dict]:
+def measured_profile(cfg: GPTConfig, world: int, source: str):
+    """This machine's profile for the setting: `source` 'measure' times the model's ops on every mesh of
+    `world` devices and the collectives of `world` gloo ranks now; a path reads a saved profile; 'none'
+    plans with the cpu presets."""
+    if source == "none":
+        return None
+    if source != "measure":
+        return source
+    from meshplan.calibrate import profile_comm, profile_model
+
+    model, tokens = build(cfg)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = profile_model(model, (tokens,), devices=(world,)).merged(profile_comm((world,), sizes=[4096 * 4**k for k in range(7)]))
+    print(f"profiled this machine (ops on every mesh of {world} devices, collectives 4 KiB..16 MiB on {world} ranks): "
+          f"{time.perf_counter() - t0:.1f} s")
+    return prof
+
+
+def plan_meshplan(cfg: GPTConfig, world: int, dp: bool = False, profile=None) -> tuple[dict, dict]:
     """meshplan's plans by input mode ('dp': the data-parallel diagnostic plan) and their output layouts."""
     model, tokens = build(cfg)
     plans, layouts = {}, {}
@@ -220,7 +243,7 @@ def plan_meshplan(cfg: GPTConfig, world: int, dp: bool = False) -> tuple[dict, d
         warnings.simplefilter("ignore")
         for mode in ("global", "local", "dp") if dp else ("global", "local"):
             kw = {"inputs": "local", "mode": "data_parallel", "mesh_shape": (world,)} if mode == "dp" else {"inputs": mode}
-            plans[mode] = meshplan.plan(model, devices=world, example_inputs=(tokens,), cluster="cpu", **kw)
+            plans[mode] = meshplan.plan(model, devices=world, example_inputs=(tokens,), cluster="cpu", profile=profile, **kw)
             layouts[mode] = output_layout(cfg, plans[mode])
     return plans, layouts
 
@@ -230,8 +253,9 @@ def run_setting(setting: Setting) -> bool:
     params = sum(p.numel() for p in build(cfg)[0].parameters())
     print(f"\n=== world {setting.world}, {setting.size}: GPT hidden {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads, "
           f"vocab {cfg.vocab_size}, seq {cfg.seq_len}, batch {BATCH} (global), {params / 1e6:.2f} M params, Adam ===")
+    profile = measured_profile(cfg, setting.world, setting.profile)
     t0 = time.perf_counter()
-    plans, out_layouts = plan_meshplan(cfg, setting.world, DP_PLAN in setting.methods)
+    plans, out_layouts = plan_meshplan(cfg, setting.world, DP_PLAN in setting.methods, profile)
     print(f"planning (both input modes, mesh search): {time.perf_counter() - t0:.1f} s")
     for mode, plan in plans.items():
         params_by_layout: dict[str, int] = {}
@@ -283,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4, help="timed steps are split into this many interleaved rounds")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--also-dp", action="store_true", help=f"add the diagnostic row {DP_PLAN!r}")
+    ap.add_argument("--profile", default="measure",
+                    help="costs the planner uses: 'measure' (profile this machine first, the default), a profile path, or 'none' (cpu presets)")
     args = ap.parse_args(argv)
     if args.quick:
         args.worlds, args.sizes, args.steps, args.rounds = [2], ["small"], 3, 1
@@ -293,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     for world in args.worlds:
         for size in args.sizes:
             ok &= run_setting(Setting(world=world, size=size, warmup=args.warmup, steps=args.steps,
-                                      rounds=min(args.rounds, args.steps), methods=METHODS + (DP_PLAN,) * args.also_dp))
+                                      rounds=min(args.rounds, args.steps), methods=METHODS + (DP_PLAN,) * args.also_dp,
+                                      profile=args.profile))
     if not ok:
         print("parity FAILED in at least one setting: the timings above are not comparable", file=sys.stderr)
     return 0 if ok else 1

@@ -24,6 +24,14 @@ from meshplan.ir.graph import Graph  # noqa: E402
 from meshplan.ir.mesh import MeshSpec  # noqa: E402
 from meshplan.ir.trace import trace  # noqa: E402
 from meshplan.models import hf  # noqa: E402
+from meshplan.models.mixtral import hf_mixtral  # noqa: E402
+from meshplan.models.resnet import resnet_small  # noqa: E402
+
+
+MORE = {  # models beyond hf.HF_MODELS: key -> (title, factory name, factory); their parity: docs/regions.md
+    "mixtral": ("MixtralForCausalLM", "hf_mixtral", hf_mixtral),
+    "resnet": ("ResNet (meshplan/models/resnet.py)", "resnet_small", resnet_small),
+}
 
 PAGE = Path(__file__).resolve().parent / "models.md"
 MESH = (2, 2)
@@ -40,7 +48,9 @@ same op list for one model; `meshplan.list_ops(model, inputs)` returns it.
 Every model here plans on a (4,) and a (2, 2) mesh and trains on 4 gloo processes with the loss,
 the parameters after SGD steps and the collectives of the single-process model and its plan
 (`tests/test_hf_models.py`). No op above {HEAVY:.0%} of a model's forward FLOPs lacks a sharding rule
-(the same test).
+(the same test). The last two sections are not Hugging Face classes from that file: Mixtral
+(`meshplan/models/mixtral.py`, each MoE block one `meshplan::moe` op) and a small ResNet; their
+parity runs are `tests/test_moe.py` and `tests/test_resnet.py` (docs/regions.md).
 
 Rule sources: **dtensor** (DTensor's registered op strategy), **meshplan** (meshplan's own rule in
 `meshplan/planner/rules/`, or a factory op such as `arange` computed whole on every device by
@@ -86,10 +96,13 @@ def graphs() -> dict[str, Graph]:
         for name in hf.HF_MODELS:
             model, args, kwargs = hf.hf_model(name)
             out[name] = trace(model, args, kwargs)
+        for name, (_, _, factory) in MORE.items():
+            model, args, kwargs = factory()
+            out[name] = trace(model, args, kwargs)
     return out
 
 
-def section(name: str, model: str, report: OpsReport) -> str:
+def section(name: str, model: str, report: OpsReport, factory: str | None = None) -> str:
     rows: dict[tuple[str, str, bool], list] = defaultdict(lambda: [0, 0.0])
     for o in report.ops:
         row = rows[o.target.removeprefix("aten."), o.source, o.sharded]
@@ -97,7 +110,7 @@ def section(name: str, model: str, report: OpsReport) -> str:
         row[1] += o.share
     by_source = report.by_source()
     fallbacks = report.fallbacks()
-    lines = [f"## {model} (`hf_{name}`)", ""]
+    lines = [f"## {model} (`{factory or 'hf_' + name}`)", ""]
     lines.append(
         f"{len(report.ops)} ops, {report.total_flops:.3g} forward FLOPs; "
         + ", ".join(f"{s}: {n} ops, {100 * f:.1f}% of FLOPs" for s, (n, f) in by_source.items())
@@ -128,6 +141,8 @@ def render(traced: dict[str, Graph]) -> str:
                "t5": "T5ForConditionalGeneration", "vit": "ViTForImageClassification"}
     for name in hf.HF_MODELS:
         parts.append(section(name, classes[name], graph_ops(traced[name], MeshSpec(MESH))))
+    for name, (title, factory, _) in MORE.items():
+        parts.append(section(name, title, graph_ops(traced[name], MeshSpec(MESH)), factory))
     return "\n".join(parts)
 
 

@@ -68,7 +68,8 @@ def profile_graph(
     graph: Graph, meshes: Iterable[MeshSpec], *, cluster: str = "cpu", device: str | torch.device | None = None,
     threads: int | None = 1, budget_s: float = 0.05,
 ) -> Profile:
-    """Time every op of `graph` on every local shape its candidates on `meshes` produce."""
+    """Time every op of `graph` on every local shape its candidates on `meshes` produce, and the
+    optimizer step on the graph's parameter sizes."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fx_nodes = {n.name: n for n in graph.fx.gm.graph.nodes}
     work = op_workload(graph, meshes)
@@ -90,7 +91,8 @@ def profile_graph(
         if failed:
             log.warning("%d op shapes could not be timed (the roofline prices them): %s", len(failed), "; ".join(failed[:5]))
         overhead, copy = op_overhead(dev), copy_rate(dev)
-        optimizers = {name: optimizer_rate(name, dev) for name in OPTIMIZERS}
+        numels = [n.out.numel for n in graph.nodes if n.kind == "param" and n.grad(0)]
+        optimizers = {name: optimizer_rate(name, dev, numels) for name in OPTIMIZERS}
     finally:
         torch.set_num_threads(before)
     return Profile(

@@ -121,14 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_profile_parser(commands, common)
     v = commands.add_parser(
         "validate", parents=[common], help="cost-model fidelity: predicted vs measured time and memory of several plans",
-        description="Calibrate (unless --profile is given), plan a small GPT with DP, FSDP, TP, DPxTP and the solver's own "
-        "plan on 2 and 4 local gloo processes, measure each, and print predicted vs measured step time and peak memory, "
+        description="Calibrate (unless --profile is given), plan a small GPT with DP, FSDP, TP, DPxTP and HSDP "
+        "on 2 and 4 local gloo processes, measure each, and print predicted vs measured step time and peak memory, "
         "Spearman rank correlation and median errors (docs/cost_model.md).",
     )
     v.add_argument("--profile", help="use this profile instead of measuring one (a path, or 'local')")
     v.add_argument("--save-profile", help="write the calibration profile here")
     v.add_argument("--quick", action="store_true", help="a tiny model and two plans on 2 processes (smoke test)")
-    v.add_argument("--steps", type=_positive_int, default=12, help="timed steps per plan (default 12)")
+    v.add_argument("--steps", type=_positive_int, default=16, help="timed steps per plan (default 16)")
     v.set_defaults(handler=_validate)
     return parser
 

@@ -1,8 +1,9 @@
 """Cost-model fidelity: predicted against measured step time and peak memory, plan by plan.
 
-One model (a small GPT whose forward returns its language-model loss, so the whole step is in
-the plan), several forced plans (data parallel, FSDP/ZeRO-3, Megatron tensor parallel, DP x TP,
-and the solver's own), on 2 and 4 local gloo processes. Each plan trains `steps` Adam steps after
+One model (a small GPT whose forward returns its loss, so the whole step is in the plan), eight
+forced plans (data parallel, FSDP/ZeRO-3, Megatron tensor parallel on 2 and 4 processes, DP x TP
+and HSDP on a 2 x 2 mesh) on local gloo processes. (The solver's own plan for this model is the
+data-parallel one on both worlds, so it is not a separate row.) Each plan trains `steps` Adam steps after
 a warm-up; a step is forward + backward + `optimizer.step()`, timed between barriers, its time the
 slowest rank's.
 
@@ -14,6 +15,10 @@ Peak memory, measured: the bytes of the tensors a rank holds when a step starts 
 optimizer state, gradient-bucket buffers) plus the highest point of the running sum of every
 allocation and free torch's CPU allocator reports during the step (`torch.profiler` with
 `profile_memory=True`). Predicted: `cost_model.peak.predict_peak` (see there).
+
+The machine's load drifts (it is shared): the contention probe of the comm profiler runs again at
+the start of every measuring round, and its ratio to the calibration-time value scales the
+predicted compute and communication (both were measured under the calibration-time load).
 """
 
 from __future__ import annotations
@@ -72,13 +77,13 @@ def cases(quick: bool = False) -> list[Case]:
         Case(name="DP", world=2, options={"mode": "data_parallel"}),
         Case(name="FSDP", world=2, options=fsdp),
         Case(name="TP", world=2, options=tp),
-        Case(name="auto", world=2, options={}),
         Case(name="DP", world=4, options={"mode": "data_parallel"}),
         Case(name="FSDP", world=4, options=fsdp),
         Case(name="TP", world=4, options=tp),
         Case(name="DPxTP", world=4, options={"mode": "semi_auto", "mesh_shape": (2, 2), "axis_names": ("dp", "tp"),
                                              "parallelize_plan": MEGATRON, "input_layouts": {"tokens": "S(0)R"}}),
-        Case(name="auto", world=4, options={}),
+        Case(name="HSDP", world=4, options={"mode": "manual", "mesh_shape": (2, 2), "parameter_plan": {"*": "RS(0)"},
+                                            "input_layouts": {"tokens": "S(0)S(0)"}}),
     ]
     return [c for c in all_cases if c.world == 2 and c.name in ("DP", "TP")] if quick else all_cases
 
@@ -115,7 +120,7 @@ def _peak_during(fn) -> int:
 
 
 def _measure_world(rank: int, world: int, plans_json: list[str], cfg: GPTConfig, batch: int, warmup: int, steps: int,
-                   rounds: int = 3) -> list[dict]:
+                   rounds: int = 4) -> list[dict]:
     """Every plan of this world in one process group. Timed steps are interleaved across plans in
     `rounds` (one untimed step re-warms a plan at the start of each), so a change in background
     load hits all plans alike."""
@@ -141,8 +146,12 @@ def _measure_world(rank: int, world: int, plans_json: list[str], cfg: GPTConfig,
         for _ in range(warmup):
             step()
         runs.append((pmodel, opt, step, []))
+    from meshplan.cost_model.comm_profiler import measure_contention
+
     per_round = max(1, steps // rounds)
+    contention = []
     for _ in range(rounds):
+        contention.append(measure_contention(pairs=1, seconds=0.2))
         for _, _, step, times in runs:
             step()
             for _ in range(per_round):
@@ -156,7 +165,7 @@ def _measure_world(rank: int, world: int, plans_json: list[str], cfg: GPTConfig,
     for pmodel, opt, step, times in runs:
         peak = torch.tensor(float(_resident_bytes(pmodel, opt) + _peak_during(step)), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        out.append({"time_s": statistics.median(times), "peak_bytes": float(peak)})
+        out.append({"time_s": statistics.median(times), "peak_bytes": float(peak), "contention": statistics.median(contention)})
     return out
 
 
@@ -217,10 +226,10 @@ def predict(plan, graph, cluster, optimizer: str = "adam") -> tuple[tuple[float,
 
     numels = [math.prod(local_shape(p.shape, p.layout, plan.mesh.shape)) for p in plan.params if not p.is_buffer]
     opt_s = optimizer_step_time(numels, optimizer, plan.mesh.shape, cluster)
-    return (plan.compute_s + plan.bubble_s, plan.comm_s, opt_s), float(predict_peak(graph, plan, optimizer=optimizer).peak)
+    return (plan.step_time_s - plan.comm_s, plan.comm_s, opt_s), float(predict_peak(graph, plan, optimizer=optimizer).peak)
 
 
-def run(profile=None, *, quick: bool = False, steps: int = 12, warmup: int = 3, log=print) -> list[Row]:
+def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, log=print) -> list[Row]:
     """Plan every case with `profile` (see `meshplan.plan(profile=)`), measure each, return the rows."""
     import meshplan
     from meshplan.cost_model.presets import get_cluster
@@ -244,11 +253,34 @@ def run(profile=None, *, quick: bool = False, steps: int = 12, warmup: int = 3, 
         mine = [(c, p) for c, p in planned if c.world == world]
         log(f"measuring {len(mine)} plans on {world} local gloo processes")
         results = run_local(world, _measure_world, [p.to_json() for _, p in mine], cfg, batch, warmup, steps, timeout=1200)[0]
+        now = _with_contention(cluster, world, results[0]["contention"])
+        log(f"compute contention at {world} ranks: {_slowdown(cluster, world):.2f} at calibration, {results[0]['contention']:.2f} "
+            "while measuring (used)")
+        scale = _slowdown(now, world) / _slowdown(cluster, world)
         for (case, plan), got in zip(mine, results):
-            parts, m = predict(plan, graph, cluster)
+            (compute, comm, _), m = predict(plan, graph, cluster)
+            (_, _, opt), _ = predict(plan, graph, now)
+            # every op's time is linear in the contention factor; the collective fits were measured
+            # under the load of calibration time, and waiting for peers scales with load the same way
+            parts = (compute * scale, comm * scale, opt)
             rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=got["time_s"],
                             predicted_bytes=m, measured_bytes=got["peak_bytes"], parts_s=parts))
     return rows
+
+
+def _slowdown(cluster, world: int) -> float:
+    return cluster.profile.slowdown(world) if cluster.profile is not None else 1.0
+
+
+def _with_contention(cluster, world: int, factor: float):
+    """The cluster with the compute contention measured next to the timed steps: on a machine shared
+    with other jobs the load drifts between calibration and measurement, and contention is the part
+    of the calibration that follows it."""
+    import dataclasses
+
+    if cluster.profile is None:
+        return cluster
+    return cluster.with_profile(dataclasses.replace(cluster.profile, contention={**cluster.profile.contention, world: factor}))
 
 
 def table(rows: list[Row]) -> str:

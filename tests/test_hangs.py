@@ -39,7 +39,13 @@ def _rank_main(rank: int, port: int, scenario: str, plan, out_dir: str) -> None:
     start = time.monotonic()
     try:
         model, x, y = build("mlp")
+        ready = os.path.join(out_dir, "rank0_ready")
+        if scenario == "join_late" and rank == 0:
+            open(ready, "w").close()
         if scenario == "join_late" and rank == 1:
+            # late relative to rank 0 reaching its first collective, however slow the machine is
+            while not os.path.exists(ready):
+                time.sleep(0.05)
             time.sleep(LATE)
             start = time.monotonic()
         pmodel = meshplan.auto_parallelize(model, example_inputs=(x,), plan=plan, timeout=TIMEOUT)

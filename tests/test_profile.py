@@ -185,3 +185,44 @@ def test_training_state_per_optimizer_and_precision():
         zero_state_bytes(1000, 4, 4)
     with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
         training_state_bytes(10, optimizer="lamb")
+
+
+# --- peak memory (liveness) ----------------------------------------------------------------------
+
+
+def test_predicted_peak_resident_state_and_liveness():
+    from meshplan.cost_model.peak import predict_peak
+
+    model, inputs = mlp_small()
+    graph = trace(model, inputs)
+    numel = sum(p.numel() for p in model.parameters())
+    dp = meshplan.plan(model, 2, inputs, mode="data_parallel", mesh_shape=(2,))
+    fsdp = meshplan.plan(model, 2, inputs, mode="manual", mesh_shape=(2,), parameter_plan={"*": "S(0)"}, input_layouts={"x": "S(0)"})
+    line: list = []
+    a, b = predict_peak(graph, dp, timeline=line), predict_peak(graph, fsdp)
+    # replicated fp32 Adam: 4 bytes of parameters and 8 of state per element, plus the gradient buckets
+    assert (a.resident.params, a.resident.optimizer, a.resident.grads) == (4 * numel, 8 * numel, 4 * numel)
+    assert (b.resident.params, b.resident.optimizer, b.resident.grads) == (2 * numel, 4 * numel, 0)
+    assert a.peak > a.resident.total and b.peak < a.peak
+    fwd = [held for phase, _, held in line if phase == "forward"]
+    bwd = [held for phase, _, held in line if phase == "backward"]
+    assert fwd[-1] >= fwd[0] and max(fwd + bwd) <= a.peak
+    # after backward only the parameter gradients and the model's output remain above the resident state
+    out_bytes = sum(graph.meta(r).nbytes for r in graph.output.inputs)
+    assert 4 * numel <= bwd[-1] - a.resident.total <= 4 * numel + out_bytes
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        predict_peak(graph, dp, optimizer="lamb")
+
+
+def test_profile_cli_bad_input(capsys, tmp_path):
+    from meshplan.cli import main
+
+    assert main(["profile", "comm", "--max-size", "8KiB", "--out", str(tmp_path / "p.json")]) == 2
+    assert "--max-size 8192 leaves fewer than 2 message sizes" in capsys.readouterr().err
+    assert main(["profile", "compute", "nosuchmodule:f", "--out", str(tmp_path / "p.json")]) == 2
+    assert "cannot import module 'nosuchmodule'" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    assert main(["profile", "show", str(bad)]) == 2
+    assert "is not a meshplan profile" in capsys.readouterr().err
+    assert main(["plan", "meshplan.models:mlp_small", "--devices", "2", "--profile", str(bad), "-o", str(tmp_path / "x.json")]) == 2

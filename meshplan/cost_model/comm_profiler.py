@@ -174,26 +174,37 @@ def measure_axis(
     return fits
 
 
-def _workload(seconds: float = 0.4, *, median: bool = False) -> float:
-    """Mean (or median) seconds of a small MLP forward + backward (matmuls and small ops, like a tiny model),
-    repeated for `seconds` of wall time so that ranks started together overlap throughout. The mean,
-    not the median: when ranks outnumber cores the scheduler time-slices them in slices of a few ms,
-    so most short iterations run untouched and a few absorb all the waiting."""
+def _workload(seconds: float = 0.4, *, median: bool = False, chunk_s: float = 0.02) -> float:
+    """Seconds per iteration of a small MLP forward + backward (matmuls and small ops, like a tiny
+    model), repeated for `seconds` of wall time so that ranks started together overlap throughout.
+    By default the median over `chunk_s` windows of their mean iteration time: when ranks outnumber
+    cores the scheduler time-slices them in slices of a few ms, so most short iterations run
+    untouched and a few absorb all the waiting, which a window of many iterations (like a training
+    step) averages; the median over windows ignores rare long stalls, as the median step time does.
+    `median=True`: the median single iteration (undisturbed, like the op profiles' medians)."""
     torch.manual_seed(0)
     w1, w2 = torch.randn(128, 256, requires_grad=True), torch.randn(256, 128, requires_grad=True)
     x = torch.randn(64, 128)
-    times, start = [], time.perf_counter()
+    times, chunks, start = [], [], time.perf_counter()
+    chunk_start, chunk_n = start, 0
     while time.perf_counter() < start + seconds or len(times) < 5:
         t0 = time.perf_counter()
         y = torch.relu(x @ w1) @ w2
         y.square().mean().backward()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) if median else (time.perf_counter() - start) / len(times)
+        chunk_n += 1
+        if times[-1] + t0 - chunk_start >= chunk_s:
+            chunks.append((t0 + times[-1] - chunk_start) / chunk_n)
+            chunk_start, chunk_n = time.perf_counter(), 0
+    if median or not chunks:
+        return statistics.median(times)
+    return statistics.median(chunks)
 
 
 def measure_contention(pairs: int = 3, seconds: float = 0.3) -> float:
-    """Per-rank compute slowdown when every rank works at once: the mean iteration time of all
-    ranks working together over the median (undisturbed) iteration of rank 0 working alone. Op
+    """Per-rank compute slowdown when every rank works at once: the windowed iteration time of all
+    ranks working together (see `_workload`) over the median (undisturbed) iteration of rank 0
+    working alone. Op
     profiles are medians of undisturbed runs too, so this factor turns them into the wall time a
     rank sees in a real step, including time-slicing with other ranks and other load on the
     machine. Solo and together alternate `pairs` times; the median ratio is kept (the load of a

@@ -65,8 +65,9 @@ def _name(target: str) -> str:
     return re.sub(r"^aten(\.|::)", "", target).split(".", 1)[0]
 
 
-def predict_peak(graph: Graph, plan, *, optimizer: str = "adam") -> PeakMemory:
-    """Peak bytes one device holds during a step of `plan` (a `meshplan.planner.Plan` for `graph`)."""
+def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list | None = None) -> PeakMemory:
+    """Peak bytes one device holds during a step of `plan` (a `meshplan.planner.Plan` for `graph`).
+    With `timeline` (a list), (phase, node name, bytes held once the op is done) is appended per op."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
     shape = plan.mesh.shape
@@ -118,7 +119,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam") -> PeakMemory:
                 root[key] = ins[0]
             else:
                 size[key], born[key] = nbytes(meta, out_layout[node.name][j]), i
-        if any(node.requires_grad) or any(graph[r.node].grad(r.index) for r in node.inputs):
+        if any(node.requires_grad) and not is_view(node.target):  # a view's backward needs only shapes
             keep_in, keep_out = SAVED.get(_name(node.target), (tuple(range(len(ins))), ()))
             kept = [ins[p] for p in keep_in if p < len(ins)]
             kept += [root.get(("ref", node.name, j), ("ref", node.name, j)) for j in keep_out if j < len(node.outputs)]
@@ -140,6 +141,8 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam") -> PeakMemory:
         for key in [k for k in live if last_read.get(k, born[k]) <= i and k not in saved_until]:
             live.discard(key)
             level -= size[key]
+        if timeline is not None:
+            timeline.append(("forward", ops[i].name, base + level))
 
     is_param = {n.name for n in graph.nodes if n.kind == "param"}
     grads: dict[object, int] = {}  # gradient of a tensor (root) -> bytes, alive until its producer's backward
@@ -163,22 +166,26 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam") -> PeakMemory:
         node = ops[i]
         if not any(node.requires_grad) or is_view(node.target):
             continue
+        sent_back = []
         for pos, ref in enumerate(node.inputs):
             if not graph[ref.node].grad(ref.index):
                 continue
             key = tensor_in(node, pos, ref)
             level += grad_of(key, ref)
             if key[0] == "move":  # its dual step brings the gradient back to the producer's layout
-                src = root.get(("ref", ref.node, ref.index), ("ref", ref.node, ref.index))
-                level += grad_of(src, ref)
+                src = graph[key[1]].inputs[key[2]]
+                level += grad_of(root.get(("ref", src.node, src.index), ("ref", src.node, src.index)), src)
+                sent_back.append(key)
         if base + level + param_grads > peak:
             peak, where = base + level + param_grads, "backward"
-        for key in [("ref", node.name, j) for j in range(len(node.outputs))] + [("move", node.name, p) for p in range(len(node.inputs))]:
+        for key in [("ref", node.name, j) for j in range(len(node.outputs))] + sent_back:
             if key in grads:  # consumed by this op's backward (or sent back by the dual step)
                 level -= grads.pop(key)
         for key in [k for k in live if saved_until.get(k) == i]:
             live.discard(key)
             level -= size[key]
+        if timeline is not None:
+            timeline.append(("backward", node.name, base + level + param_grads))
 
     biggest = max(numels, default=0) * 4
     at_step = base + param_grads + STEP_TEMPORARIES.get(optimizer, 0) * biggest

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from meshplan.cost_model.compute import is_view, op_flops
+from meshplan.cost_model.moe import node_flops as moe_node_flops
+from meshplan.ir.moe import MOE_TARGET
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Replicate
@@ -112,7 +114,9 @@ def graph_ops(graph: Graph, mesh: MeshSpec, *, model: str = "model") -> OpsRepor
     for n in graph.nodes:
         if n.kind != "op":
             continue
-        rows.append((n, op_flops(n.target, [graph.meta(r) for r in n.inputs], list(n.outputs)), cands.by_node[n.name]))
+        metas = [graph.meta(r) for r in n.inputs]
+        flops = moe_node_flops(n, metas) if n.target == MOE_TARGET else op_flops(n.target, metas, list(n.outputs))
+        rows.append((n, flops, cands.by_node[n.name]))
     total = sum(f for _, f, _ in rows)
     ops = tuple(
         OpInfo(

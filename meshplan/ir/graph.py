@@ -84,6 +84,8 @@ class Node:
     """For parameters and buffers: every FQN that names this tensor (tied weights have several)."""
     requires_grad: tuple[bool, ...] = ()
     """Per output: does a gradient flow back into it (found by running the graph on meta tensors)."""
+    attrs: tuple = ()
+    """Static (non-tensor) arguments of meshplan's own region ops (e.g. the moe op's top_k); empty for ATen ops."""
 
     def grad(self, index: int = 0) -> bool:
         return bool(self.requires_grad and self.requires_grad[index])

@@ -22,9 +22,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 
+from meshplan.ir import moe as _moe  # noqa: F401  (registers the moe region)
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
+from meshplan.ir.regions import regions_patched
 from meshplan.ir.verify import verify
 
 aten = torch.ops.aten
@@ -52,6 +54,9 @@ class TracedProgram:
     out_spec: Any
     constants: dict[str, torch.Tensor]
     """Lifted tensor constants by placeholder name."""
+    mutations: tuple[str, ...] = ()
+    """FQNs of the buffers the program updates (batch norm's running statistics), one per leading
+    output of the graph, in order; the user's outputs follow them."""
 
 
 class TraceError(ValueError):
@@ -268,7 +273,8 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    ep = _export(model, example_inputs, example_kwargs or {})
+    with regions_patched(model):  # blocks with data-dependent control flow trace as one op each
+        ep = _export(model, example_inputs, example_kwargs or {})
     gm = ep.graph_module
 
     # FQNs of every tensor, so tied parameters collapse to the first placeholder naming them.
@@ -312,7 +318,8 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
             refs[n] = TensorRef(refs[src].node, idx)
         elif n.op == "call_function":
             inputs = tuple(refs[a] for a in _tensor_args(n))
-            nodes.append(Node(n.name, "op", op_name(n.target), inputs, _metas(n.meta.get("val")), _module_path(n)))
+            attrs = _static_args(n) if str(n.target).startswith("meshplan.") else ()
+            nodes.append(Node(n.name, "op", op_name(n.target), inputs, _metas(n.meta.get("val")), _module_path(n), attrs=attrs))
             refs[n] = TensorRef(n.name)
         elif n.op == "output":
             outs = [a for a in fx.node.map_arg(n.args[0], lambda x: x) if isinstance(a, fx.Node)]
@@ -323,7 +330,7 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     gm.recompile()
     grads = _requires_grad(gm, {n.name: n.kind == "param" and tensor_of[n.target].requires_grad for n in nodes if n.kind == "param"})
     nodes = [replace(n, requires_grad=grads.get(n.name, ())) if n.kind != "output" else n for n in nodes]
-    program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants)
+    program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants, _buffer_mutations(ep))
     graph = Graph(nodes, fx=program, input_names=tuple(input_names))
     verify(graph)
     return graph
@@ -363,3 +370,17 @@ def _tensor_args(n: fx.Node) -> list[fx.Node]:
     found: list[fx.Node] = []
     fx.node.map_arg((n.args, n.kwargs), found.append)
     return found
+
+
+def _static_args(n: fx.Node) -> tuple:
+    """The non-tensor arguments of an op, in argument order (for meshplan's region ops)."""
+    return tuple(a for a in pytree.tree_leaves((n.args, n.kwargs)) if not isinstance(a, fx.Node))
+
+
+def _buffer_mutations(ep: torch.export.ExportedProgram) -> tuple[str, ...]:
+    """FQNs of the buffers written by the graph's leading outputs."""
+    kinds = [s.kind for s in ep.graph_signature.output_specs]
+    mutated = tuple(s.target for s in ep.graph_signature.output_specs if s.kind == OutputKind.BUFFER_MUTATION)
+    if any(k != OutputKind.BUFFER_MUTATION for k in kinds[: len(mutated)]):
+        raise TraceError(f"the exported program mutates buffers after its user outputs ({kinds}); meshplan cannot run it")
+    return mutated

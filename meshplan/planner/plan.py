@@ -41,6 +41,10 @@ class NodeChoice:
     strategy: Strategy
     time_s: float
     """Predicted compute seconds per step on one device (forward + backward)."""
+    forward_comm: tuple[CommStep, ...] = ()
+    """Collectives the op runs itself in forward (region ops such as the moe op under expert parallelism)."""
+    backward_comm: tuple[CommStep, ...] = ()
+    """Collectives the op runs itself in backward."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +171,9 @@ class Plan:
     def collectives(self, *, include_grad_sync: bool = True) -> Counter:
         """Collectives of one training step: Counter of 'forward:all_gather', 'backward:all_reduce', ..."""
         c: Counter = Counter()
+        for n in self.nodes:
+            c.update(f"forward:{s.kind}" for s in n.forward_comm if s.communicates)
+            c.update(f"backward:{s.kind}" for s in n.backward_comm if s.communicates)
         for t in self.transfers:
             c.update(f"forward:{s.kind}" for s in t.forward if s.communicates)
             c.update(f"backward:{s.kind}" for s in t.backward if s.communicates)
@@ -300,7 +307,13 @@ def _decode_plan(d: dict) -> Plan:
         mode=d["mode"],
         inputs_mode=d["inputs_mode"],
         cluster=d["cluster"],
-        nodes=tuple(NodeChoice(n["name"], n["target"], n["module_path"], Strategy.from_json(n["strategy"]), n["time_s"]) for n in d["nodes"]),
+        nodes=tuple(
+            NodeChoice(
+                n["name"], n["target"], n["module_path"], Strategy.from_json(n["strategy"]), n["time_s"],
+                steps(n.get("forward_comm", [])), steps(n.get("backward_comm", [])),
+            )
+            for n in d["nodes"]
+        ),
         transfers=tuple(
             Transfer(
                 t["tensor"], t["consumer"], t["position"], parse(t["src"]), parse(t["dst"]), steps(t["forward"]), steps(t["backward"]), t["time_s"],

@@ -10,6 +10,7 @@ from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, compute
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, parse_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import backward_steps, redistribution_steps
+from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
@@ -143,7 +144,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             host_s += offload_from.host_s[rep[node.name]][choice[node.name]]
         if node.kind == "op" and node.layer in recomputed:
             in_metas = [graph.meta(r) for r in node.inputs]
-            cost += compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False)
+            cost += compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False, in_layouts=s.inputs)
             if node.name in internal:
                 rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + node_mem.activations
                 node_mem = dataclasses.replace(node_mem, activations=0)
@@ -167,8 +168,13 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
             memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=held)
             transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t, recompute=again))
         if node.kind == "op":
-            compute_s += cost
-            nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost))
+            region = region_cost(node, [graph.meta(r) for r in node.inputs], s.inputs, s.outputs, shape, cluster, backward=any(node.requires_grad))
+            if region is not None:  # a region op's own collectives are communication, listed in the plan
+                compute_s, comm_s, cost = compute_s + region.compute_s, comm_s + region.comm_s, region.compute_s
+                nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost, region.forward, region.backward))
+            else:
+                compute_s += cost
+                nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost))
         elif node.kind in ("param", "buffer"):
             layout = s.outputs[0]
             trainable = node.kind == "param" and node.grad(0)

@@ -15,6 +15,7 @@ from meshplan.cost_model.estimate import compute_time, grad_sync_time, local_byt
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import InfeasibleRedistribution
+from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
@@ -76,6 +77,14 @@ def node_memory(node: Node, strategy: Strategy, mesh_shape: tuple[int, ...], opt
     return MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
 
 
+def op_time(node: Node, in_metas: list[TensorMeta], s: Strategy, shape: tuple[int, ...], cluster: ClusterPreset, *, backward: bool) -> float:
+    """Seconds of one op node under strategy `s`: compute, plus the collectives a region op runs itself."""
+    region = region_cost(node, in_metas, s.inputs, s.outputs, shape, cluster, backward=backward)
+    if region is not None:
+        return region.total_s
+    return compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=backward, in_layouts=s.inputs)
+
+
 def transfer_memory(meta: TensorMeta, src: Placements, dst: Placements, consumer: Node, mesh_shape: tuple[int, ...]) -> int:
     """A resharded copy feeding an op that needs gradients stays alive for its backward (this is
     where an all-gathered ZeRO/FSDP parameter is held)."""
@@ -133,7 +142,7 @@ def build_tables(
             in_metas = [graph.meta(r) for r in node.inputs]
             grad = any(node.requires_grad)
             costs = [
-                compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad, in_layouts=s.inputs)
+                op_time(node, in_metas, s, shape, cluster, backward=grad)
                 + (kernel_time(s.kernel, s.outputs, node.outputs, shape, cluster, backward=grad) if s.kernel else 0.0)
                 for s in strategies
             ]
@@ -146,7 +155,7 @@ def build_tables(
         if terms.unit_of(node.name) is not None:
             terms.add_node(
                 node.name,
-                [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False) for s in strategies],
+                [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False, in_layouts=s.inputs) for s in strategies],
                 [float(node_memory(node, s, shape, optimizer).activations) for s in strategies],
             )
     node_costs = {name: [c * count[name] for c in costs] for name, costs in unit_costs.items()}

@@ -31,7 +31,7 @@ from meshplan.ir.graph import Graph, Node, TensorMeta
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Partial, Placements, Replicate, Shard, from_dtensor, is_even, to_dtensor
 from meshplan.planner.masked import from_mask_partial, is_mask_partial
-from meshplan.planner.rules import RULES
+from meshplan.planner.rules import KEEP, RULES
 from meshplan.planner.strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,9 @@ def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmes
             log.debug("DTensor single-dim rule for %s failed: %s", op, e)
             return []
     if rows is not None:
-        return _expand_rows(rows, node, in_metas, mesh, source, rejected)
+        expanded = _expand_rows(rows, node, in_metas, mesh, source, rejected)
+        keep = KEEP.get(str(op)) if source == "meshplan" else None
+        return [s for s in expanded if keep(s)] if keep else expanded
     if op in prop.op_strategy_funcs:
         return _from_op_strategy(prop.op_strategy_funcs[op], op, args, kwargs, node, in_metas, mesh, dmesh, rejected)
     return []

@@ -14,6 +14,7 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Shard, local_shape
 from meshplan.planner.plan import Plan
+from meshplan.planner.rules.random import is_random
 from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.grad_buckets import GradBuckets
@@ -67,7 +68,8 @@ class ParallelModule(nn.Module):
             whole = whole.clone()
             with self.comm.guard(f"broadcasting {p.fqns[0]} from rank 0"):
                 dist.broadcast(whole, src=0, group=self.comm.world)
-            local = shard_tensor(whole, p.layout, plan.mesh, rank).contiguous()
+            # a copy, not a view: a dim-0 chunk is already contiguous and would keep the whole tensor alive
+            local = shard_tensor(whole, p.layout, plan.mesh, rank).clone(memory_format=torch.contiguous_format)
             if p.is_buffer:
                 tensor: torch.Tensor = local
                 for fqn in p.fqns:
@@ -77,6 +79,11 @@ class ParallelModule(nn.Module):
                 for fqn in p.fqns:
                     setattr(_owner(self, fqn), fqn.rsplit(".", 1)[-1], tensor)
             self._leaf[p.node] = tensor
+        self._buffer_node = {f: p.node for p in plan.params if p.is_buffer for f in p.fqns}
+        self._layout = {p.node: p.layout for p in plan.params}
+        self._fqns = {p.node: p.fqns for p in plan.params}
+        if any(is_random(n.target) for n in graph.nodes if n.kind == "op"):
+            _share_rng_state(self.comm)
         self._grad_buckets = GradBuckets(plan.buckets, self._leaf, self.comm)
         self.program = local_program(graph.fx, plan, self.comm)
 
@@ -91,8 +98,18 @@ class ParallelModule(nn.Module):
                 call.append(self._traced.constants[name])
             else:
                 call.append(self._localise_input(name, next(user)))
-        out = self.program(*call)
-        return pytree.tree_unflatten(list(out), self._traced.out_spec)
+        out = list(self.program(*call))
+        mutated = self._traced.mutations
+        # running statistics (batch norm): this rank's part becomes the buffer. A new tensor, not an
+        # in-place copy: the step's backward may still read the old one.
+        for fqn, value in zip(mutated, out):
+            node = self._buffer_node[fqn]
+            new = shard_tensor(value.detach(), self._layout[node], self.plan.mesh, self.comm.rank).contiguous()
+            for alias in self._fqns[node]:
+                _owner(self, alias)._buffers[alias.rsplit(".", 1)[-1]] = new
+            self._leaf[node] = new
+        out = out[len(mutated):]
+        return pytree.tree_unflatten(out, self._traced.out_spec)
 
     def _localise_input(self, name: str, x):
         choice = self._inputs.get(name)
@@ -151,3 +168,12 @@ def _check_same_plan(plan: Plan, comm: MeshComm) -> None:
             f"ranks computed different plans (rank {comm.rank} has plan hash {plan.hash()}); all ranks must plan the same "
             "model with the same inputs and options, or load one plan file"
         )
+
+
+def _share_rng_state(comm: MeshComm) -> None:
+    """Every rank takes rank 0's CPU generator state: random ops draw whole tensors (planner/rules/random.py),
+    so identical states give every rank the single-device model's masks."""
+    state = torch.get_rng_state()
+    with comm.guard("broadcasting rank 0's random generator state"):
+        dist.broadcast(state, src=0, group=comm.world)
+    torch.set_rng_state(state)

@@ -22,8 +22,10 @@ from meshplan.ir.graph import layer_of
 from meshplan.ir.placement import local_shape
 from meshplan.ir.trace import STRIDE_SAFE, TracedProgram
 from meshplan.planner.plan import Plan, Transfer
+from meshplan.runtime import batch_norm as _batch_norm, moe as _moe  # noqa: F401  (register region runtimes)
 from meshplan.runtime.collectives import MeshComm, StepFunction, scale_grad
 from meshplan.runtime.kernels import local_kernel
+from meshplan.runtime.regions import REGION_RUNTIMES
 
 SOURCE = "meshplan_source"
 """fx meta key on rewritten nodes: the traced node an op came from, or the consumer a move feeds."""
@@ -91,6 +93,12 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
             env[n] = tag(graph.call_function(operator.getitem, (env[n.args[0]], n.args[1])), layer.get(n.args[0].name))
         elif n.op == "call_function":
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), moved(n.name))
+            if n.target in REGION_RUNTIMES:  # a region op: this rank's part, built from its strategy
+                name = f"region_{len(root._modules)}"
+                static = tuple(a for a in args if not isinstance(a, fx.Node))
+                root.add_module(name, REGION_RUNTIMES[n.target](strategy[n.name], comm, static))
+                env[n] = graph.call_module(name, tuple(args), kwargs)
+                continue
             args = _localise_shape(n, list(args), out_layout.get(n.name), plan.mesh.shape)
             kernel = local_kernel(n, strategy.get(n.name), comm)
             if kernel is not None:  # a sharded kernel (vocabulary-parallel lookup, log-softmax) in place of the op

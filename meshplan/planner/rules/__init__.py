@@ -4,7 +4,7 @@ A rule returns single-mesh-axis rows `[outputs..., inputs...]` of placements, li
 single-dim strategies; the strategy generator expands them over every mesh axis.
 """
 
-from meshplan.planner.rules import attention, copy, softmax  # noqa: F401  (register their rules)
-from meshplan.planner.rules.registry import RULES, register_rule
+from meshplan.planner.rules import attention, batch_norm, conv, copy, moe, random, softmax  # noqa: F401  (register their rules)
+from meshplan.planner.rules.registry import KEEP, RULES, register_rule
 
-__all__ = ["RULES", "register_rule"]
+__all__ = ["KEEP", "RULES", "register_rule"]

@@ -13,6 +13,9 @@ RuleFn = Callable[[Sequence[object], dict], list[Row]]
 """(args, kwargs) with tensors given as `torch.Tensor` metas -> single-axis rows [outs..., ins...]."""
 
 RULES: dict[str, RuleFn] = {}
+KEEP: dict[str, Callable[[object], bool]] = {}
+"""Per op, a test on the full-mesh strategies its rows expand to: combinations across mesh axes
+that the op's runtime does not execute are dropped (e.g. experts sharded on two axes)."""
 
 
 class KernelRow(list):
@@ -23,14 +26,17 @@ class KernelRow(list):
         self.kernel = kernel
 
 
-def register_rule(*ops: object) -> Callable[[RuleFn], RuleFn]:
-    """Register `fn` as the rule of each op (an OpOverload or its string name)."""
+def register_rule(*ops: object, keep: Callable[[object], bool] | None = None) -> Callable[[RuleFn], RuleFn]:
+    """Register `fn` as the rule of each op (an OpOverload or its string name); `keep(strategy)`
+    filters the expanded strategies."""
 
     def wrap(fn: RuleFn) -> RuleFn:
         for op in ops:
             name = str(op)
             assert name not in RULES, f"two meshplan rules for {name}"
             RULES[name] = fn
+            if keep is not None:
+                KEEP[name] = keep
         return fn
 
     return wrap

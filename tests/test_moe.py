@@ -1,0 +1,150 @@
+"""Mixture of experts (transformers' Mixtral): the moe region op, its strategies and costs, and
+parity of data-, expert- and expert-split parallel plans on real gloo processes."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from _moe import BATCH, SEQ, build_mixtral, mixtral_config, plan_traced, train
+
+import meshplan
+from meshplan.cost_model.collectives import collective_time
+from meshplan.cost_model.moe import moe_cost
+from meshplan.cost_model.presets import get_cluster
+from meshplan.ir.moe import MOE_TARGET, moe_reference
+from meshplan.ir.placement import Partial, Replicate, Shard
+from meshplan.ir.trace import trace
+from meshplan.planner.plan import Plan
+from meshplan.runtime.launch import run_local
+from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
+
+@functools.lru_cache(maxsize=1)
+def _traced():
+    model, tokens = build_mixtral()
+    return trace(model, (tokens,))
+
+
+def _moe_strategies(plan: Plan) -> list:
+    return [n.strategy for n in plan.nodes if n.target == MOE_TARGET]
+
+
+def test_moe_op_matches_the_mixtral_block():
+    model, _ = build_mixtral()
+    block = model.model.layers[0].mlp
+    x = torch.randn(3, 5, 32, requires_grad=True)
+    ours = torch.ops.meshplan.moe(x, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, 2, True, "silu")
+    theirs = block(x)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(ours)
+    got = torch.autograd.grad(ours, [x, block.gate.weight, block.experts.gate_up_proj], g)
+    want = torch.autograd.grad(theirs, [x, block.gate.weight, block.experts.gate_up_proj], g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_mixtral_traces_each_moe_block_as_one_op():
+    model, tokens = build_mixtral()
+    graph = trace(model, (tokens,))
+    assert graph.fingerprint() == _traced().fingerprint()
+    moes = [n for n in graph.nodes if n.target == MOE_TARGET]
+    assert [n.module_path for n in moes] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert all(n.attrs == (2, True, "silu") for n in moes)
+    assert "forward" not in model.model.layers[0].mlp.__dict__, "the trace must leave the model as it was"
+    with pytest.raises(ValueError, match="top_k=5"):
+        moe_reference(torch.randn(2, 32), *(torch.randn(4, 32), torch.randn(4, 128, 32), torch.randn(4, 32, 64)), 5, True, "silu")
+    with pytest.raises(ValueError, match="activation 'tanh'"):
+        moe_reference(torch.randn(2, 32), torch.randn(4, 32), torch.randn(4, 128, 32), torch.randn(4, 32, 64), 2, True, "tanh")
+
+
+def test_expert_parallel_cost_prices_its_all_to_alls():
+    graph = _traced()
+    node = next(n for n in graph.nodes if n.target == MOE_TARGET)
+    metas = [graph.meta(r) for r in node.inputs]
+    cluster = get_cluster("h100")
+    r, s = (Replicate(),), (Shard(0),)
+    dp = moe_cost(node, metas, [s, r, r, r], [s], (4,), cluster, backward=True)
+    ep = moe_cost(node, metas, [s, r, s, s], [s], (4,), cluster, backward=True)
+    split = moe_cost(node, metas, [r, r, s, s], [(Partial(),)], (4,), cluster, backward=True)
+    assert dp.forward == () and split.forward == () and dp.comm_s == 0.0
+    assert [c.kind for c in ep.forward] == ["all_to_all"] * 3 and [c.kind for c in ep.backward] == ["all_to_all"] * 2
+    routed = BATCH * SEQ // 4 * 2 * 32 * 4  # local tokens x top_k x hidden x fp32
+    assert ep.forward[1].nbytes == routed
+    link = cluster.link_for_axis((4,), 0)
+    expected = sum(collective_time("all_to_all", c.nbytes, 4, link) for c in ep.forward + ep.backward)
+    assert ep.comm_s == pytest.approx(expected) and ep.comm_s > 0
+    assert dp.compute_s > ep.compute_s  # same FLOPs, but data parallel reads every expert's weights
+
+
+def test_the_planner_chooses_expert_parallelism_when_it_pays():
+    """Experts of 2 x 1024 x 4096 on 8 H100s: replicating them costs more gradient all-reduce and
+    memory than moving the routed tokens all-to-all."""
+    from transformers import MixtralForCausalLM
+
+    cfg = mixtral_config(hidden_size=1024, intermediate_size=4096, num_local_experts=8, vocab_size=1024,
+                         max_position_embeddings=512, num_attention_heads=8, num_key_value_heads=8)
+    with torch.device("meta"):
+        model = MixtralForCausalLM(cfg)
+    tokens = torch.zeros(16, 512, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, devices=8, example_inputs=(tokens,), mesh_shape=(8,), cluster="h100")
+    for s in _moe_strategies(plan):
+        assert s.inputs[2] == (Shard(0),) and isinstance(s.inputs[0][0], Shard), f"expected expert parallel, got {s}"
+    assert plan.collectives()["forward:all_to_all"] == 6 and plan.collectives()["backward:all_to_all"] == 4
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def _plans(graph):
+    model, _ = build_mixtral()
+    plans = {
+        "auto (2,2)": plan_traced(model, graph, (2, 2)),
+        "experts split, tokens replicated (4,)": plan_traced(model, graph, (4,), param_layouts={"*.experts.*": "S(0)"}),
+    }
+    for layer in model.model.layers:  # tokens enter each moe block split over every device
+        meshplan.shard(layer.mlp, in_strategy=((4, 1, 1),))
+    plans["expert parallel (4,)"] = plan_traced(model, graph, (4,), param_layouts={"*.experts.*": "S(0)"})
+    plans["data x expert parallel (2,2)"] = plan_traced(model, graph, (2, 2), param_layouts={"*.experts.*": "RS(0)"})
+    return plans
+
+
+def _worker(rank, world, graph, plans):
+    model, tokens = build_mixtral()
+    out = {}
+    for name, plan in plans.items():
+        pmodel = ParallelModule(model, graph, plan)
+        pmodel.reset_collective_counts()
+        losses = train(pmodel, tokens)
+        out[name] = (losses, pmodel.collective_counts(), {k: v.detach() for k, v in pmodel.named_parameters()})
+    return out
+
+
+@pytest.mark.multiprocess
+def test_mixtral_parity_under_expert_parallel_plans():
+    graph = _traced()
+    plans = _plans(graph)
+    ep = _moe_strategies(plans["expert parallel (4,)"])
+    assert all(s.inputs[0] == (Shard(0),) and s.inputs[2] == (Shard(0),) for s in ep), ep
+    dxe = _moe_strategies(plans["data x expert parallel (2,2)"])
+    assert all(s.inputs[0] == (Shard(0), Shard(0)) and s.inputs[2] == (Replicate(), Shard(0)) for s in dxe), dxe
+    split = _moe_strategies(plans["experts split, tokens replicated (4,)"])
+    assert all(s.outputs[0] == (Partial(),) for s in split), split
+
+    model, tokens = build_mixtral()
+    results = run_local(4, _worker, graph, plans, timeout=900)
+    reference = train(model, tokens)
+    ref_params = dict(model.named_parameters())
+    for name, plan in plans.items():
+        layouts = {f: p.layout for p in plan.params for f in p.fqns}
+        expected = {k: v * 3 for k, v in plan.collectives().items()}
+        for rank, per_plan in enumerate(results):
+            losses, counts, params = per_plan[name]
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-6)
+            assert set(params) == set(ref_params)
+            for fqn, local in params.items():
+                want = shard_tensor(ref_params[fqn].detach(), layouts[fqn], plan.mesh, rank)
+                torch.testing.assert_close(local, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} rank {rank} {fqn}: {m}")
+            assert dict(counts) == expected, f"{name}: rank {rank} ran {dict(counts)}, the plan lists {expected}"
+    assert plans["expert parallel (4,)"].collectives()["forward:all_to_all"] == 6
