@@ -7,8 +7,8 @@ the value, the others zeros), the op runs on each rank's local tensors (region o
 per-rank runtime module), and the outputs are put back together per the output placements
 (Shard: concatenated; Replicate: every rank must hold the same tensor; Partial: summed) and
 compared with the op on the whole inputs. Strategies whose op runs collectives of its own (SyncBN
-over the batch, MoE expert parallelism) need real processes: tests/test_resnet.py and
-tests/test_moe.py check those with gloo.
+over the batch, MoE expert parallelism, the vocabulary-parallel log-softmax kernel) need real
+processes: tests/test_resnet.py, tests/test_moe.py and tests/test_vocab_parallel.py check those with gloo.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def validate(op, args: tuple, n: int, *, seed: int = 0, rtol: float = 1e-5, atol
     for s in strategies:
         metas = [TensorMeta.of(a) for a in args if isinstance(a, torch.Tensor)]
         own = region_cost(node, metas, s.inputs, s.outputs, mesh.shape, get_cluster("cpu"), backward=False)
-        if own is not None and own.forward:
-            continue  # collectives of its own: validated on real processes (module docstring)
+        if (own is not None and own.forward) or s.kernel:
+            continue  # collectives of its own (a region's, or a kernel's): validated on real processes (module docstring)
         locals_ = []
         for rank in range(n):
             local = _local_inputs(args, s.inputs, n, rank)
@@ -175,9 +175,21 @@ def test_copy_rules(n, rows, cols, src_kind):
     assert validate(aten.copy.default, (dst, torch.randn(src_shape, generator=g)), n) >= 1 + (rows % n == 0) + (cols % n == 0)
 
 
+@SETTINGS
+@given(n=mesh_n, rows=sizes, cols=sizes, three_d=st.booleans(), last=st.booleans())
+def test_log_softmax_rules(n, rows, cols, three_d, last):
+    g = torch.Generator().manual_seed(rows * 10 + cols)
+    x = torch.randn(2, rows, cols, generator=g) if three_d else torch.randn(rows, cols, generator=g)
+    dim = x.ndim - 1 if last else x.ndim - 2
+    # rows that keep the softmax dim whole; the vocabulary-parallel kernel row runs all-reduces
+    # (checked with parity on gloo ranks in tests/test_vocab_parallel.py)
+    kept = sum(x.shape[d] % n == 0 for d in range(x.ndim) if d != dim)
+    assert validate(aten._log_softmax.default, (x, dim, False), n) >= min(kept, 1)
+
+
 def test_every_registered_rule_has_a_validation():
     """A new rule in meshplan/planner/rules/ must get a generator above."""
-    covered = {str(op) for op in (aten.convolution.default, BATCH_NORM, aten.scaled_dot_product_attention.default, MOE_OP, aten.copy.default)}
+    covered = {str(op) for op in (aten.convolution.default, BATCH_NORM, aten.scaled_dot_product_attention.default, MOE_OP, aten.copy.default, aten._log_softmax.default)}
     covered |= {str(op) for op in RANDOM_OPS}
     missing = set(RULES) - covered
     assert not missing, f"rules without a validation: {sorted(missing)}"
