@@ -49,7 +49,7 @@ class ParallelModule(nn.Module):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.comm = MeshComm(plan.mesh, rank, world, timeout)
         self.comm.create_groups([tuple(range(plan.mesh.ndim))])  # first: the plan check runs on it
-        _check_same_plan(plan, self.comm)
+        check_same_plan(plan, self.comm, group=self.comm.world, rank=self.comm.rank)
         self.plan = plan
         self._traced = graph.fx
         self._inputs = {i.name: i for i in plan.inputs}
@@ -157,15 +157,16 @@ def _owner(root: nn.Module, fqn: str) -> nn.Module:
     return mod
 
 
-def _check_same_plan(plan: Plan, comm: MeshComm) -> None:
-    """Every rank must run the identical plan: compare hashes before the first collective of a step."""
+def check_same_plan(plan: Plan, comm: MeshComm, *, group, rank: int) -> None:
+    """Every rank of `group` must run the identical plan: compare hashes before the first collective of a step
+    (`group` None: every rank of the job, as a pipeline's stages need)."""
     h = int(plan.hash()[:15], 16)
     t = torch.tensor([h, -h], dtype=torch.int64)
     with comm.guard("comparing plan hashes"):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.world)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if t[0].item() != h or -t[1].item() != h:
         raise ValueError(
-            f"ranks computed different plans (rank {comm.rank} has plan hash {plan.hash()}); all ranks must plan the same "
+            f"ranks computed different plans (rank {rank} has plan hash {plan.hash()}); all ranks must plan the same "
             "model with the same inputs and options, or load one plan file"
         )
 

@@ -34,7 +34,7 @@ from meshplan.ir.placement import local_shape
 from meshplan.planner.plan import Plan
 from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm, count_collective
-from meshplan.runtime.parallel_module import _owner, shard_tensor
+from meshplan.runtime.parallel_module import _owner, check_same_plan, shard_tensor
 from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.stage_split import StageProgram, example_values, node_stages, split_program, unit_stages
 
@@ -121,7 +121,7 @@ class PipelineRunner:
         for c in comms:
             c.create_groups(axis_sets)
         self.comm = comms[self.stage_rank]
-        _check_same_plan(plan, self.comm)
+        check_same_plan(plan, self.comm, group=None, rank=rank)
         pp_groups = [dist.new_group([s * n + j for s in range(p)], timeout=self.comm.timeout) for j in range(n)]
 
         # cut this rank's program at the planned stages
@@ -277,16 +277,6 @@ class PipelineRunner:
     @staticmethod
     def reset_collective_counts() -> None:
         collectives.reset_counts()
-
-
-def _check_same_plan(plan: Plan, comm: MeshComm) -> None:
-    h = int(plan.hash()[:15], 16)
-    t = torch.tensor([h, -h], dtype=torch.int64)
-    with comm.guard("comparing plan hashes"):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if t[0].item() != h or -t[1].item() != h:
-        raise ValueError(f"ranks computed different plans (rank {dist.get_rank()} has plan hash {plan.hash()}); all ranks must plan "
-                         "the same model with the same inputs and options, or load one plan file")
 
 
 __all__ = ["PipelineRunner", "StageComm", "stage_device"]
