@@ -19,7 +19,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from meshplan.cost_model.op_profiler import OPTIMIZERS, copy_rate, grad_call_overhead, op_overhead, optimizer_rate, time_op
+from meshplan.cost_model.compute import BACKWARD_FACTOR
+from meshplan.cost_model.op_profiler import (OPTIMIZERS, copy_rate, grad_call_overhead, make_tensor, op_overhead, optimizer_rate,
+                                             time_op, time_program)
 from meshplan.cost_model.profile import Profile, device_name, op_key, profile_path, save_merged, torch_version
 from meshplan.ir.graph import Graph, TensorMeta
 from meshplan.ir.mesh import MeshSpec
@@ -91,14 +93,53 @@ def profile_graph(
         if failed:
             log.warning("%d op shapes could not be timed (the roofline prices them): %s", len(failed), "; ".join(failed[:5]))
         overhead, copy = op_overhead(dev), copy_rate(dev)
+        node_overhead = program_overhead(graph, timings, dev)
         numels = [n.out.numel for n in graph.nodes if n.kind == "param" and n.grad(0)]
         optimizers = {name: optimizer_rate(name, dev, numels) for name in OPTIMIZERS}
     finally:
         torch.set_num_threads(before)
     return Profile(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=threads or before,
-        ops=timings, copy_seconds_per_byte=copy, op_overhead_s=overhead, optimizer_steps=optimizers,
+        ops=timings, copy_seconds_per_byte=copy, op_overhead_s=overhead, optimizer_steps=optimizers, node_overhead_s=node_overhead,
     )
+
+
+def program_overhead(graph: Graph, timings: dict, device: torch.device) -> float | None:
+    """Seconds per op run that the graph's one-device program takes beyond its ops' isolated timings
+    (`Profile.node_overhead_s`): the program is timed forward + backward on made-up inputs and
+    parameters, the same way the op profiler makes its tensors. None if an op of it was not timed
+    or the program cannot run on them."""
+    iso, runs = 0.0, 0
+    for node in graph.nodes:
+        if node.kind != "op":
+            continue
+        t = timings.get(op_key(node.target, [graph.meta(r) for r in node.inputs], node.outputs))
+        if t is None:
+            log.warning("in-program overhead not measured: op %s (%s) has no timing", node.name, node.target)
+            return None
+        backward = any(node.grad(i) for i in range(len(node.outputs)))
+        if backward:  # as cost_model.estimate.compute_time prices it
+            iso += t.backward_s if t.backward_s is not None else BACKWARD_FACTOR * t.forward_s
+        iso += t.forward_s
+        runs += 2 if backward else 1
+    args = []
+    for ph in graph.fx.gm.graph.nodes:
+        if ph.op != "placeholder":
+            continue
+        if ph.name in graph.fx.constants:
+            args.append(graph.fx.constants[ph.name])
+        else:
+            node = graph[ph.name]
+            args.append(make_tensor(node.out, device, requires_grad=node.kind == "param" and node.grad(0)))
+    try:
+        measured = time_program(graph.fx.gm, args)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:  # made-up values an op rejects
+        log.warning("in-program overhead not measured: the one-device program failed on made-up inputs: %s", str(e).splitlines()[0][:200])
+        return None
+    per_run = max(measured - iso, 0.0) / max(runs, 1)
+    log.info("one-device program: %.2f ms measured, %.2f ms by its ops' profiles: %.1f us per op run (%d runs)",
+             measured * 1e3, iso * 1e3, per_run * 1e6, runs)
+    return per_run
 
 
 def profile_model(

@@ -47,6 +47,15 @@ def test_partial_cannot_change_kind():
         redistribution_steps(META, parse("P(avg)"), parse("P"), (2,))
 
 
+def test_an_axis_of_one_device_moves_nothing():
+    # every layout on a 1-device axis is the same local tensor: no collective, no copy (the runtime
+    # used to run all-gathers and all-to-alls over 1-rank groups for such plans)
+    assert steps("S(0)S(1)", "RS(1)", mesh=(1, 2)) == ([], [])
+    assert steps("PR", "RR", mesh=(1, 2)) == ([], [])
+    assert steps("P(avg)R", "PR", mesh=(1, 2)) == ([], [])
+    assert steps("RS(0)", "RR", mesh=(1, 2)) == (["all_gather(ax1,d0)"], ["reduce_scatter(ax1,d0)"])
+
+
 def test_placements_round_trip_their_compact_form():
     for text in ["S(0)R", "RP", "P(avg)S(2)", "RRR"]:
         assert fmt(parse(text)) == text

@@ -41,7 +41,7 @@ def test_profile_json_round_trip(tmp_path):
     p = _profile(
         ops={"aten.mm.default(float32[2,2],float32[2,2])->float32[2,2]": OpTiming(forward_s=1e-5, backward_s=3e-5, runs=7)},
         collectives=(CollectiveFit(kind="all_reduce", group=2, world=2, alpha_s=1e-4, seconds_per_byte=1e-9, sizes=(1, 2), times=(0.1, 0.2)),),
-        contention={4: 2.0}, copy_seconds_per_byte=1e-10, op_overhead_s=5e-6, backend="gloo",
+        contention={4: 2.0}, copy_seconds_per_byte=1e-10, op_overhead_s=5e-6, backend="gloo", node_overhead_s=2e-5,
     )
     path = p.save(tmp_path / "p.json")
     q = load_profile(path)
@@ -119,20 +119,23 @@ def test_compute_profile_covers_every_candidate_shape(mlp_profile):
     # the replicated (global-shape) and the batch-split shapes of each op are there
     assert len(prof.ops) > len({(n.target, n.outputs) for n in ops})
     assert prof.op_overhead_s > 0 and prof.copy_seconds_per_byte > 0
+    # the one-device program ran and was compared with its ops' timings
+    assert prof.node_overhead_s is not None and 0 <= prof.node_overhead_s < 1e-2
 
 
 def test_plan_prices_ops_with_the_profile(mlp_profile):
-    """With every op measured at 1 ms forward / 2 ms backward, the plan's compute time is exactly
-    that per op (times the world's contention): the profile, not the roofline, prices compute."""
+    """With every op measured at 1 ms forward / 2 ms backward and 0.1 ms in-program overhead per
+    run, the plan's compute time is exactly that per op (times the world's contention): the
+    profile, not the roofline, prices compute."""
     graph, prof = mlp_profile
     fake = dataclasses.replace(
         prof, ops={k: OpTiming(forward_s=1e-3, backward_s=2e-3 if t.backward_s is not None else None) for k, t in prof.ops.items()},
-        contention={2: 1.5},
+        contention={2: 1.5}, node_overhead_s=1e-4,
     )
     model, inputs = mlp_small()
     plan = meshplan.plan(model, 2, inputs, profile=fake, mesh_shape=(2,))
     ops = [n for n in graph.nodes if n.kind == "op"]
-    expected = sum(1e-3 + (2e-3 if any(n.requires_grad) else 0.0) for n in ops) * 1.5
+    expected = sum(1e-3 + 1e-4 + (2e-3 + 1e-4 if any(n.requires_grad) else 0.0) for n in ops) * 1.5
     assert plan.compute_s == pytest.approx(expected, rel=1e-9)
     preset_plan = meshplan.plan(model, 2, inputs, mesh_shape=(2,))
     assert preset_plan.compute_s < plan.compute_s / 10

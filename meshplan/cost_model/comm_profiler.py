@@ -6,7 +6,7 @@ reduce_scatter, all_to_all and send/recv (a ring shift) with the same torch.dist
 runtime issues (`all_gather_single`, `reduce_scatter_single`, `all_to_all_single`, in-place
 `all_reduce`, `batch_isend_irecv`). Every group of the axis runs at once, as in a real step, so the
 fit includes the contention between them (on a CPU: for cores, too). Per size the time is the
-median over repetitions of the slowest rank; `fit_alpha_beta` then fits alpha + bytes * beta with
+mean over repetitions of the slowest rank; `fit_alpha_beta` then fits alpha + bytes * beta with
 relative weights, so that 4 KB and 256 MB messages count alike.
 
 It also measures compute contention: the same small training-like workload on rank 0 alone and on
@@ -116,21 +116,25 @@ def _issue(kind: str, nbytes: int, n: int, pg, ranks: list[int], rank: int):
         torch.set_default_device(prev)
 
 
-def _slowest_median(samples: list[float]) -> float:
-    """Median of this rank's samples, then the largest over all ranks (a collective ends when the slowest does)."""
-    t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=_device())
+def _slowest_mean(samples: list[float]) -> float:
+    """Mean of this rank's samples, then the largest over all ranks (a collective ends when the
+    slowest does). The mean, not the median: a step runs many collectives and its time is their
+    sum, whose typical value is the sum of their means. On a shared CPU the waits are heavy-tailed
+    (most calls ~0.5 ms, a few 5-10 ms); medians missed a third to half of the collective time of
+    FSDP steps here."""
+    t = torch.tensor([statistics.fmean(samples)], dtype=torch.float64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
 def measure_axis(
     mesh_shape: tuple[int, ...], axis: int, *, sizes: Sequence[int] = FULL_SIZES, kinds: Sequence[str] = COLLECTIVE_KINDS,
-    reps: int = 5, warmup: int = 1, budget_s: float = 0.3,
+    reps: int = 5, warmup: int = 1, budget_s: float = 0.3, gap_s: float = 1e-3,
 ) -> list[CollectiveFit]:
     """Fits for every kind on `axis` of `mesh_shape`; call on every rank. Each size gets at least
     `reps` timed runs after `warmup` (at least 2 when one run takes longer than `budget_s`), and up
     to 6x `reps` while they take less than `budget_s` together: small messages, the noisiest, get
-    the most samples."""
+    the most samples. Before each call every rank computes for `gap_s` (see `_compute`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if math.prod(mesh_shape) != world:
         raise ValueError(f"mesh shape {mesh_shape} has {math.prod(mesh_shape)} devices but the world size is {world}")
@@ -148,30 +152,35 @@ def measure_axis(
             fn = _issue(kind, nbytes, n, pg, ranks, rank)
             for _ in range(warmup):
                 fn()
-            # back-to-back calls, as a step issues them (a barrier before each call would add the
-            # skew of waking every rank to every sample); small messages in batches of up to 8
-            batch = max(1, min(8, 2**20 // max(nbytes, 1)))
-
-            def calls(fn=fn, batch=batch) -> None:
-                for _ in range(batch):
-                    fn()
-
             samples: list[float] = []
             while True:
-                dist.barrier()
-                samples.append(timer(calls) / batch)
+                # one call at a time after a stretch of compute, as a step issues them: ranks arrive
+                # from work, not already waiting in the previous collective. Back-to-back calls
+                # measured 2-4x less per call than the same collectives inside a step on gloo here
+                _compute(gap_s)
+                samples.append(timer(fn))
                 # every rank must run the same number of collectives: rank 0 decides whether to go on
                 more = torch.tensor([len(samples) < 2 or (len(samples) < 6 * reps and (len(samples) < reps or sum(samples) < budget_s))
                                      and not (len(samples) >= 2 and sum(samples) > budget_s * reps)], device=_device())
                 dist.broadcast(more, src=0)
                 if not bool(more.item()):
                     break
-            measured.append(_slowest_median(samples))
+            measured.append(_slowest_mean(samples))
         alpha, beta = fit_alpha_beta(sizes, measured)
         label = f"{'x'.join(map(str, mesh_shape))} axis {axis}"
         fits.append(CollectiveFit(kind=kind, group=n, world=world, axis=label, alpha_s=alpha, seconds_per_byte=beta,
                                   sizes=tuple(sizes), times=tuple(measured)))
     return fits
+
+
+def _compute(seconds: float) -> None:
+    """Busy this rank's cores for `seconds` with small matmuls (the ops between two collectives)."""
+    if seconds <= 0:
+        return
+    a = torch.ones(64, 64)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = a @ a * 0.01
 
 
 def _workload(seconds: float = 0.4, *, median: bool = False, chunk_s: float = 0.02) -> float:

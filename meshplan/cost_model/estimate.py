@@ -5,7 +5,8 @@ backward is `BACKWARD_FACTOR` x forward where gradients flow; communication is t
 of exactly the steps `redistribution_steps` lists (forward and, where gradients flow, backward).
 
 With a measured profile on the cluster (`ClusterPreset.profile`), an op's time is its measured
-forward + backward on the local shapes (times the measured compute contention of the world size),
+forward + backward on the local shapes plus the measured in-program overhead per op run
+(`Profile.node_overhead_s`), times the measured compute contention of the world size;
 a collective's time is its fitted alpha + bytes * beta for that group and world size, and the
 runtime's local copies around collectives (chunk, pad, cat, stack, clone: see
 `runtime/collectives.py`) are priced at the measured copy rate. What the profile lacks falls back
@@ -55,7 +56,8 @@ def compute_time(
         t = prof.op(target, loc_in, loc_out)
         if t is not None:
             bwd = (t.backward_s if t.backward_s is not None else BACKWARD_FACTOR * t.forward_s) if backward else 0.0
-            return (t.forward_s + bwd) * prof.slowdown(math.prod(mesh_shape))
+            runs = 2 if backward else 1  # the op runs in forward, and its backward node in backward
+            return (t.forward_s + bwd + runs * (prof.node_overhead_s or 0.0)) * prof.slowdown(math.prod(mesh_shape))
     split = work_split(out_layouts, mesh_shape)
     flops = op_flops(target, list(inputs), list(outputs)) / split
     nbytes = op_bytes(target, list(inputs), list(outputs)) / split
@@ -63,7 +65,9 @@ def compute_time(
     fwd = roofline_time(flops, nbytes, cluster.device, dtype)
     if prof is not None:  # not profiled: the roofline plus the dispatch cost every measured op pays
         fwd += prof.op_overhead_s or 0.0
-        return fwd * (1.0 + BACKWARD_FACTOR if backward else 1.0) * prof.slowdown(math.prod(mesh_shape))
+        runs = 2 if backward else 1
+        total = fwd * (1.0 + BACKWARD_FACTOR if backward else 1.0) + runs * (prof.node_overhead_s or 0.0)
+        return total * prof.slowdown(math.prod(mesh_shape))
     return fwd * (1.0 + BACKWARD_FACTOR) if backward else fwd
 
 

@@ -126,6 +126,20 @@ def time_op(
     return OpTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd), runs=len(fwd))
 
 
+def time_program(gm: torch.nn.Module, args: Sequence[object], *, warmup: int = 3, runs: int = 15) -> float:
+    """Median seconds of one forward + backward of a whole program (`gm(*args)`, gradients of ones
+    into every floating output that needs them), as a training step runs it."""
+    timer = Timer(next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu")))
+
+    def step() -> None:
+        outs = _float_outputs(gm(*args))
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    times = [timer(step) for _ in range(warmup + runs)]
+    return statistics.median(times[warmup:])
+
+
 def copy_rate(device: torch.device | str = "cpu", nbytes: int = 4 * 2**20, runs: int = 15) -> float:
     """Seconds per byte written by a plain copy (the runtime's chunk().contiguous(), cat, stack)."""
     device = torch.device(device)

@@ -128,6 +128,12 @@ class Profile:
     """Process-group backend of the collective fits (gloo, nccl)."""
     optimizer_steps: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     """optimizer name -> (seconds per parameter tensor, seconds per element) of `optimizer.step()`."""
+    node_overhead_s: float | None = None
+    """Seconds a whole program spends per op it runs (forward, and again in backward where gradients
+    flow) beyond the ops' isolated timings: the model's one-device program, timed forward + backward,
+    minus the sum of its ops' profiles, over the ops it ran. It is the per-op work of a real step
+    that timing one op at a time misses (autograd's graph and engine, Python between ops,
+    allocator and cache state)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", MappingProxyType(dict(self.ops)))
@@ -165,6 +171,7 @@ class Profile:
             optimizer_steps={**self.optimizer_steps, **other.optimizer_steps},
             copy_seconds_per_byte=other.copy_seconds_per_byte or self.copy_seconds_per_byte,
             op_overhead_s=other.op_overhead_s or self.op_overhead_s,
+            node_overhead_s=other.node_overhead_s if other.node_overhead_s is not None else self.node_overhead_s,
             backend=other.backend or self.backend,
             threads=other.threads if other.ops else self.threads,
         )
@@ -189,6 +196,7 @@ class Profile:
             "backend": self.backend,
             "copy_seconds_per_byte": self.copy_seconds_per_byte,
             "op_overhead_s": self.op_overhead_s,
+            "node_overhead_s": self.node_overhead_s,
             "contention": {str(k): v for k, v in sorted(self.contention.items())},
             "optimizer_steps": {k: list(v) for k, v in sorted(self.optimizer_steps.items())},
             "ops": {k: {"forward_s": t.forward_s, "backward_s": t.backward_s, "runs": t.runs} for k, t in sorted(self.ops.items())},
@@ -211,6 +219,7 @@ class Profile:
                 threads=int(d["threads"]), backend=_str(d.get("backend", "")),
                 copy_seconds_per_byte=_opt_float(d.get("copy_seconds_per_byte")),
                 op_overhead_s=_opt_float(d.get("op_overhead_s")),
+                node_overhead_s=_opt_float(d.get("node_overhead_s")),
                 contention={int(k): _pos(v) for k, v in d.get("contention", {}).items()},
                 optimizer_steps={_str(k): (_pos(v[0]), _pos(v[1])) for k, v in d.get("optimizer_steps", {}).items()},
                 ops={_str(k): OpTiming(forward_s=_pos(v["forward_s"]), backward_s=_opt_float(v.get("backward_s")), runs=int(v.get("runs", 0)))
@@ -237,7 +246,8 @@ class Profile:
         per = ", ".join(f"{w} ranks x{f:.2f}" for w, f in sorted(self.contention.items())) or "not measured"
         return (
             f"profile for {self.device} (torch {self.torch_version}, calibrates cluster {self.cluster!r}): "
-            f"{len(self.ops)} op timings, {len(self.collectives)} collective fits ({self.backend or '-'}), contention {per}"
+            f"{len(self.ops)} op timings, {len(self.collectives)} collective fits ({self.backend or '-'}), contention {per}, "
+            f"in-program overhead {'not measured' if self.node_overhead_s is None else f'{self.node_overhead_s * 1e6:.1f} us per op'}"
         )
 
 

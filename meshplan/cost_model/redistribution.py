@@ -81,6 +81,8 @@ def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple
     nesting of several mesh axes on one tensor dim (the outer axis takes the outer blocks).
     """
     assert len(src) == len(dst) == len(mesh_shape), (src, dst, mesh_shape)
+    # on an axis of one device every layout holds the same local tensor: nothing to move
+    src = tuple(d if size == 1 else s for s, d, size in zip(src, dst, mesh_shape))
     if src == dst:
         return []
     n = len(mesh_shape)
