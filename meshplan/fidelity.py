@@ -7,9 +7,9 @@ data-parallel one on both worlds, so it is not a separate row.) Each plan trains
 a warm-up; a step is forward + backward + `optimizer.step()`, timed between barriers, its time the
 slowest rank's.
 
-Prediction: `plan.step_time_s` (compute + communication, what the solver minimised) plus
-`optimizer_step_time` of the rank's local parameters (the planner does not price the optimizer
-step yet), from the cluster preset calibrated with a measured profile (`meshplan profile`).
+Prediction: `plan.step_time_s` (compute + communication + the optimizer step over the rank's local
+parameters: what the solver minimised), from the cluster preset calibrated with a measured
+profile (`meshplan profile`).
 
 Peak memory, measured: the bytes of the tensors a rank holds when a step starts (parameters,
 optimizer state, gradient-bucket buffers) plus the highest point of the running sum of every
@@ -217,16 +217,14 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else 0.0
 
 
-def predict(plan, graph, cluster, optimizer: str = "adam") -> tuple[tuple[float, float, float], float]:
+def predict(plan, graph, optimizer: str = "adam") -> tuple[tuple[float, float, float], float]:
     """((compute, communication, optimizer) seconds, peak bytes) predicted for one training step of
     `plan` on one device."""
-    from meshplan.cost_model.estimate import optimizer_step_time
     from meshplan.cost_model.peak import predict_peak
-    from meshplan.ir.placement import local_shape
 
-    numels = [math.prod(local_shape(p.shape, p.layout, plan.mesh.shape)) for p in plan.params if not p.is_buffer]
-    opt_s = optimizer_step_time(numels, optimizer, plan.mesh.shape, cluster)
-    return (plan.step_time_s - plan.comm_s, plan.comm_s, opt_s), float(predict_peak(graph, plan, optimizer=optimizer).peak)
+    parts = (plan.compute_s, plan.comm_s, plan.optimizer_s)
+    assert abs(sum(parts) - plan.step_time_s) <= 1e-12 * max(plan.step_time_s, 1.0), "no other term (pipeline, offload) is forced here"
+    return parts, float(predict_peak(graph, plan, optimizer=optimizer).peak)
 
 
 def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, log=print) -> list[Row]:
@@ -258,11 +256,11 @@ def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, 
             "while measuring (used)")
         scale = _slowdown(now, world) / _slowdown(cluster, world)
         for (case, plan), got in zip(mine, results):
-            (compute, comm, _), m = predict(plan, graph, cluster)
-            (_, _, opt), _ = predict(plan, graph, now)
-            # every op's time is linear in the contention factor; the collective fits were measured
-            # under the load of calibration time, and waiting for peers scales with load the same way
-            parts = (compute * scale, comm * scale, opt)
+            (compute, comm, opt), m = predict(plan, graph)
+            # every op's time and optimizer step is linear in the contention factor; the collective
+            # fits were measured under the load of calibration time, and waiting for peers scales
+            # with load the same way
+            parts = (compute * scale, comm * scale, opt * scale)
             rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=got["time_s"],
                             predicted_bytes=m, measured_bytes=got["peak_bytes"], parts_s=parts))
     return rows

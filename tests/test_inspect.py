@@ -86,7 +86,7 @@ def test_summary_has_mesh_layers_collectives_time_and_memory(mlp_plans):
     text = str(plan)
     assert text == plan.summary()
     assert "mesh dp=2 x tp=2 (4 devices; axes dp, tp" in text
-    assert re.search(r"compute [\d.]+ ms \+ communication [\d.]+ ms \+ bubble 0\.000 ms", text)
+    assert re.search(r"compute [\d.]+ ms \+ communication [\d.]+ ms \+ optimizer step [\d.]+ ms \+ bubble 0\.000 ms", text)
     assert re.search(r"params .* grads .* optimizer .* activations .*=", text)
     for p in plan.params:  # MLP parameters live in layers.N: one row per layer, names relative to it
         layer, name = p.fqns[0].rsplit(".", 1)

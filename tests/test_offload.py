@@ -9,6 +9,7 @@ import torch
 from _parity import STEPS, build, loss_fn, run_steps
 
 import meshplan
+from meshplan.cost_model.estimate import optimizer_step_time
 from meshplan.cost_model.offload import offload_step_time
 from meshplan.cost_model.presets import get_cluster
 from meshplan.runtime.launch import run_local
@@ -27,9 +28,14 @@ def test_offload_moves_optimizer_state_to_the_host_and_charges_the_round_trip():
     assert all(p.offload for p in trainable) and not any(p.offload for p in keep.params)
     assert host.memory.optimizer == 0 and keep.memory.optimizer > 0
     assert (host.memory.params, host.memory.grads, host.memory.activations) == (keep.memory.params, keep.memory.grads, keep.memory.activations)
-    device = get_cluster("h100").device
-    expected = sum(offload_step_time(torch.Size(p.shape).numel(), device, optimizer="adam", itemsize=4) for p in trainable)
-    assert host.step_time_s - keep.step_time_s == pytest.approx(expected, rel=1e-6)
+    cluster = get_cluster("h100")
+    numels = [torch.Size(p.shape).numel() for p in trainable]
+    host_step = sum(offload_step_time(n, cluster.device, optimizer="adam", itemsize=4) for n in numels)
+    device_step = sum(optimizer_step_time([n], "adam", (2,), cluster) for n in numels)
+    # the host steps instead of the device
+    assert host.host_s == pytest.approx(host_step, rel=1e-6) and host.optimizer_s == 0
+    assert keep.optimizer_s == pytest.approx(device_step, rel=1e-6) and keep.host_s == 0
+    assert host.step_time_s - keep.step_time_s == pytest.approx(host_step - device_step, rel=1e-6)
 
 
 def test_the_solver_offloads_only_what_the_budget_needs():

@@ -183,8 +183,8 @@ grad, exp_avg, exp_avg_sq, writes param, exp_avg, exp_avg_sq)."""
 def optimizer_step_time(numels: Sequence[int], optimizer: str, mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
     """Seconds of one `optimizer.step()` over this device's parameter tensors (`numels`, local
     elements each): the profile's per-tensor + per-element rate (times contention), else memory
-    traffic at the device's bandwidth. The planner's step time does not include it yet; the
-    fidelity benchmark adds it to both plans' predictions alike."""
+    traffic at the device's bandwidth. The planner prices each trainable parameter's step on its
+    local shard (`Plan.optimizer_s`), so sharding optimizer state also shortens the step."""
     prof = cluster.profile
     if prof is not None and optimizer in prof.optimizer_steps:
         per_tensor, per_element = prof.optimizer_steps[optimizer]

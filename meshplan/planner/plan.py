@@ -141,6 +141,9 @@ class Plan:
     """Per parameter, input and costly op: the other candidates and what ruled some out (`explain`)."""
     host_s: float = 0.0
     """Seconds per step of offloaded optimizer state: gradients down, the host step, parameters up."""
+    optimizer_s: float = 0.0
+    """Seconds of `optimizer.step()` on the device over its local parameters (offloaded ones step
+    on the host: `host_s`). Not in a pipeline's `step_time_s` yet."""
     recompute: tuple[str, ...] = ()
     """Layers whose activations are recomputed in backward (each runs under torch.utils.checkpoint)."""
     pipeline: PipelinePlan | None = None
@@ -160,7 +163,7 @@ class Plan:
         """With a pipeline: the schedule's step over all microbatches (compute_s and comm_s are one microbatch's)."""
         if self.pipeline:
             return self.pipeline.step_s
-        return self.compute_s + self.comm_s + self.host_s
+        return self.compute_s + self.comm_s + self.host_s + self.optimizer_s
 
     def strategy_of(self, node: str) -> Strategy:
         for n in self.nodes:
@@ -327,6 +330,7 @@ def _decode_plan(d: dict) -> Plan:
         compute_s=d["compute_s"],
         comm_s=d["comm_s"],
         host_s=d.get("host_s", 0.0),
+        optimizer_s=d.get("optimizer_s", 0.0),
         solver=SolverInfo(**d["solver"], seconds=None),
         fallbacks=seq(d["fallbacks"]),
         buckets=tuple(GradBucket(seq(b["axes"]), seq(b["params"]), b["nbytes"], b["time_s"]) for b in seq(d["buckets"])),

@@ -130,7 +130,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
     chosen = {name: cands.by_node[name][i] for name, i in choice.items()}
 
     nodes, transfers, params, inputs = [], [], [], []
-    compute_s = comm_s = host_s = 0.0
+    compute_s = comm_s = host_s = optimizer_s = 0.0
     memory = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
     recomputed = {layer: g.name for g in groups if g.name in solution.recompute for layer in g.layers}
     internal = internal_outputs(graph) if recomputed else set()
@@ -178,6 +178,11 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         elif node.kind in ("param", "buffer"):
             layout = s.outputs[0]
             trainable = node.kind == "param" and node.grad(0)
+            if trainable:  # its cost holds the device's optimizer step, or (offloaded) the host's instead of it
+                step = tables.optimizer_s[rep[node.name]][choice[node.name]]
+                offloaded_here = node.name in offloaded
+                optimizer_s += 0.0 if offloaded_here else step
+                cost = cost + step if offloaded_here else cost - step  # ParamChoice.time_s: gradient sync (+ host step)
             axes = grad_sync_axes(layout) if trainable else ()
             axes = tuple(a for a in axes if shape[a] > 1)
             params.append(
@@ -210,6 +215,7 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         compute_s=compute_s,
         comm_s=comm_s,
         host_s=host_s,
+        optimizer_s=optimizer_s,
         solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables),
         fallbacks=tuple(cands.fallbacks),
         buckets=tuple(buckets),

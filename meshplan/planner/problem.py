@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from meshplan.cost_model.compute import is_view
 from meshplan.cost_model.kernels import kernel_time
-from meshplan.cost_model.estimate import compute_time, grad_sync_time, local_bytes, transfer_time
+from meshplan.cost_model.estimate import compute_time, grad_sync_time, local_bytes, optimizer_step_time, transfer_time
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import InfeasibleRedistribution
@@ -100,9 +100,13 @@ class Tables:
     problem: Problem
     tying: Tying
     unit_costs: dict[str, list[float]]
-    """Class representative -> one member's own seconds per strategy (compute or gradient sync)."""
+    """Class representative -> one member's own seconds per strategy (compute, or a trainable
+    parameter's gradient sync + optimizer step)."""
     mesh_shape: tuple[int, ...]
     cluster: ClusterPreset
+    optimizer_s: dict[str, list[float]] = field(default_factory=dict)
+    """Trainable parameter class representative -> one member's `optimizer.step()` seconds per
+    strategy on the device (included in `unit_costs`)."""
     _moves: dict[tuple, float | None] = field(default_factory=dict)
 
     def move_time(self, meta: TensorMeta, src: Placements, dst: Placements, backward: bool) -> float | None:
@@ -133,6 +137,7 @@ def build_tables(
     rep, count = tying.rep, tying.count
     terms = RecomputeTerms(graph, recompute, rep, count, force=force_recompute)
     unit_costs: dict[str, list[float]] = {}
+    optimizer_s: dict[str, list[float]] = {}
     node_mem: dict[str, list[float]] = {}
     for node in graph.nodes:
         if rep[node.name] != node.name:
@@ -147,7 +152,11 @@ def build_tables(
                 for s in strategies
             ]
         elif node.kind == "param" and node.grad(0):
-            costs = [grad_sync_time(node.out, s.outputs[0], shape, cluster) for s in strategies]
+            # the step updates each device's local shard: sharding a parameter divides its step
+            step = [optimizer_step_time([local_bytes(node.out, s.outputs[0], shape) // node.out.itemsize], optimizer, shape, cluster)
+                    for s in strategies]
+            optimizer_s[node.name] = step
+            costs = [grad_sync_time(node.out, s.outputs[0], shape, cluster) + t for s, t in zip(strategies, step)]
         else:
             costs = [0.0] * len(strategies)
         unit_costs[node.name] = costs
@@ -159,7 +168,7 @@ def build_tables(
                 [float(node_memory(node, s, shape, optimizer).activations) for s in strategies],
             )
     node_costs = {name: [c * count[name] for c in costs] for name, costs in unit_costs.items()}
-    tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget), tying, unit_costs, shape, cluster)
+    tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget), tying, unit_costs, shape, cluster, optimizer_s)
 
     # every graph edge, as an edge between the classes it joins, counted as often as it occurs
     occurrences: dict[tuple, list[str | None]] = {}  # edge key -> the consumer's layer, per occurrence

@@ -169,7 +169,8 @@ def format_summary(plan: Plan, *, ops: bool = False) -> str:
     if plan.pipeline is None:
         con.print(
             f"predicted step {plan.step_time_s * 1e3:.3f} ms = compute {plan.compute_s * 1e3:.3f} ms + communication "
-            f"{plan.comm_s * 1e3:.3f} ms + bubble {plan.bubble_s * 1e3:.3f} ms (no pipeline stages)"
+            f"{plan.comm_s * 1e3:.3f} ms + optimizer step {plan.optimizer_s * 1e3:.3f} ms + bubble {plan.bubble_s * 1e3:.3f} ms "
+            "(no pipeline stages)"
             + (f" + host {plan.host_s * 1e3:.3f} ms (offloaded optimizer state)" if plan.host_s else "")
         )
         con.print(f"memory per device: {plan.memory}")
