@@ -35,7 +35,8 @@ def main() -> int:
         print(msg, file=sys.stderr, flush=True)
 
     profile = args.profile or fidelity.calibrate(quick=args.quick, out=args.save_profile, log=log)
-    rows = fidelity.run(profile, quick=args.quick, steps=args.steps, log=log)
+    # a profile measured now is refreshed next to each world's steps; a given one is used as it is
+    rows = fidelity.run(profile, quick=args.quick, steps=args.steps, refresh_comm=not args.profile, log=log)
     print(fidelity.table(rows))
     figures = fidelity.report(rows)
     met = {

@@ -362,7 +362,8 @@ def _validate(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     profile = args.profile or fidelity.calibrate(quick=args.quick, out=args.save_profile, log=say)
-    rows = fidelity.run(profile, quick=args.quick, steps=args.steps, log=say)
+    # a profile measured now is refreshed next to each world's steps; a given one is used as it is
+    rows = fidelity.run(profile, quick=args.quick, steps=args.steps, refresh_comm=not args.profile, log=say)
     print(fidelity.table(rows))
     return 0
 

@@ -227,8 +227,13 @@ def predict(plan, graph, optimizer: str = "adam") -> tuple[tuple[float, float, f
     return parts, float(predict_peak(graph, plan, optimizer=optimizer).peak)
 
 
-def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, log=print) -> list[Row]:
-    """Plan every case with `profile` (see `meshplan.plan(profile=)`), measure each, return the rows."""
+def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, refresh_comm: bool = False, log=print) -> list[Row]:
+    """Plan every case with `profile` (see `meshplan.plan(profile=)`), measure each, return the rows.
+
+    `refresh_comm`: measure each world's collectives and contention again right before its plans
+    are made and timed. On this shared machine their cost drifts by up to 2x within minutes
+    (FSDP on 4 ranks: 283 ms, then 482 ms of collectives per step, same code), so a calibration is
+    only good next to the measurement it predicts."""
     import meshplan
     from meshplan.cost_model.presets import get_cluster
     from meshplan.cost_model.profile import resolve_profile
@@ -237,18 +242,20 @@ def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, 
 
     cfg, batch = (QUICK_MODEL, QUICK_BATCH) if quick else (MODEL, BATCH)
     measured_profile = resolve_profile(profile, None)
-    cluster = get_cluster(measured_profile.cluster if measured_profile else "cpu").with_profile(measured_profile)
     model, tokens = build(cfg, batch)
     graph = trace(model, (tokens,))
-    planned = []
-    for case in cases(quick):
-        opts = dict(case.options)
-        plan = meshplan.plan(model, case.world, (tokens,), cluster=cluster, **opts)
-        planned.append((case, plan))
-        log(f"planned {case.name} on {case.world}: mesh {plan.mesh.shape}, predicted {plan.step_time_s * 1e3:.2f} ms")
     rows = []
-    for world in sorted({c.world for c, _ in planned}):
-        mine = [(c, p) for c, p in planned if c.world == world]
+    for world in sorted({c.world for c in cases(quick)}):
+        world_profile = measured_profile
+        if refresh_comm and measured_profile is not None:
+            log(f"measuring collectives and contention on {world} local processes again, next to the timed steps")
+            world_profile = measured_profile.merged(_comm_profile((world,), quick))
+        cluster = get_cluster(world_profile.cluster if world_profile else "cpu").with_profile(world_profile)
+        mine = []
+        for case in (c for c in cases(quick) if c.world == world):
+            plan = meshplan.plan(model, case.world, (tokens,), cluster=cluster, **dict(case.options))
+            mine.append((case, plan))
+            log(f"planned {case.name} on {case.world}: mesh {plan.mesh.shape}, predicted {plan.step_time_s * 1e3:.2f} ms")
         log(f"measuring {len(mine)} plans on {world} local gloo processes")
         results = run_local(world, _measure_world, [p.to_json() for _, p in mine], cfg, batch, warmup, steps, timeout=1200)[0]
         now = _with_contention(cluster, world, results[0]["contention"])
@@ -304,22 +311,27 @@ def table(rows: list[Row]) -> str:
 def calibrate(*, quick: bool = False, out=None, log=print):
     """Measure this machine for the benchmark: the model's op shapes on 2 and 4 devices
     (`profile_model`) and collectives + contention on 2 and 4 local processes (`profile_comm`)."""
-    from meshplan.calibrate import profile_comm, profile_model
+    from meshplan.calibrate import profile_model
 
     cfg, batch = (QUICK_MODEL, QUICK_BATCH) if quick else (MODEL, BATCH)
     worlds = sorted({c.world for c in cases(quick)})
     model, tokens = build(cfg, batch)
     log(f"profiling the ops of {type(model).__name__} for {worlds} devices")
     compute = profile_model(model, (tokens,), tuple(worlds), budget_s=0.01 if quick else 0.05)
-    sizes = (4 * 2**10, 64 * 2**10, 2**20) if quick else tuple(4 * 2**10 * 4**k for k in range(7))  # up to 16 MiB
-    log(f"profiling collectives on {worlds} local processes, {len(sizes)} sizes up to {sizes[-1] // 2**10} KiB")
-    comm = profile_comm(tuple(worlds), sizes=sizes, reps=3 if quick else 5)
-    profile = compute.merged(comm)
+    log(f"profiling collectives on {worlds} local processes")
+    profile = compute.merged(_comm_profile(tuple(worlds), quick))
     if out is not None:
         from meshplan.cost_model.profile import save_merged
 
         profile = save_merged(profile, out)
     return profile
+
+
+def _comm_profile(worlds: tuple[int, ...], quick: bool):
+    from meshplan.calibrate import profile_comm
+
+    sizes = (4 * 2**10, 64 * 2**10, 2**20) if quick else tuple(4 * 2**10 * 4**k for k in range(7))  # up to 16 MiB
+    return profile_comm(worlds, sizes=sizes, reps=3 if quick else 5)
 
 
 def report(rows: list[Row]) -> dict:

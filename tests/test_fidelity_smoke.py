@@ -38,6 +38,7 @@ def test_fidelity_quick_runs(tmp_path):
         parts = [float(x) for x in rest[:3]]
         assert float(total) == pytest.approx(sum(parts), abs=0.16) and float(rest[3]) > 0
     assert re.search(r"Spearman rank correlation of step times: -?[0-9.]+; median absolute error", out)
+    assert "measuring collectives and contention on 2 local processes again, next to the timed steps" in proc.stderr
     assert len(re.findall(r"\(target [<>]= [0-9.]+\): (met|NOT met)", out)) == 3
     # the calibration wrote a profile with both op timings and collective fits, and it plans
     from meshplan.cost_model.profile import load_profile
