@@ -81,6 +81,8 @@ class ParamChoice:
     dtype: str = "float32"
     offload: bool = False
     """Optimizer state and fp32 master copy live in host memory; the step runs there (runtime/offload.py)."""
+    optimizer_s: float = 0.0
+    """Seconds of its `optimizer.step()` on the device, on its local shard (0 when offloaded: the host steps it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +145,9 @@ class Plan:
     """Seconds per step of offloaded optimizer state: gradients down, the host step, parameters up."""
     optimizer_s: float = 0.0
     """Seconds of `optimizer.step()` on the device over its local parameters (offloaded ones step
-    on the host: `host_s`). Not in a pipeline's `step_time_s` yet."""
+    on the host: `host_s`); the sum of `ParamChoice.optimizer_s`. With a pipeline it is one stage
+    sub-mesh's figure for the whole model, like `compute_s`; the pipeline's step counts each
+    device's own parameters."""
     recompute: tuple[str, ...] = ()
     """Layers whose activations are recomputed in backward (each runs under torch.utils.checkpoint)."""
     pipeline: PipelinePlan | None = None
@@ -344,7 +348,7 @@ def _decode_plan(d: dict) -> Plan:
 def _decode_param(p: dict, seq) -> ParamChoice:
     return ParamChoice(
         p["node"], seq(p["fqns"]), seq(p["shape"]), parse(p["layout"]), seq(p["grad_sync_axes"]), p["is_buffer"], p["time_s"], dtype=p["dtype"],
-        offload=p.get("offload", False),
+        offload=p.get("offload", False), optimizer_s=p.get("optimizer_s", 0.0),
     )
 
 

@@ -178,15 +178,17 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         elif node.kind in ("param", "buffer"):
             layout = s.outputs[0]
             trainable = node.kind == "param" and node.grad(0)
+            step = 0.0
             if trainable:  # its cost holds the device's optimizer step, or (offloaded) the host's instead of it
                 step = tables.optimizer_s[rep[node.name]][choice[node.name]]
-                offloaded_here = node.name in offloaded
-                optimizer_s += 0.0 if offloaded_here else step
-                cost = cost + step if offloaded_here else cost - step  # ParamChoice.time_s: gradient sync (+ host step)
+                cost = cost + step if node.name in offloaded else cost - step  # ParamChoice.time_s: gradient sync (+ host step)
+                step = 0.0 if node.name in offloaded else step
+                optimizer_s += step
             axes = grad_sync_axes(layout) if trainable else ()
             axes = tuple(a for a in axes if shape[a] > 1)
             params.append(
-                ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype, offload=node.name in offloaded)
+                ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype, offload=node.name in offloaded,
+                            optimizer_s=step)
             )
         elif node.kind == "input":
             inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))

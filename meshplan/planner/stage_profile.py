@@ -36,7 +36,8 @@ class Unit:
     forward_s: float
     """Forward compute seconds per microbatch (what recomputation adds)."""
     sync_s: float
-    """Gradient all-reduce seconds per step, for the parameters it owns."""
+    """Seconds per step (not per microbatch) for the parameters it owns: gradient all-reduce and
+    the optimizer step."""
     static_bytes: int
     """Parameters, gradients and optimizer state."""
     param_bytes: int
@@ -107,7 +108,7 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
             acc[u]["static"] += static
             acc[u]["grad"] += grad
             acc[u]["param"] += nbytes
-            acc[u]["sync"] += p.time_s
+            acc[u]["sync"] += p.time_s + p.optimizer_s
             if len(users) > 1:
                 acc[u]["shared"][p.node] = (static, grad)
     # the activation crossing from one unit to the next: outputs consumed in a later unit
