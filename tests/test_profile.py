@@ -163,6 +163,22 @@ def test_collectives_use_the_fit_for_their_group_and_world():
     assert math.isclose(steps_time([CommStep("chunk", 0, dim=1, nbytes=1000)], (2, 2), cluster), 500 * 1e-9)
 
 
+def test_two_axes_of_one_size_keep_their_own_fits():
+    # 2 nodes x 2 GPUs: both axes have groups of 2, but the outer one crosses nodes
+    outer = CollectiveFit(kind="all_reduce", group=2, world=4, alpha_s=1e-4, seconds_per_byte=1e-9, axis="2x2 axis 0")
+    inner = CollectiveFit(kind="all_reduce", group=2, world=4, alpha_s=1e-5, seconds_per_byte=1e-11, axis="2x2 axis 1")
+    prof = _profile(collectives=(outer, inner))
+    cluster = get_cluster("cpu").with_profile(prof)
+    assert group_collective_time("all_reduce", 1000, (0,), (2, 2), cluster) == pytest.approx(1e-4 + 1e-6)
+    assert group_collective_time("all_reduce", 1000, (1,), (2, 2), cluster) == pytest.approx(1e-5 + 1e-8)
+    # another mesh of the same world with groups of 2 (none measured on it): the latest fit of that size
+    assert prof.collective("all_reduce", 2, 4, "4x1 axis 0") is inner
+    # merging keeps both axes, and a new measurement of one axis replaces only that one
+    newer = CollectiveFit(kind="all_reduce", group=2, world=4, alpha_s=2e-4, seconds_per_byte=1e-9, axis="2x2 axis 0")
+    merged = prof.merged(_profile(collectives=(newer,)))
+    assert set(merged.collectives) == {inner, newer}
+
+
 # --- memory formulas ---------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from meshplan.cost_model.collectives import COLLECTIVE_KINDS
 from meshplan.cost_model.op_profiler import Timer
-from meshplan.cost_model.profile import CollectiveFit, Profile, device_name, torch_version
+from meshplan.cost_model.profile import CollectiveFit, Profile, axis_label, device_name, torch_version
 
 FULL_SIZES: tuple[int, ...] = tuple(4 * 2**10 * 4**k for k in range(10))
 """4 KiB, 16 KiB, ..., 256 MiB (bytes of the full tensor, as `collective_time` counts them)."""
@@ -167,7 +167,7 @@ def measure_axis(
                     break
             measured.append(_slowest_mean(samples))
         alpha, beta = fit_alpha_beta(sizes, measured)
-        label = f"{'x'.join(map(str, mesh_shape))} axis {axis}"
+        label = axis_label(mesh_shape, axis)
         fits.append(CollectiveFit(kind=kind, group=n, world=world, axis=label, alpha_s=alpha, seconds_per_byte=beta,
                                   sizes=tuple(sizes), times=tuple(measured)))
     return fits
@@ -177,10 +177,10 @@ def _compute(seconds: float) -> None:
     """Busy this rank's cores for `seconds` with small matmuls (the ops between two collectives)."""
     if seconds <= 0:
         return
-    a = torch.ones(64, 64)
+    a = torch.full((64, 64), 0.1)
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
-        a = a @ a * 0.01
+        a @ a
 
 
 def _workload(seconds: float = 0.4, *, median: bool = False, chunk_s: float = 0.02) -> float:
@@ -246,26 +246,12 @@ def measure_cluster(
     same `Profile` on every rank (the caller writes it from rank 0)."""
     world = dist.get_world_size()
     fits = []
-    seen = set()
     for shape in mesh_shapes or mesh_shapes_for(world):
-        for axis in range(len(shape)):
-            key = (shape[axis], tuple(shape))
-            if key in seen:
-                continue
-            seen.add(key)
+        for axis in range(len(shape)):  # every axis: two axes of one size may sit on different links
             fits += measure_axis(tuple(shape), axis, sizes=sizes, kinds=kinds, reps=reps)
     contention = measure_contention() if world > 1 else 1.0
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return Profile(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=torch.get_num_threads(),
-        collectives=tuple(_dedupe(fits)), contention={world: contention}, backend=str(dist.get_backend()),
+        collectives=tuple(fits), contention={world: contention}, backend=str(dist.get_backend()),
     )
-
-
-def _dedupe(fits: list[CollectiveFit]) -> list[CollectiveFit]:
-    """One fit per (kind, group, world): a group size measured on several meshes keeps the 2-D one,
-    where other groups run concurrently, as in a plan that uses that axis on a multi-axis mesh."""
-    best: dict[tuple, CollectiveFit] = {}
-    for f in fits:
-        best[(f.kind, f.group, f.world)] = f  # later (2-D) meshes come after the 1-D one
-    return list(best.values())

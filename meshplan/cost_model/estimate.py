@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from meshplan.cost_model.collectives import collective_time
 from meshplan.cost_model.compute import BACKWARD_FACTOR, op_bytes, op_flops, roofline_time
 from meshplan.cost_model.presets import ClusterPreset
+from meshplan.cost_model.profile import axis_label
 from meshplan.cost_model.redistribution import CommStep, backward_steps, redistribution_steps
 from meshplan.ir.graph import TensorMeta
 from meshplan.ir.placement import Partial, Placements, Replicate, Shard, local_shape
@@ -78,14 +79,14 @@ def _local_meta(meta: TensorMeta | None, layout: Placements | None, mesh_shape: 
 
 
 def group_collective_time(kind: str, nbytes: int, axes: tuple[int, ...], mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
-    """One collective over the mesh `axes`: the profile's fit for this group and world size if it
-    has one, else the alpha-beta ring model on the axes' link."""
+    """One collective over the mesh `axes`: the profile's fit for this mesh axis (else this group
+    size and world size) if it has one, else the alpha-beta ring model on the axes' link."""
     group = math.prod(mesh_shape[a] for a in axes)
     if group == 1 or nbytes == 0:
         return 0.0
     prof = cluster.profile
     if prof is not None:
-        fit = prof.collective(kind, group, math.prod(mesh_shape))
+        fit = prof.collective(kind, group, math.prod(mesh_shape), axis_label(mesh_shape, axes[0]) if len(axes) == 1 else "")
         if fit is not None:
             return fit.time(nbytes)
     return collective_time(kind, nbytes, group, cluster.link_for_axes(mesh_shape, axes))

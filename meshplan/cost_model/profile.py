@@ -42,6 +42,11 @@ LOCAL = "local"
 """`profile="local"`: the database entry for this machine's device and torch version."""
 
 
+def axis_label(mesh_shape: tuple[int, ...], axis: int) -> str:
+    """How a collective fit names the mesh axis it was measured on, e.g. `2x2 axis 1`."""
+    return f"{'x'.join(map(str, mesh_shape))} axis {axis}"
+
+
 def torch_version() -> str:
     """`2.13.0+cpu` -> `2.13.0`: the build suffix does not change op semantics, the release does."""
     return torch.__version__.split("+", 1)[0]
@@ -150,19 +155,26 @@ class Profile:
         known = [w for w in self.contention if w <= world]
         return self.contention[max(known)] if known else 1.0
 
-    def collective(self, kind: str, group: int, world: int) -> CollectiveFit | None:
-        """The fit for `kind` on groups of `group` ranks, measured at this world size if possible."""
+    def collective(self, kind: str, group: int, world: int, axis: str = "") -> CollectiveFit | None:
+        """The fit for `kind` on groups of `group` ranks: measured on this mesh axis (`axis_label`)
+        if possible, else at this world size (the latest measured mesh), else the nearest world."""
         fits = [f for f in self.collectives if f.kind == kind and f.group == group]
         if not fits:
             return None
-        return min(fits, key=lambda f: (abs(f.world - world), -f.world))
+        exact = [f for f in fits if axis and f.axis == axis and f.world == world]
+        if exact:
+            return exact[-1]
+        nearest = min(abs(f.world - world) for f in fits)
+        close = [f for f in fits if abs(f.world - world) == nearest]
+        return max(close, key=lambda f: f.world) if len({f.world for f in close}) > 1 else close[-1]
 
     # ---------------------------------------------------------------- combining and checking
 
     def merged(self, other: Profile) -> Profile:
         """This profile with `other`'s measurements added (other wins where both measured)."""
         self.check_compatible(other.device, other.torch_version)
-        keep = [f for f in self.collectives if not any((f.kind, f.group, f.world) == (g.kind, g.group, g.world) for g in other.collectives)]
+        keep = [f for f in self.collectives
+                if not any((f.kind, f.group, f.world, f.axis) == (g.kind, g.group, g.world, g.axis) for g in other.collectives)]
         return replace(
             self,
             ops={**self.ops, **other.ops},
