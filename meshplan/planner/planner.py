@@ -178,11 +178,14 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         elif node.kind in ("param", "buffer"):
             layout = s.outputs[0]
             trainable = node.kind == "param" and node.grad(0)
-            step = 0.0
-            if trainable:  # its cost holds the device's optimizer step, or (offloaded) the host's instead of it
-                step = tables.optimizer_s[rep[node.name]][choice[node.name]]
-                cost = cost + step if node.name in offloaded else cost - step  # ParamChoice.time_s: gradient sync (+ host step)
-                step = 0.0 if node.name in offloaded else step
+            step = 0.0  # ParamChoice.time_s keeps the gradient sync (+ the host step when offloaded)
+            if trainable:
+                device_step = tables.optimizer_s[rep[node.name]][choice[node.name]]
+                if node.name in offloaded:  # the cost holds the host step in place of the device's
+                    cost += device_step
+                else:
+                    cost -= device_step
+                    step = device_step
                 optimizer_s += step
             axes = grad_sync_axes(layout) if trainable else ()
             axes = tuple(a for a in axes if shape[a] > 1)
