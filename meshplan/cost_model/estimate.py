@@ -56,9 +56,8 @@ def compute_time(
         loc_out = [_local_meta(m, p, mesh_shape) for m, p in zip(outputs, out_layouts)]
         t = prof.op(target, loc_in, loc_out)
         if t is not None:
-            bwd = (t.backward_s if t.backward_s is not None else BACKWARD_FACTOR * t.forward_s) if backward else 0.0
             runs = 2 if backward else 1  # the op runs in forward, and its backward node in backward
-            return (t.forward_s + bwd + runs * (prof.node_overhead_s or 0.0)) * prof.slowdown(math.prod(mesh_shape))
+            return (t.seconds(backward) + runs * (prof.node_overhead_s or 0.0)) * prof.slowdown(math.prod(mesh_shape))
     split = work_split(out_layouts, mesh_shape)
     flops = op_flops(target, list(inputs), list(outputs)) / split
     nbytes = op_bytes(target, list(inputs), list(outputs)) / split

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from meshplan.cost_model.compute import BACKWARD_FACTOR
 from meshplan.ir.graph import TensorMeta
 
 log = logging.getLogger("meshplan")
@@ -85,6 +86,12 @@ class OpTiming:
     runs: int = 0
     """Timed repetitions the medians are over (after warm-up)."""
 
+
+    def seconds(self, backward: bool) -> float:
+        """Forward, plus backward when gradients flow (`BACKWARD_FACTOR` x forward if it was not timed)."""
+        if not backward:
+            return self.forward_s
+        return self.forward_s + (self.backward_s if self.backward_s is not None else BACKWARD_FACTOR * self.forward_s)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveFit:
@@ -165,8 +172,8 @@ class Profile:
         if exact:
             return exact[-1]
         nearest = min(abs(f.world - world) for f in fits)
-        close = [f for f in fits if abs(f.world - world) == nearest]
-        return max(close, key=lambda f: f.world) if len({f.world for f in close}) > 1 else close[-1]
+        # of the nearest worlds the larger one, and of its fits the latest measured (a 2-D mesh)
+        return max(((f.world, i), f) for i, f in enumerate(fits) if abs(f.world - world) == nearest)[1]
 
     # ---------------------------------------------------------------- combining and checking
 

@@ -74,7 +74,7 @@ def add_offload_options(tables, graph: Graph, by_node: dict[str, list[Strategy]]
         k = len(by_node[name])
         extra[name] = host_s
         # the host steps instead of the device: the device's optimizer step leaves the cost
-        delta = [t - d for t, d in zip(host_s, tables.optimizer_s.get(name, [0.0] * k))]
+        delta = [t - d for t, d in zip(host_s, tables.optimizer_s[name])]
         costs = [c + t * members for c, t in zip(problem.node_costs[name], delta)]
         mems = [m - b * members for m, b in zip(problem.node_memory[name], host_mem)]
         units = [c + t for c, t in zip(tables.unit_costs[name], delta)]
