@@ -32,9 +32,8 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import local_shape
 from meshplan.planner.plan import Plan
-from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm, count_collective
-from meshplan.runtime.parallel_module import _owner, check_same_plan, shard_tensor
+from meshplan.runtime.parallel_module import ParallelModule, _owner, check_same_plan, shard_tensor
 from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.stage_split import StageProgram, example_values, node_stages, split_program, unit_stages
 
@@ -270,13 +269,9 @@ class PipelineRunner:
         c["tied_sync:all_reduce"] += sum(1 for name in self.tied if name in held)
         return +c
 
-    @staticmethod
-    def collective_counts() -> Counter:
-        return Counter(collectives.COUNTS)
-
-    @staticmethod
-    def reset_collective_counts() -> None:
-        collectives.reset_counts()
+    # the process-wide counters, read and reset as a ParallelModule does
+    collective_counts = staticmethod(ParallelModule.collective_counts)
+    reset_collective_counts = staticmethod(ParallelModule.reset_collective_counts)
 
 
 __all__ = ["PipelineRunner", "StageComm", "stage_device"]
