@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshplan.cost_model.memory import format_bytes, parse_bytes
 from meshplan.cost_model.presets import ClusterPreset, get_cluster
 from meshplan.cost_model.profile import Profile, resolve_profile
+from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
 from meshplan.planner.annotations import AnnotationError, module_annotations
@@ -22,6 +24,7 @@ from meshplan.planner.constraints import Annotations
 from meshplan.planner.pipeline import PipelineOptions, pipeline_options, plan_pipeline
 from meshplan.planner.plan import Plan
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
+from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
 from meshplan.progress import phase
 from meshplan.runtime.collectives import resolve_timeout
 from meshplan.runtime.launch import init_torchrun_group
@@ -110,6 +113,7 @@ def plan(
     profile: Profile | str | os.PathLike | None = None,
     pipeline: int | str | PipelineOptions | None = None,
     stage_config: dict[str, int] | None = None,
+    time_limit_s: float = 60.0,
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
@@ -121,7 +125,12 @@ def plan(
     in backward when that beats other ways of fitting the budget ('auto'), or 'never' / 'always';
     `offload` ('never', 'auto', 'always') may keep optimizer state in host memory instead (train with
     `ParallelModule.make_optimizer`).
-    Meshes on which the annotations cannot hold (a split factor no axis has) are skipped.
+    Meshes that give no plan (the annotations cannot hold there, the budget is too small, the solve
+    ran out of time) are skipped; the plan's `solver.skipped` says which and why.
+
+    `time_limit_s`: seconds each mesh's solve may take. A solve stopped by it returns the best plan it
+    has (at worst the propagation plan), labelled not proven optimal with its gap; meshes too large
+    for one exact solve are searched one axis at a time (planner/neighbourhood.py) and labelled 'local'.
 
     Modes (`mode=`), `search=` and the annotations (`meshplan.shard` on submodules,
     `parameter_plan`, `parallelize_plan`, `input_layouts`) are described in docs/modes.md.
@@ -134,6 +143,8 @@ def plan(
     database entry; see docs/cost_model.md). Without one the cluster's presets price everything,
     and a warning says so once.
     """
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be a positive number of seconds; got {time_limit_s!r}")
     if profile is None and isinstance(cluster, ClusterPreset) and cluster.profile is not None:
         cluster_preset = cluster  # already calibrated
     else:
@@ -152,36 +163,44 @@ def plan(
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
         input_layouts=dict(input_layouts or {}), optimizer=optimizer, memory_budget=memory_budget, search=search,
-        recompute=recompute, offload=offload,
+        recompute=recompute, offload=offload, time_limit_s=float(time_limit_s),
         annotations=Annotations(
             parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=module_annotations(model)
         ),
     )
     phase(f"tracing {type(model).__name__}")
     graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs)
-    best: Plan | None = None
+    return search_meshes(graph, meshes, cluster_preset, options, model_name=type(model).__name__)
+
+
+def search_meshes(graph: Graph, meshes: list[MeshSpec], cluster: ClusterPreset, options: PlanOptions, *, model_name: str) -> Plan:
+    """The plan of least predicted step time over `meshes`. With several meshes, one that gives no
+    plan (over the memory budget, annotations that cannot hold, no consistent choice, a solve out of
+    time) is skipped with a logged reason, and the returned plan lists the skipped meshes and why."""
+    found: list[Plan] = []
     too_small: list[MemoryBudgetError] = []
-    unfit: list[str] = []
+    skipped: list[str] = []
     for mesh in meshes:
-        try:
-            p = make_plan(graph, mesh, cluster_preset, options, model_name=type(model).__name__)
-        except MemoryBudgetError as e:
-            log.info("mesh %s: %s", mesh, e)
-            too_small.append(e)
-            continue
-        except AnnotationError as e:
+        try:  # coarser meshes' plans start the search of meshes too large to solve exactly
+            p = make_plan(graph, mesh, cluster, options, model_name=model_name, coarser=found)
+        except (MemoryBudgetError, AnnotationError, InfeasiblePlan, SolveTimeout) as e:
             if len(meshes) == 1:
                 raise
-            unfit.append(f"mesh {mesh.shape}: {e}")
+            log.info("mesh %s skipped: %s", mesh, e)
+            skipped.append(f"mesh {mesh.shape}: {type(e).__name__}: {e}")
+            if isinstance(e, MemoryBudgetError):
+                too_small.append(e)
             continue
-        log.info("mesh %s: predicted step %.3f ms, peak %s", mesh, p.step_time_s * 1e3, format_bytes(p.memory.total))
-        if best is None or p.step_time_s < best.step_time_s:
-            best = p
-    if best is None and not too_small:
-        raise AnnotationError("the annotations hold on none of the candidate meshes:\n  " + "\n  ".join(unfit))
-    if best is None:
+        log.info("mesh %s: predicted step %.3f ms, peak %s (%s)", mesh, p.step_time_s * 1e3, format_bytes(p.memory.total), p.solver.status)
+        found.append(p)
+    if not found and too_small:
         raise min(too_small, key=lambda e: e.smallest)
-    return best
+    if not found and all(": AnnotationError: " in r for r in skipped):
+        raise AnnotationError("the annotations hold on none of the candidate meshes:\n  " + "\n  ".join(r.replace(": AnnotationError", "", 1) for r in skipped))
+    if not found:
+        raise InfeasiblePlan("no candidate mesh gave a plan:\n  " + "\n  ".join(skipped))
+    best = min(found, key=lambda p: p.step_time_s)
+    return dataclasses.replace(best, solver=dataclasses.replace(best.solver, skipped=tuple(skipped))) if skipped else best
 
 
 def auto_parallelize(

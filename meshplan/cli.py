@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", help="measured profile JSON (or 'local': this machine's, see `meshplan profile`)")
     p.add_argument("--mode", default="auto", help="auto, data_parallel, semi_auto or manual (default auto)")
     p.add_argument("--inputs", default="global", help="global or local (default global)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds each mesh's solve may take (default 60); a plan stopped by it is labelled not proven optimal")
     p.add_argument("--out", "-o", required=True, help="plan file to write (JSON)")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(handler=_plan)
@@ -226,6 +227,7 @@ def _plan(args: argparse.Namespace) -> int:
     kwargs: dict = {}
     if args.memory is not None:
         kwargs["memory_budget"] = args.memory
+    kwargs["time_limit_s"] = args.time_limit
     if args.profile is not None:
         kwargs["profile"] = args.profile
     if args.axis_names:

@@ -125,11 +125,14 @@ def transfer_time(
     meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...], cluster: ClusterPreset, *, backward: bool
 ) -> float:
     """Seconds to move a tensor from `src` to `dst` layout (and its gradient back, when `backward`)."""
+    fwd, bwd = transfer_times(meta, src, dst, mesh_shape, cluster)
+    return fwd + bwd if backward else fwd
+
+
+def transfer_times(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> tuple[float, float]:
+    """(Seconds of the forward move, seconds of its gradient's move back): one redistribution plan for both."""
     fwd = redistribution_steps(meta, src, dst, mesh_shape)
-    total = steps_time(fwd, mesh_shape, cluster)
-    if backward:
-        total += steps_time(backward_steps(fwd), mesh_shape, cluster)
-    return total
+    return steps_time(fwd, mesh_shape, cluster), steps_time(backward_steps(fwd), mesh_shape, cluster)
 
 
 def grad_sync_axes(layout: Placements) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -81,6 +81,8 @@ class ClusterPreset:
     profile: Profile | None = None
     """Measured op times and collective fits (`meshplan profile ...`); None: presets only. Costs
     use a measurement where the profile has one and these presets everywhere else."""
+    _links: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """(mesh shape, axes) -> `link_for_axes`: a cache, not configuration."""
 
     def with_profile(self, profile: Profile | None) -> ClusterPreset:
         return replace(self, profile=profile)
@@ -105,8 +107,12 @@ class ClusterPreset:
         its slowest hop)."""
         if not axes:
             raise ValueError("link_for_axes needs at least one mesh axis; got none")
-        links = [self.link_for_axis(mesh_shape, a) for a in axes]
-        return min(links, key=lambda link: (link.bandwidth, -link.latency_s))
+        key = (tuple(mesh_shape), tuple(axes))
+        link = self._links.get(key)
+        if link is None:  # memoised: the planner asks this for every collective it prices
+            links = [self.link_for_axis(mesh_shape, a) for a in axes]
+            link = self._links[key] = min(links, key=lambda link: (link.bandwidth, -link.latency_s))
+        return link
 
 
 # --- H100 --------------------------------------------------------------------------------------

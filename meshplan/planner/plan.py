@@ -116,6 +116,12 @@ class SolverInfo:
     """Wall time of the solve; None for a plan read from a file (timing is not part of the plan)."""
     backend: str
     variables: int
+    skipped: tuple[str, ...] = ()
+    """Meshes of the mesh search that gave no plan, each with why ('mesh (2, 2, 2): ...')."""
+
+    @property
+    def proven_optimal(self) -> bool:
+        return self.status == "optimal"
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +243,8 @@ class Plan:
             for entry, st in zip(d["pipeline"]["stages"], self.pipeline.stages):
                 entry["memory"] = st.memory.to_dict()
         del d["solver"]["seconds"]
+        if not self.solver.skipped:
+            del d["solver"]["skipped"]  # plans of a single mesh keep the bytes they always had
         for entry, p in zip(d["params"], self.params):
             entry["device_matrix"], entry["tensor_map"] = to_tensor_map(p.layout, self.mesh.shape, len(p.shape))
         return d
@@ -335,7 +343,7 @@ def _decode_plan(d: dict) -> Plan:
         comm_s=d["comm_s"],
         host_s=d.get("host_s", 0.0),
         optimizer_s=d.get("optimizer_s", 0.0),
-        solver=SolverInfo(**d["solver"], seconds=None),
+        solver=SolverInfo(**{**d["solver"], "skipped": seq(d["solver"].get("skipped", []))}, seconds=None),
         fallbacks=seq(d["fallbacks"]),
         buckets=tuple(GradBucket(seq(b["axes"]), seq(b["params"]), b["nbytes"], b["time_s"]) for b in seq(d["buckets"])),
         alternatives=tuple(NodeAlternatives.from_dict(a) for a in seq(d["alternatives"])),

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, compute_time, grad_sync_axes, local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, parse_bytes
@@ -16,14 +18,20 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
 from meshplan.planner.constraints import Annotations, constrain
 from meshplan.planner.explain import record_alternatives
-from meshplan.planner.offload import add_offload_options, check_offload
+from meshplan.planner.neighbourhood import PAIR_LIMIT, Solved, Subset, coarsening, embedded, layout_pairs, merged
+from meshplan.planner.neighbourhood import search as neighbourhood_search
+from meshplan.planner.offload import OffloadOptions, add_offload_options, check_offload
 from meshplan.planner.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
-from meshplan.planner.problem import INFEASIBLE_S, build_tables, grad_flows, node_memory, transfer_memory
+from meshplan.planner.problem import INFEASIBLE_S, Tables, build_tables, grad_flows, node_memory, transfer_memory
 from meshplan.planner.propagation import propagate
 from meshplan.planner.recompute import check_recompute, internal_outputs, recompute_groups
-from meshplan.planner.solver import InfeasiblePlan, solve
+from meshplan.planner.solver import InfeasiblePlan, Solution, solve
 from meshplan.planner.strategies import generate
+from meshplan.planner.strategy import Strategy
+from meshplan.planner.tying import tie_repeated_layers
 from meshplan.progress import phase
+
+log = logging.getLogger("meshplan")
 
 MODES = ("auto", "data_parallel", "semi_auto", "manual")
 SEARCHES = ("ilp", "propagation")
@@ -70,6 +78,8 @@ class PlanOptions:
     memory_budget: int | str | None = None
     """Bytes per device the predicted peak may use ('80GB', '512MiB' or an int); None: the device's memory."""
     time_limit_s: float = 60.0
+    """Seconds each solve may take (a neighbourhood search: all its rounds). A solve that reaches it returns
+    its best plan or the propagation plan, whichever is faster, labelled not proven optimal."""
     tie_layers: bool = True
     """Give corresponding nodes of repeated layers one strategy and solve the block once (exact for that reduced problem)."""
     recompute: str = "auto"
@@ -80,7 +90,14 @@ class PlanOptions:
     parameter) or 'always'. Needs the optimizer from `ParallelModule.make_optimizer` (see planner/offload.py)."""
 
 
-def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, *, model_name: str = "model") -> Plan:
+def make_plan(
+    graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, *, model_name: str = "model",
+    coarser: Sequence[Plan] = (), skipped: Sequence[str] = (),
+) -> Plan:
+    """The plan of `graph` on `mesh`. `coarser`: plans of the same graph on meshes this one refines
+    (the mesh search's earlier results), starting points when the mesh is searched by neighbourhoods
+    (`planner/neighbourhood.py`). `skipped`: the mesh search's meshes that gave no plan, with why,
+    recorded in the plan's `SolverInfo`."""
     if options.mode not in MODES:
         raise ValueError(f"mode={options.mode!r} is not supported; allowed: {', '.join(MODES)}")
     if options.inputs not in INPUT_MODES:
@@ -97,37 +114,60 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
     )
     shape = mesh.shape
 
-    phase(f"costing {len(graph.nodes)} nodes on mesh {mesh}")
     budget = _budget(options.memory_budget, cluster)
     # propagation walks the real graph (layer k hands its layouts to layer k+1); tying serves the solver
     tie = options.tie_layers and search == "ilp"
     check_recompute(options.recompute)
     check_offload(options.offload, cluster)
     groups = recompute_groups(graph) if options.recompute != "never" and search == "ilp" else []
-    tables = build_tables(
-        graph, mesh, cluster, cands.by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie,
-        recompute=groups, force_recompute=options.recompute == "always",
-    )
-    offload_from = add_offload_options(tables, graph, cands.by_node, cluster, optimizer=options.optimizer, mode=options.offload)
-    rep = tables.tying.rep
-    phase(f"{search} search on mesh {mesh}")
+
+    def solve_subset(subset: Subset | None) -> Solved[_Searched]:
+        """Tables and solve over the candidates `subset` keeps (all of them when None)."""
+        by_node = cands.by_node if subset is None else {n: [cands.by_node[n][i] for i in kept] for n, kept in subset.items()}
+        tables = build_tables(
+            graph, mesh, cluster, by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie,
+            recompute=groups, force_recompute=options.recompute == "always",
+        )
+        offload_from = add_offload_options(tables, graph, by_node, cluster, optimizer=options.optimizer, mode=options.offload)
+        solution = propagate(tables.problem) if search == "propagation" else _solve_with_recompute(tables.problem, options)
+        rep = tables.tying.rep
+        choice = {n.name: offload_from.decode(rep[n.name], solution.choice[rep[n.name]])[0] for n in graph.nodes}
+        if subset is not None:
+            choice = {name: subset[name][i] for name, i in choice.items()}
+        return Solved(solution.objective, choice, _Searched(by_node, tables, offload_from, solution), subset or {})
+
+    began = time.perf_counter()
+    phase(f"costing and {search} search of {len(graph.nodes)} nodes on mesh {mesh}")
+    pairs = layout_pairs(graph, cands.by_node, tie_repeated_layers(graph, cands.by_node, enabled=tie).rep) if search == "ilp" else 0
+    log.info("mesh %s: %d strategies, %d layout pairs", mesh, sum(map(len, cands.by_node.values())), pairs)
     try:
-        if search == "propagation":
-            solution = propagate(tables.problem)
+        if pairs > PAIR_LIMIT:
+            phase(f"mesh {mesh}: {pairs} layout pairs exceed {PAIR_LIMIT}; searching one mesh axis at a time")
+            found, _ = neighbourhood_search(
+                solve_subset, cands.by_node, mesh.ndim, _starts(cands.by_node, mesh, coarser), time_limit_s=options.time_limit_s
+            )
+            local = dataclasses.replace(found.result.solution, status="local", seconds=time.perf_counter() - began)
+            found = dataclasses.replace(found, result=dataclasses.replace(found.result, solution=local))
         else:
-            solution = _solve_with_recompute(tables.problem, options)
+            found = solve_subset(None)
     except InfeasiblePlan:
+        # the smallest peak of any plan; on a mesh searched by neighbourhoods, of the plans that merge the outer axes
+        subset = None if pairs <= PAIR_LIMIT else merged(cands.by_node, [tuple(range(mesh.ndim - 1)), (mesh.ndim - 1,)])
+        by_node = cands.by_node if subset is None else {n: [cands.by_node[n][i] for i in kept] for n, kept in subset.items()}
+        tables = build_tables(graph, mesh, cluster, by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie)
         smallest = solve(tables.problem, time_limit_s=options.time_limit_s, minimize="memory")
         if smallest.objective <= budget:
             raise
         raise MemoryBudgetError(budget, smallest.objective, mesh) from None
+    by_node, tables, offload_from, solution = found.result.by_node, found.result.tables, found.result.offload_from, found.result.solution
     if solution.objective >= INFEASIBLE_S:
         raise InfeasiblePlan("no consistent choice of strategies exists for the repeated layers; plan with tie_layers=False")
+    rep = tables.tying.rep
     raw = {n.name: solution.choice[rep[n.name]] for n in graph.nodes}  # indexes the cost tables
     decoded = {name: offload_from.decode(rep[name], i) for name, i in raw.items()}
     choice = {name: i for name, (i, _) in decoded.items()}
     offloaded = {name for name, (_, host) in decoded.items() if host}
-    chosen = {name: cands.by_node[name][i] for name, i in choice.items()}
+    chosen = {name: by_node[name][i] for name, i in choice.items()}
 
     nodes, transfers, params, inputs = [], [], [], []
     compute_s = comm_s = host_s = optimizer_s = 0.0
@@ -221,12 +261,14 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         comm_s=comm_s,
         host_s=host_s,
         optimizer_s=optimizer_s,
-        solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables),
+        solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables, tuple(skipped)),
         fallbacks=tuple(cands.fallbacks),
         buckets=tuple(buckets),
         recompute=tuple(layer for g in groups if g.name in solution.recompute for layer in g.layers),
         alternatives=record_alternatives(
-            graph, cands, before_constraints, choice, constraints,
+            # a neighbourhood search prices the candidates of its last neighbourhood; those the annotations removed stay listed
+            graph, dataclasses.replace(cands, by_node=by_node),
+            {n: by_node[n] + [s for s in ss if s not in cands.by_node[n]] for n, ss in before_constraints.items()}, choice, constraints,
             own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
             move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
             memory=lambda node, s: node_memory(node, s, shape, options.optimizer).total,
@@ -235,16 +277,50 @@ def make_plan(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Searched:
+    """What one solve leaves for building the plan: the candidates it saw, its tables and its solution."""
+
+    by_node: dict[str, list[Strategy]]
+    tables: Tables
+    offload_from: OffloadOptions
+    solution: Solution
+
+
+def _starts(by_node: dict[str, list[Strategy]], mesh: MeshSpec, coarser: Sequence[Plan]) -> list[Subset]:
+    """Where a neighbourhood search starts: each coarser plan that embeds in `mesh`, else the
+    problem with the outer axes merged into one (a two-axis problem, solved exactly)."""
+    starts = []
+    for plan in coarser:
+        groups = coarsening(mesh.shape, plan.mesh.shape)
+        if groups is None or plan.pipeline is not None:
+            continue
+        known: dict[str, object] = {n.name: (n.strategy.inputs + n.strategy.outputs, n.strategy.kernel) for n in plan.nodes}
+        known.update((p.node, p.layout) for p in plan.params)
+        known.update((i.name, i.layout) for i in plan.inputs)
+        starts.append(embedded(by_node, groups, known))
+    return starts or [merged(by_node, [tuple(range(mesh.ndim - 1)), (mesh.ndim - 1,)])]
+
+
 def _solve_with_recompute(problem, options: PlanOptions):
     """Recomputation only adds time, so it can pay only when the fastest plan overall exceeds the
     budget: solve without it and without the budget first (the common case ends there, exactly),
-    and only otherwise solve the full problem."""
+    and only otherwise solve the full problem. The propagation plan is the solver's fallback start."""
+    start = _propagation_start(problem)
     if not problem.recompute or options.recompute == "always":
-        return solve(problem, time_limit_s=options.time_limit_s)
-    fastest = solve(dataclasses.replace(problem, recompute=[], memory_budget=None), time_limit_s=options.time_limit_s)
+        return solve(problem, time_limit_s=options.time_limit_s, start=start)
+    fastest = solve(dataclasses.replace(problem, recompute=[], memory_budget=None), time_limit_s=options.time_limit_s, start=start)
     if problem.memory_budget is None or fastest.memory <= problem.memory_budget:
         return fastest
-    return solve(problem, time_limit_s=options.time_limit_s)
+    return solve(problem, time_limit_s=options.time_limit_s, start=start)
+
+
+def _propagation_start(problem) -> dict[str, int] | None:
+    """A consistent choice found without the solver, or None when propagation finds none."""
+    try:
+        return propagate(dataclasses.replace(problem, memory_budget=None)).choice
+    except InfeasiblePlan:
+        return None
 
 
 def _grad_buckets(graph: Graph, params: list[ParamChoice], shape: tuple[int, ...], cluster: ClusterPreset) -> list[GradBucket]:

@@ -7,11 +7,12 @@ plan's predicted time and memory are exactly the quantities the solver minimised
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshplan.cost_model.compute import is_view
 from meshplan.cost_model.kernels import kernel_time
-from meshplan.cost_model.estimate import compute_time, grad_sync_time, local_bytes, optimizer_step_time, transfer_time
+from meshplan.cost_model.estimate import compute_time, grad_sync_time, local_bytes, optimizer_step_time, transfer_times
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import InfeasibleRedistribution
@@ -88,9 +89,14 @@ def op_time(node: Node, in_metas: list[TensorMeta], s: Strategy, shape: tuple[in
 def transfer_memory(meta: TensorMeta, src: Placements, dst: Placements, consumer: Node, mesh_shape: tuple[int, ...]) -> int:
     """A resharded copy feeding an op that needs gradients stays alive for its backward (this is
     where an all-gathered ZeRO/FSDP parameter is held)."""
-    if src == dst or consumer.kind != "op" or not any(consumer.requires_grad):
+    if src == dst or not keeps_copy(consumer):
         return 0
     return local_bytes(meta, dst, mesh_shape)
+
+
+def keeps_copy(consumer: Node) -> bool:
+    """A resharded input of this consumer is saved for its backward."""
+    return consumer.kind == "op" and any(consumer.requires_grad)
 
 
 @dataclass(slots=True)
@@ -107,17 +113,35 @@ class Tables:
     optimizer_s: dict[str, list[float]] = field(default_factory=dict)
     """Trainable parameter class representative -> one member's `optimizer.step()` seconds per
     strategy on the device (included in `unit_costs`)."""
-    _moves: dict[tuple, float | None] = field(default_factory=dict)
+    _moves: dict[TensorMeta, dict[tuple, tuple[float, float] | None]] = field(default_factory=dict)
 
     def move_time(self, meta: TensorMeta, src: Placements, dst: Placements, backward: bool) -> float | None:
-        """Seconds to reshard (None if impossible); cached: repeated layers move the same tensors the same ways."""
-        key = (meta, src, dst, backward)
-        if key not in self._moves:
-            try:
-                self._moves[key] = transfer_time(meta, src, dst, self.mesh_shape, self.cluster, backward=backward)
-            except InfeasibleRedistribution:
-                self._moves[key] = None
-        return self._moves[key]
+        """Seconds to reshard (None if impossible), with the gradient's move back when `backward`."""
+        times = self.mover(meta)(src, dst)
+        return None if times is None else times[0] + times[1] if backward else times[0]
+
+    def mover(self, meta: TensorMeta) -> Callable[[Placements, Placements], tuple[float, float] | None]:
+        """(forward, backward) seconds to reshard a tensor of `meta`, None if impossible. Cached:
+        repeated layers move the same tensors the same ways; one lookup serves both directions, and
+        the table builder asks once per edge for the tensor's cache (building the tables is mostly
+        these lookups)."""
+        cache = self._moves.setdefault(meta, {})
+
+        def times(src: Placements, dst: Placements) -> tuple[float, float] | None:
+            key = (src, dst)
+            found = cache.get(key, _UNKNOWN)
+            if found is _UNKNOWN:
+                try:
+                    found = transfer_times(meta, src, dst, self.mesh_shape, self.cluster)
+                except InfeasibleRedistribution:
+                    found = None
+                cache[key] = found
+            return found
+
+        return times
+
+
+_UNKNOWN = object()
 
 
 def build_tables(
@@ -182,34 +206,37 @@ def build_tables(
         src_layouts = [s.outputs[index] for s in by_node[src]]
         dst_layouts = [s.inputs[pos] for s in by_node[dst]]
         unit = terms.unit_of(dst)
+        moves = tables.mover(meta)
         if src == dst:  # layer k feeds the same position of layer k+1: a cost of the class's own choice
             fwds, helds = [], []
             for i, (a, b) in enumerate(zip(src_layouts, dst_layouts)):
-                c = tables.move_time(meta, a, b, backward)
-                node_costs[src][i] += INFEASIBLE_S if c is None else c * times
+                t = moves(a, b)
+                node_costs[src][i] += INFEASIBLE_S if t is None else (t[0] + t[1] if backward else t[0]) * times
                 held = transfer_memory(meta, a, b, consumer, shape)
                 node_mem[src][i] += held * times
-                fwds.append(tables.move_time(meta, a, b, False) or 0.0 if c is not None else 0.0)
+                fwds.append(0.0 if t is None else t[0])
                 helds.append(float(held))
             if unit is not None:
                 terms.add_self_edge(dst, f"{index}/{pos}", fwds, helds, layers)
             continue
         edge = Edge(src, dst, src_layouts, dst_layouts, {}, {}, unit=unit, name=f"e{len(tables.problem.edges)}")
         # ordered de-duplication: set order varies between processes, and every rank must build the same model
+        needed = list(dict.fromkeys(dst_layouts))
+        copy_bytes = {b: float(local_bytes(meta, b, shape)) if keeps_copy(consumer) else 0.0 for b in needed}  # transfer_memory when a != b
         for a in dict.fromkeys(src_layouts):
-            for b in dict.fromkeys(dst_layouts):
-                c = tables.move_time(meta, a, b, backward)
-                if c is None:
+            for b in needed:
+                t = moves(a, b)
+                if t is None:
                     continue
-                edge.cost[(a, b)] = c * times
-                m = transfer_memory(meta, a, b, consumer, shape)
+                edge.cost[(a, b)] = (t[0] + t[1] if backward else t[0]) * times
+                m = 0.0 if a == b else copy_bytes[b]
                 if m:
-                    edge.memory[(a, b)] = float(m * times)
-                fwd = tables.move_time(meta, a, b, False) if unit is not None else 0.0
+                    edge.memory[(a, b)] = m * times
+                fwd = t[0] if unit is not None else 0.0
                 if fwd or (unit is not None and m):
                     edge.recompute_cost[(a, b)] = fwd * times
-                    edge.recompute_saved[(a, b)] = float(m * times)
-                    edge.recompute_peak[(a, b)] = float(m)
+                    edge.recompute_saved[(a, b)] = m * times
+                    edge.recompute_peak[(a, b)] = m
         if edge.recompute_cost:
             terms.add_edge(edge.name, unit, layers)
         tables.problem.edges.append(edge)

@@ -22,7 +22,7 @@ import math
 import time
 
 from meshplan.cost_model.memory import format_bytes
-from meshplan.planner.solver import Edge, InfeasiblePlan, Problem, Solution
+from meshplan.planner.solver import Edge, InfeasiblePlan, Problem, Solution, evaluate, trivial_bound
 
 ICM_ROUNDS = 8
 """Sweeps of single-node improvement after propagation (each sweep only lowers the objective)."""
@@ -98,18 +98,12 @@ def propagate(problem: Problem) -> Solution:
         if not changed:
             break
 
-    objective = sum(costs[v][k] for v, k in choice.items())
-    memory = sum(problem.node_memory[v][k] for v, k in choice.items() if v in problem.node_memory)
-    for e in problem.edges:
-        pair = (e.src_layouts[choice[e.src]], e.dst_layouts[choice[e.dst]])
-        assert pair in e.cost, f"propagation chose an impossible move on {e.src}->{e.dst}: {pair}"
-        objective += e.cost[pair]
-        memory += e.memory.get(pair, 0.0)
+    objective, memory = evaluate(problem, choice)
     if problem.memory_budget is not None and memory > problem.memory_budget:
         raise InfeasiblePlan(
             f"the propagated plan needs {format_bytes(memory)} per device, over the memory budget "
             f"{format_bytes(problem.memory_budget)}; propagation does not search under the budget, search='ilp' does"
         )
-    bound = sum(min(c) for c in costs.values())
+    bound = trivial_bound(problem)
     gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
     return Solution(choice, objective, memory, "heuristic", gap, time.perf_counter() - start, "propagation", 0)

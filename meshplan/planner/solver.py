@@ -90,7 +90,8 @@ class Solution:
     memory: float
     """Predicted bytes per device of the chosen strategies (node + edge memory)."""
     status: str
-    """'optimal', or 'feasible' with `gap` > 0 when the time limit was hit."""
+    """'optimal'; 'feasible' when the time limit was hit (`gap` to the best bound); 'local' for the
+    best plan of a neighbourhood search (`planner/neighbourhood.py`); 'heuristic' for propagation."""
     gap: float
     seconds: float
     backend: str
@@ -103,27 +104,85 @@ class InfeasiblePlan(ValueError):
     """No combination of candidate strategies is consistent (for example, conflicting forced layouts)."""
 
 
+class SolveTimeout(RuntimeError):
+    """The solve ran out of time before it found any plan, and no feasible start was given."""
+
+
+def evaluate(problem: Problem, choice: dict[str, int]) -> tuple[float, float]:
+    """(seconds, bytes per device) of a complete choice with nothing recomputed; an edge whose
+    layout pair is impossible is an `InfeasiblePlan` naming it."""
+    objective = sum(problem.node_costs[v][k] for v, k in choice.items())
+    memory = sum(problem.node_memory[v][k] for v, k in choice.items() if v in problem.node_memory)
+    for e in problem.edges:
+        pair = (e.src_layouts[choice[e.src]], e.dst_layouts[choice[e.dst]])
+        if pair not in e.cost:
+            raise InfeasiblePlan(f"the choice moves {e.src}->{e.dst} from {pair[0]} to {pair[1]}, which no redistribution does")
+        objective += e.cost[pair]
+        memory += e.memory.get(pair, 0.0)
+    return objective, memory
+
+
+def trivial_bound(problem: Problem) -> float:
+    """A lower bound on the time objective: every node at its cheapest strategy, every move free."""
+    return sum(min(c) for c in problem.node_costs.values() if c)
+
+
 def solve(
-    problem: Problem, *, time_limit_s: float = 60.0, backend: str = "HIGHS", merge: bool = True, minimize: str = "time"
+    problem: Problem,
+    *,
+    time_limit_s: float = 60.0,
+    backend: str = "HIGHS",
+    merge: bool = True,
+    minimize: str = "time",
+    start: dict[str, int] | None = None,
 ) -> Solution:
     """Optimal strategies for `problem`; with `merge`, single-input followers are folded first.
 
     `minimize="memory"` finds the smallest peak any choice reaches (the budget is then ignored):
     what an infeasible budget's error message reports.
+
+    `start`: a complete choice known to be consistent (the propagation plan, a plan of a smaller
+    mesh). When the time limit ends the solve with no incumbent, or with a worse one, the start is
+    returned as 'feasible', with its gap to the best bound known. Without a start, a solve that
+    finds nothing in time raises `SolveTimeout`; only a proven infeasibility raises `InfeasiblePlan`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown solver backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     if minimize not in ("time", "memory"):
         raise ValueError(f"minimize={minimize!r}; allowed: time, memory")
-    start = time.perf_counter()
-    if merge:
-        problem, merged = merge_followers(problem)
-        sol = _solve(problem, time_limit_s, backend, start, minimize)
+    if start is not None and minimize != "time":
+        raise ValueError("a start choice is only used when minimising time")
+    began = time.perf_counter()
+    reduced, merged = merge_followers(problem) if merge else (problem, {})
+    sol, bound = _solve(reduced, time_limit_s, backend, began, minimize)
+    if sol is not None:
         choice = dict(sol.choice)
         for node, (root, pick) in merged.items():
             choice[node] = pick[choice[root]]
-        return dataclasses.replace(sol, choice=choice, seconds=time.perf_counter() - start)
-    return _solve(problem, time_limit_s, backend, start, minimize)
+        sol = dataclasses.replace(sol, choice=choice, seconds=time.perf_counter() - began)
+        if sol.status == "optimal" or start is None:
+            return sol
+    fallback = _start_solution(problem, start, bound, backend, began) if start is not None else None
+    if fallback is not None and (sol is None or fallback.objective < sol.objective):
+        return fallback
+    if sol is not None:
+        return sol
+    raise SolveTimeout(
+        f"the {backend} solve found no plan within its time limit of {time_limit_s:g} s "
+        f"({time.perf_counter() - began:.1f} s spent); give a larger time_limit_s"
+    )
+
+
+def _start_solution(problem: Problem, start: dict[str, int], bound: float, backend: str, began: float) -> Solution | None:
+    """The start as a 'feasible' solution, or None if it breaks the memory budget or a forced recompute."""
+    if any(unit.force for unit in problem.recompute):
+        return None
+    objective, memory = evaluate(problem, start)
+    if problem.memory_budget is not None and memory > problem.memory_budget:
+        return None
+    bound = max(bound, trivial_bound(problem))
+    gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
+    return Solution(dict(start), objective, memory, "feasible", gap, time.perf_counter() - began, backend, 0)
 
 
 def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, list[int]]]]:
@@ -185,7 +244,8 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
     return Problem(node_costs, edges, dict(problem.fixed), node_memory, problem.memory_budget, problem.recompute), merged
 
 
-def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, minimize: str) -> Solution:
+def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, minimize: str) -> tuple[Solution | None, float]:
+    """The MIP's solution (None when it stopped with no incumbent) and its best bound (-inf if none)."""
     solver = pywraplp.Solver.CreateSolver(backend)
     assert solver is not None, f"OR-Tools has no {backend} backend"
     solver.SetNumThreads(1)  # deterministic: every rank must get the identical plan
@@ -228,13 +288,15 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
         dst_mass = _layout_mass(x[e.dst], e.dst_layouts)
         flows: dict[Hashable, list] = {}
         into: dict[Hashable, list] = {}
+        src_const = {a: _is_const(mass) for a, mass in src_mass.items()}
+        dst_const = {b: _is_const(mass) for b, mass in dst_mass.items()}
         for a in src_mass:
             for b in dst_mass:
                 c = e.cost.get((a, b))
                 if c is None:
                     continue
                 m = e.memory.get((a, b), 0.0)
-                if _is_const(src_mass[a]) and _is_const(dst_mass[b]):
+                if src_const[a] and dst_const[b]:
                     # both ends decided: the edge is a constant if both layouts are the chosen ones
                     if _value(src_mass[a]) and _value(dst_mass[b]):
                         const += m if by_memory else c
@@ -269,11 +331,14 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
     objective.SetMinimization()
     status = solver.Solve()
     seconds = time.perf_counter() - start
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    if status == pywraplp.Solver.INFEASIBLE:
         raise InfeasiblePlan(
-            "no consistent choice of strategies exists (solver status "
-            f"{status}); check forced layouts, divisibility of the sharded dims and the memory budget"
+            "no consistent choice of strategies exists; check forced layouts, divisibility of the sharded dims and the memory budget"
         )
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        # a time-out with no incumbent (HiGHS reports it as NOT_SOLVED or an unmapped code): not infeasibility
+        bound = objective.BestBound() + const
+        return None, bound if math.isfinite(bound) else -math.inf
     choice = {}
     for node, vs in x.items():
         vals = [v if isinstance(v, float) else v.solution_value() for v in vs]
@@ -284,10 +349,11 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
     memory = mem_const + sum(m * v.solution_value() for v, m in mem_terms)
     memory += sum(value() - var.solution_value() for var, value in held)  # a slack `held` is not memory
     chosen_units = tuple(name for name, v in r.items() if v.solution_value() > 0.5)
-    return Solution(
+    solution = Solution(
         choice, obj, memory, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds, backend, solver.NumVariables(),
         chosen_units,
     )
+    return solution, bound
 
 
 # a tie-breaker: with nothing to gain, do not recompute

@@ -189,7 +189,10 @@ def format_summary(plan: Plan, *, ops: bool = False) -> str:
     if offloaded:
         con.print(f"optimizer state in host memory for {len(offloaded)} parameters: {', '.join(offloaded[:6])}" + (", ..." if len(offloaded) > 6 else ""))
     took = "" if plan.solver.seconds is None else f" in {plan.solver.seconds:.2f} s"
-    con.print(f"solver {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.2%}){took}")
+    proof = "" if plan.solver.proven_optimal else ", not proven optimal"
+    con.print(f"solver {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.2%}{proof}){took}")
+    for reason in plan.solver.skipped:
+        con.print(f"skipped {reason}")
     coll = plan.collectives()
     con.print("collectives per step: " + (", ".join(f"{k} x{v}" for k, v in sorted(coll.items())) or "none"))
     vol = comm_volume(plan)
