@@ -87,12 +87,13 @@ def test_a_mesh_that_fails_is_skipped_and_the_plan_says_which_and_why(monkeypatc
         meshplan.plan(model, (2, 2, 2), x, cluster="cpu")
 
 
-def test_coarsening_groups_adjacent_axes():
+def test_coarsening_merges_adjacent_axes_or_permutes_them():
     assert coarsening((2, 2, 2), (4, 2)) == [(0, 1), (2,)]
     assert coarsening((2, 2, 2), (2, 4)) == [(0,), (1, 2)]
     assert coarsening((2, 4), (8,)) == [(0, 1)]
-    assert coarsening((2, 4), (4, 2)) is None  # not a merge of adjacent axes
-    assert coarsening((2, 4), (2, 4)) is None  # the same mesh is no coarsening
+    assert coarsening((2, 4), (4, 2)) == [(1,), (0,)]  # the same sizes in another order: axes permuted
+    assert coarsening((2, 4), (2, 4)) is None  # the same mesh is no start
+    assert coarsening((2, 4), (2, 2)) is None
 
 
 @pytest.mark.parametrize("factory,budget", [(mlp_small, None), (mlp_small, "tight"), (gpt_small, None)])

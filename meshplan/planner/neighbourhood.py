@@ -9,8 +9,9 @@ no incumbent after 120 s. `layout_pairs` counts them before any table is built, 
 1. **Start.** The problem restricted to a coarser mesh embedded in this one: a plan of (4, 2) is a
    plan of (2, 2, 2) whose first two axes carry the same placements (DTensor shards over mesh
    axes left to right, so `S(0)` on both equals `S(0)` on the merged axis). The mesh search hands
-   in the plans it already has for coarser meshes (`embedded`); without one, the outer axes are
-   merged and that smaller problem is solved exactly (`merged`).
+   in the plans it already has (`embedded`): of coarser meshes, and of the same sizes in another
+   order with the axes permuted. Without one, the outer axes are merged and that smaller problem
+   is solved exactly (`merged`). The best start is kept.
 2. **Rounds.** For each mesh axis in turn, every node may change its placements on that axis
    while the other axes keep the incumbent's; that one-axis problem is solved exactly and
    replaces the incumbent when it is faster. Rounds repeat until one improves nothing (or the
@@ -35,9 +36,10 @@ from meshplan.planner.strategy import Strategy
 
 log = logging.getLogger(__name__)
 
-PAIR_LIMIT = 200_000
-"""Layout pairs above which a mesh is searched by neighbourhoods. Measured on the demo Llama:
-34,696 pairs build and solve exactly in 4 s; 968,606 pairs found nothing in 180 s."""
+PAIR_LIMIT = 100_000
+"""Layout pairs above which a mesh is searched by neighbourhoods. Exact solves measured here
+(`benchmarks/mesh_search.py`): 49,219 pairs in 4-5 s, 129,754 in 9-10 s, 146,846 on (2, 2, 2) in
+24 s, 192,486 (HF RWKV on (2, 4)) not proven in 60 s; 968,606 found no plan in 120 s."""
 
 Subset = dict[str, list[int]]
 """node -> indexes into its candidate list that a sub-problem keeps."""
@@ -74,7 +76,10 @@ def layout_pairs(graph: Graph, by_node: dict[str, list[Strategy]], rep: dict[str
 
 
 def coarsening(fine: tuple[int, ...], coarse: tuple[int, ...]) -> list[tuple[int, ...]] | None:
-    """Groups of adjacent axes of `fine` whose sizes multiply to each axis of `coarse`, or None."""
+    """How a plan on `coarse` maps onto `fine`: per axis of `coarse`, the axes of `fine` that carry
+    its placement. Adjacent axes merged into one ((2, 2, 2) -> (4, 2): [(0, 1), (2,)]), or, for a
+    mesh of the same sizes in another order, the axes permuted ((4, 2) -> (2, 4): [(1,), (0,)]: a
+    close start, not an equal cost, since the ranks of an axis are then other ranks). None if neither."""
     groups: list[tuple[int, ...]] = []
     axis = 0
     for size in coarse:
@@ -84,9 +89,20 @@ def coarsening(fine: tuple[int, ...], coarse: tuple[int, ...]) -> list[tuple[int
             prod *= fine[axis]
             axis += 1
         if prod != size or not group:
-            return None
+            break
         groups.append(tuple(group))
-    return groups if axis == len(fine) and len(groups) < len(fine) else None
+    else:
+        if axis == len(fine) and len(groups) < len(fine):
+            return groups
+    if len(fine) != len(coarse) or sorted(fine) != sorted(coarse) or tuple(fine) == tuple(coarse):
+        return None
+    unused = list(range(len(fine)))
+    perm = []
+    for size in coarse:
+        a = next(a for a in unused if fine[a] == size)
+        unused.remove(a)
+        perm.append((a,))
+    return perm
 
 
 def _coarse(p: Placements | None, groups: list[tuple[int, ...]]) -> Placements | None | bool:
