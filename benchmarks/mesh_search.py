@@ -5,7 +5,8 @@
 For each model (meshplan's own and the Hugging Face models the tests build, plus RWKV) and each
 device count, plans every mesh of up to 3 axes that `meshplan.plan(model, devices=N)` considers,
 in the same order and with the same starts (the coarser meshes' plans), and prints per mesh:
-strategies, layout pairs, how it was searched (exact MIP, or one axis at a time), solver status,
+strategies, layout pairs, the MIP's variables and rows (of the last solve, for a search one axis
+at a time), how it was searched (exact MIP, or one axis at a time), solver status,
 gap, seconds and the predicted step. Then the default call itself (`meshplan.plan(model,
 devices=N)`, trace included) with its chosen mesh, and whether that plan is the fastest of the
 per-mesh solves. Targets: no mesh over 30 s; llama_small on 8 devices <= 15 s (the default call,
@@ -109,12 +110,13 @@ def per_mesh(name: str, devices: int, cluster) -> list[dict]:
         try:
             plan = make_plan(graph, mesh, cluster, options, model_name=name, coarser=found)
         except (MemoryBudgetError, InfeasiblePlan, SolveTimeout, ValueError) as e:
-            row.update(seconds=time.perf_counter() - began, status=f"no plan: {type(e).__name__}", gap=float("nan"), step_ms=float("nan"))
+            row.update(seconds=time.perf_counter() - began, status=f"no plan: {type(e).__name__}", gap=float("nan"), step_ms=float("nan"), mip="-")
         else:
             found.append(plan)
-            row.update(seconds=time.perf_counter() - began, status=plan.solver.status, gap=plan.solver.gap, step_ms=plan.step_time_s * 1e3)
+            row.update(seconds=time.perf_counter() - began, status=plan.solver.status, gap=plan.solver.gap, step_ms=plan.step_time_s * 1e3,
+                       mip=f"{plan.solver.variables}/{plan.solver.constraints}")
         rows.append(row)
-        print(f"{name:13s} {devices:3d} {str(mesh.shape):12s} {row['strategies']:7d} {pairs:9d} {row['method']:6s} "
+        print(f"{name:13s} {devices:3d} {str(mesh.shape):12s} {row['strategies']:7d} {pairs:9d} {row['mip']:>13s} {row['method']:6s} "
               f"{row['status']:22s} {row['gap']:7.2%} {row['seconds']:7.2f} {row['step_ms']:10.4f}", flush=True)
     return rows
 
@@ -137,7 +139,7 @@ def main() -> None:
     names = ["mlp_small"] if args.quick else args.only or list(MODELS)
     devices = [8] if args.quick else args.devices
     cluster = get_cluster("cpu")
-    print(f"{'model':13s} {'dev':>3s} {'mesh':12s} {'strat.':>7s} {'pairs':>9s} {'search':6s} {'status':22s} {'gap':>7s} {'seconds':>7s} {'step ms':>10s}")
+    print(f"{'model':13s} {'dev':>3s} {'mesh':12s} {'strat.':>7s} {'pairs':>9s} {'vars/rows':>13s} {'search':6s} {'status':22s} {'gap':>7s} {'seconds':>7s} {'step ms':>10s}")
     worst, summary = 0.0, []
     failed = []
     for n in devices:

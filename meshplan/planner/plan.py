@@ -118,6 +118,8 @@ class SolverInfo:
     variables: int
     skipped: tuple[str, ...] = ()
     """Meshes of the mesh search that gave no plan, each with why ('mesh (2, 2, 2): ...')."""
+    constraints: int = dataclasses.field(default=0, compare=False)
+    """Rows of the MIP (of its last solve, for a neighbourhood search); like `seconds`, not in the plan file."""
 
     @property
     def proven_optimal(self) -> bool:
@@ -242,7 +244,7 @@ class Plan:
         else:
             for entry, st in zip(d["pipeline"]["stages"], self.pipeline.stages):
                 entry["memory"] = st.memory.to_dict()
-        del d["solver"]["seconds"]
+        del d["solver"]["seconds"], d["solver"]["constraints"]
         if not self.solver.skipped:
             del d["solver"]["skipped"]  # plans of a single mesh keep the bytes they always had
         for entry, p in zip(d["params"], self.params):

@@ -98,6 +98,7 @@ class Solution:
     variables: int
     recompute: tuple[str, ...] = ()
     """The recompute units chosen."""
+    constraints: int = 0
 
 
 class InfeasiblePlan(ValueError):
@@ -351,7 +352,7 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
     chosen_units = tuple(name for name, v in r.items() if v.solution_value() > 0.5)
     solution = Solution(
         choice, obj, memory, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds, backend, solver.NumVariables(),
-        chosen_units,
+        chosen_units, solver.NumConstraints(),
     )
     return solution, bound
 

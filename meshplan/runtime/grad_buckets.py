@@ -4,6 +4,12 @@ The plan fixes the buckets (`Plan.buckets`): which parameters share one all-redu
 the all-reduces are issued in. A bucket is launched asynchronously as soon as all of its gradients
 are accumulated and every earlier bucket has been launched, so all ranks issue the same collectives
 in the same order; the end of backward waits for them and writes the sums back into `.grad`.
+
+Only this backward's gradient is summed over ranks. With gradient accumulation (several
+`backward()` calls before `step()`), `.grad` already holds the earlier micro-steps' gradients,
+summed before; summing them again would count them once per rank. A tensor hook sees each new
+gradient before autograd adds it: the bucket reduces that, and the end of backward writes
+`earlier + sum` into `.grad` (what one process accumulates).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class GradBuckets:
         self._reset()
         for group in self._params:
             for p in group:
+                p.register_hook(functools.partial(self._on_new_grad, p))
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _reset(self) -> None:
@@ -34,6 +41,13 @@ class GradBuckets:
         self._next = 0  # first bucket not launched yet
         self._pending: list[tuple[int, torch.Tensor, object]] = []
         self._armed = False
+        self._new: dict[int, torch.Tensor] = {}  # id(param) -> this backward's local gradient, until its bucket launches
+        self._earlier: dict[int, torch.Tensor | None] = {}  # id(param) -> what .grad held before this backward
+
+    def _on_new_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Runs before autograd adds `grad` into `param.grad` (returns None: it is added as usual)."""
+        self._new[id(param)] = grad
+        self._earlier[id(param)] = None if param.grad is None else param.grad.clone()
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._armed:
@@ -47,7 +61,8 @@ class GradBuckets:
             self._next += 1
 
     def _launch(self, i: int) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params[i]]
+        grads = [self._new.pop(id(p), None) for p in self._params[i]]
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self._params[i], grads)]
         flat = self._flat[i]
         if flat is None:
             # one buffer per bucket for the whole run, as DDP keeps: a fresh multi-MB tensor can cost
@@ -74,7 +89,9 @@ class GradBuckets:
             offset = 0
             for p in self._params[i]:
                 n = p.numel()
-                if p.grad is not None:
-                    p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                if id(p) in self._earlier:  # it got a gradient in this backward (on every rank: one program)
+                    summed = flat[offset : offset + n].view_as(p.grad)
+                    earlier = self._earlier[id(p)]
+                    p.grad.copy_(summed if earlier is None else earlier.add_(summed))
                 offset += n
         self._reset()

@@ -219,8 +219,15 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = inputs if self.is_first else ()
         kwargs = {"target": target, "losses": losses} if self.is_last else {}
+        # gradient accumulation over steps: earlier steps' gradients are summed already; only this step's are scaled and summed
+        earlier = {}
+        for name, prm in self._params().items():
+            earlier[name], prm.grad = prm.grad, None
         self.schedule.step(*args, **kwargs)
         self._finish_grads()
+        for name, prm in self._params().items():
+            if earlier[name] is not None:
+                prm.grad = earlier[name].add_(prm.grad)
         return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
 
     def _finish_grads(self) -> None:
