@@ -108,7 +108,7 @@ def per_mesh(name: str, devices: int, cluster) -> list[dict]:
                "method": "axis" if pairs > PAIR_LIMIT else "exact"}
         began = time.perf_counter()
         try:
-            plan = make_plan(graph, mesh, cluster, options, model_name=name, coarser=found)
+            plan = make_plan(graph, mesh, cluster, options, model_name=name, earlier=found)
         except (MemoryBudgetError, InfeasiblePlan, SolveTimeout, ValueError) as e:
             row.update(seconds=time.perf_counter() - began, status=f"no plan: {type(e).__name__}", gap=float("nan"), step_ms=float("nan"), mip="-")
         else:

@@ -181,8 +181,8 @@ def search_meshes(graph: Graph, meshes: list[MeshSpec], cluster: ClusterPreset, 
     too_small: list[MemoryBudgetError] = []
     skipped: list[str] = []
     for mesh in meshes:
-        try:  # coarser meshes' plans start the search of meshes too large to solve exactly
-            p = make_plan(graph, mesh, cluster, options, model_name=model_name, coarser=found)
+        try:  # the plans found so far start the search of meshes too large to solve exactly
+            p = make_plan(graph, mesh, cluster, options, model_name=model_name, earlier=found)
         except (MemoryBudgetError, AnnotationError, InfeasiblePlan, SolveTimeout) as e:
             if len(meshes) == 1:
                 raise

@@ -296,7 +296,7 @@ def test_propagation_plans_cost_no_less_than_ilp_plans(mode):
     kw = {"parallelize_plan": {"layers.0": "colwise", "layers.1": "rowwise", "layers.2": "replicate"}, "input_layouts": {"x": "R"}}
     ilp = _plan(model, x, devices=2, mesh_shape=(2,), mode=mode, search="ilp", **kw)
     prop = _plan(model, x, devices=2, mesh_shape=(2,), mode=mode, search="propagation", **kw)
-    assert prop.solver.backend == "propagation" and ilp.solver.backend == "HIGHS"
+    assert prop.solver.backend == "propagation" and ilp.solver.backend in ("GLOP", "HIGHS")
     # the search prices each gradient by its share of a bucket; the plan reports the buckets themselves
     searched = prop.step_time_s - sum(b.time_s for b in prop.buckets) + sum(p.time_s for p in prop.params)
     assert searched == pytest.approx(prop.solver.objective_s)

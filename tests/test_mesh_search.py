@@ -116,7 +116,7 @@ def test_the_axis_by_axis_search_finds_the_exact_optimum_where_the_exact_solve_c
     coarse = [make_plan(graph, MeshSpec(shape, ()), cluster, options) for shape in [(8,), (2, 4), (4, 2)]]
     monkeypatch.setattr(planner_module, "PAIR_LIMIT", 0)
     for start in ((), coarse):
-        found = make_plan(graph, mesh, cluster, options, coarser=start)
+        found = make_plan(graph, mesh, cluster, options, earlier=start)
         assert found.solver.status == "local"
         check_plan(found)
         assert found.memory.total <= (options.memory_budget or float("inf"))

@@ -56,7 +56,6 @@ class Solved(Generic[T]):
     """node -> index into its full candidate list."""
     result: T
     """Whatever the caller needs to build its plan from this solve."""
-    subset: Subset
 
 
 def layout_pairs(graph: Graph, by_node: dict[str, list[Strategy]], rep: dict[str, str]) -> int:
@@ -147,24 +146,19 @@ def embedded(by_node: dict[str, list[Strategy]], groups: list[tuple[int, ...]], 
 
 def around(by_node: dict[str, list[Strategy]], incumbent: dict[str, int], free_axis: int) -> Subset:
     """Candidates that keep the incumbent's placements on every axis but `free_axis`."""
-    out: Subset = {}
-    for name, ss in by_node.items():
-        mine = ss[incumbent[name]]
-        mine_layouts = mine.inputs + mine.outputs
-        keep = []
-        for i, s in enumerate(ss):
-            ok = s.kernel == mine.kernel
-            for a, b in zip(s.inputs + s.outputs, mine_layouts):
-                if not ok:
-                    break
-                if (a is None) != (b is None):
-                    ok = False
-                elif a is not None:
-                    ok = all(a[k] == b[k] for k in range(len(a)) if k != free_axis)
-            if ok:
-                keep.append(i)
-        out[name] = keep
-    return out
+    return {name: [i for i, s in enumerate(ss) if _agrees(s, ss[incumbent[name]], free_axis)] for name, ss in by_node.items()}
+
+
+def _agrees(s: Strategy, mine: Strategy, free_axis: int) -> bool:
+    if s.kernel != mine.kernel:
+        return False
+    for a, b in zip(s.inputs + s.outputs, mine.inputs + mine.outputs):
+        if a is None or b is None:
+            if a is not b:
+                return False
+        elif any(a[k] != b[k] for k in range(len(a)) if k != free_axis):
+            return False
+    return True
 
 
 def search(
@@ -174,9 +168,8 @@ def search(
     starts: list[Subset],
     *,
     time_limit_s: float,
-) -> tuple[Solved[T], int]:
-    """The best plan found from `starts` by one-axis rounds (module docstring); and how many
-    sub-problems were solved. `solve_subset` raises `InfeasiblePlan` or `SolveTimeout` for a subset
+) -> Solved[T]:
+    """The best plan found from `starts` by one-axis rounds (module docstring). `solve_subset` raises `InfeasiblePlan` or `SolveTimeout` for a subset
     with no plan: a start that fails is passed over (if all fail, the last error is raised), a
     neighbourhood that fails is logged and leaves the incumbent."""
     began = time.perf_counter()
@@ -210,4 +203,4 @@ def search(
             since += 1
         axis = (axis + 1) % ndim
     log.info("neighbourhood search: %d solves, %.3f ms predicted, %.1f s", solves, best.objective * 1e3, time.perf_counter() - began)
-    return best, solves
+    return best

@@ -92,12 +92,11 @@ class PlanOptions:
 
 def make_plan(
     graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, *, model_name: str = "model",
-    coarser: Sequence[Plan] = (), skipped: Sequence[str] = (),
+    earlier: Sequence[Plan] = (),
 ) -> Plan:
-    """The plan of `graph` on `mesh`. `coarser`: plans of the same graph on meshes this one refines
-    (the mesh search's earlier results), starting points when the mesh is searched by neighbourhoods
-    (`planner/neighbourhood.py`). `skipped`: the mesh search's meshes that gave no plan, with why,
-    recorded in the plan's `SolverInfo`."""
+    """The plan of `graph` on `mesh`. `earlier`: the mesh search's plans of the same graph on other
+    meshes; those that map onto this one (coarser, or permuted) start its search when it is too
+    large for one exact solve (`planner/neighbourhood.py`)."""
     if options.mode not in MODES:
         raise ValueError(f"mode={options.mode!r} is not supported; allowed: {', '.join(MODES)}")
     if options.inputs not in INPUT_MODES:
@@ -123,7 +122,7 @@ def make_plan(
 
     def solve_subset(subset: Subset | None) -> Solved[_Searched]:
         """Tables and solve over the candidates `subset` keeps (all of them when None)."""
-        by_node = cands.by_node if subset is None else {n: [cands.by_node[n][i] for i in kept] for n, kept in subset.items()}
+        by_node = _restrict(cands.by_node, subset)
         tables = build_tables(
             graph, mesh, cluster, by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie,
             recompute=groups, force_recompute=options.recompute == "always",
@@ -134,17 +133,17 @@ def make_plan(
         choice = {n.name: offload_from.decode(rep[n.name], solution.choice[rep[n.name]])[0] for n in graph.nodes}
         if subset is not None:
             choice = {name: subset[name][i] for name, i in choice.items()}
-        return Solved(solution.objective, choice, _Searched(by_node, tables, offload_from, solution), subset or {})
+        return Solved(solution.objective, choice, _Searched(by_node, tables, offload_from, solution))
 
     began = time.perf_counter()
-    phase(f"costing and {search} search of {len(graph.nodes)} nodes on mesh {mesh}")
+    phase(f"{search} search on mesh {mesh} (costing and solving {len(graph.nodes)} nodes)")
     pairs = layout_pairs(graph, cands.by_node, tie_repeated_layers(graph, cands.by_node, enabled=tie).rep) if search == "ilp" else 0
     log.info("mesh %s: %d strategies, %d layout pairs", mesh, sum(map(len, cands.by_node.values())), pairs)
     try:
         if pairs > PAIR_LIMIT:
             phase(f"mesh {mesh}: {pairs} layout pairs exceed {PAIR_LIMIT}; searching one mesh axis at a time")
-            found, _ = neighbourhood_search(
-                solve_subset, cands.by_node, mesh.ndim, _starts(cands.by_node, mesh, coarser), time_limit_s=options.time_limit_s
+            found = neighbourhood_search(
+                solve_subset, cands.by_node, mesh.ndim, _starts(cands.by_node, mesh, earlier), time_limit_s=options.time_limit_s
             )
             local = dataclasses.replace(found.result.solution, status="local", seconds=time.perf_counter() - began)
             found = dataclasses.replace(found, result=dataclasses.replace(found.result, solution=local))
@@ -152,9 +151,8 @@ def make_plan(
             found = solve_subset(None)
     except InfeasiblePlan:
         # the smallest peak of any plan; on a mesh searched by neighbourhoods, of the plans that merge the outer axes
-        subset = None if pairs <= PAIR_LIMIT else merged(cands.by_node, [tuple(range(mesh.ndim - 1)), (mesh.ndim - 1,)])
-        by_node = cands.by_node if subset is None else {n: [cands.by_node[n][i] for i in kept] for n, kept in subset.items()}
-        tables = build_tables(graph, mesh, cluster, by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie)
+        subset = None if pairs <= PAIR_LIMIT else merged(cands.by_node, _outer_merged(mesh))
+        tables = build_tables(graph, mesh, cluster, _restrict(cands.by_node, subset), optimizer=options.optimizer, memory_budget=budget, tie_layers=tie)
         smallest = solve(tables.problem, time_limit_s=options.time_limit_s, minimize="memory")
         if smallest.objective <= budget:
             raise
@@ -261,8 +259,8 @@ def make_plan(
         comm_s=comm_s,
         host_s=host_s,
         optimizer_s=optimizer_s,
-        solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables, tuple(skipped),
-                          solution.constraints),
+        solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables,
+                          constraints=solution.constraints),
         fallbacks=tuple(cands.fallbacks),
         buckets=tuple(buckets),
         recompute=tuple(layer for g in groups if g.name in solution.recompute for layer in g.layers),
@@ -288,11 +286,20 @@ class _Searched:
     solution: Solution
 
 
-def _starts(by_node: dict[str, list[Strategy]], mesh: MeshSpec, coarser: Sequence[Plan]) -> list[Subset]:
-    """Where a neighbourhood search starts: each coarser plan that embeds in `mesh`, else the
+def _restrict(by_node: dict[str, list[Strategy]], subset: Subset | None) -> dict[str, list[Strategy]]:
+    return by_node if subset is None else {name: [by_node[name][i] for i in kept] for name, kept in subset.items()}
+
+
+def _outer_merged(mesh: MeshSpec) -> list[tuple[int, ...]]:
+    """The outer axes as one, the innermost on its own: a two-axis view of the mesh."""
+    return [tuple(range(mesh.ndim - 1)), (mesh.ndim - 1,)]
+
+
+def _starts(by_node: dict[str, list[Strategy]], mesh: MeshSpec, earlier: Sequence[Plan]) -> list[Subset]:
+    """Where a neighbourhood search starts: each earlier plan that maps onto `mesh`, else the
     problem with the outer axes merged into one (a two-axis problem, solved exactly)."""
     starts = []
-    for plan in coarser:
+    for plan in earlier:
         groups = coarsening(mesh.shape, plan.mesh.shape)
         if groups is None or plan.pipeline is not None:
             continue
@@ -300,7 +307,7 @@ def _starts(by_node: dict[str, list[Strategy]], mesh: MeshSpec, coarser: Sequenc
         known.update((p.node, p.layout) for p in plan.params)
         known.update((i.name, i.layout) for i in plan.inputs)
         starts.append(embedded(by_node, groups, known))
-    return starts or [merged(by_node, [tuple(range(mesh.ndim - 1)), (mesh.ndim - 1,)])]
+    return starts or [merged(by_node, _outer_merged(mesh))]
 
 
 def _solve_with_recompute(problem, options: PlanOptions):

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from ortools.linear_solver import pywraplp
 
 BACKENDS = ("HIGHS", "SCIP", "CBC")
+LP_BACKEND = "GLOP"
+"""Solves the LP relaxation (deterministic, single-threaded, like the MIP back-ends)."""
 
 
 @dataclass(slots=True)
@@ -155,7 +157,12 @@ def solve(
         raise ValueError("a start choice is only used when minimising time")
     began = time.perf_counter()
     reduced, merged = merge_followers(problem) if merge else (problem, {})
-    sol, bound = _solve(reduced, time_limit_s, backend, began, minimize)
+    # the LP relaxation first: it is tight on chains and trees, and an integral LP optimum is the MIP's
+    # (llama_small on (2, 4): 0.9 s against 2.8 s); a fractional one is only the bound the MIP starts from
+    sol, bound = _solve(reduced, time_limit_s, LP_BACKEND, began, minimize, relax=True)
+    if sol is None:
+        sol, mip_bound = _solve(reduced, max(time_limit_s - (time.perf_counter() - began), 0.001), backend, began, minimize)
+        bound = max(bound, mip_bound)
     if sol is not None:
         choice = dict(sol.choice)
         for node, (root, pick) in merged.items():
@@ -245,8 +252,10 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
     return Problem(node_costs, edges, dict(problem.fixed), node_memory, problem.memory_budget, problem.recompute), merged
 
 
-def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, minimize: str) -> tuple[Solution | None, float]:
-    """The MIP's solution (None when it stopped with no incumbent) and its best bound (-inf if none)."""
+def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, minimize: str, *, relax: bool = False) -> tuple[Solution | None, float]:
+    """The MIP's solution (None when it stopped with no incumbent) and its best bound (-inf if none).
+    With `relax`, the LP relaxation: a solution only when it is integral (then it is the MIP's
+    optimum), else None and the LP optimum as the bound."""
     solver = pywraplp.Solver.CreateSolver(backend)
     assert solver is not None, f"OR-Tools has no {backend} backend"
     solver.SetNumThreads(1)  # deterministic: every rank must get the identical plan
@@ -254,6 +263,7 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
         solver.SetSolverSpecificParametersAsString("output_flag=false\n")
     solver.SetTimeLimit(int(time_limit_s * 1000))
     inf = solver.infinity()
+    binary = (lambda name: solver.NumVar(0.0, 1.0, name)) if relax else solver.BoolVar
 
     x: dict[str, list] = {}
     objective = solver.Objective()
@@ -272,7 +282,7 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
             const += mems[k] if by_memory else costs[k]
             mem_const += mems[k]
             continue
-        x[node] = [solver.BoolVar(f"x[{node},{i}]") for i in range(len(costs))]
+        x[node] = [binary(f"x[{node},{i}]") for i in range(len(costs))]
         one = solver.Constraint(1.0, 1.0)
         for v in x[node]:
             one.SetCoefficient(v, 1.0)
@@ -281,7 +291,7 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
             if m:
                 mem_terms.append((v, m))
 
-    r = {u.name: _recompute_var(solver, u) for u in problem.recompute}
+    r = {u.name: _recompute_var(solver, u, binary) for u in problem.recompute}
     # (unit, edge name, y: the pair's flow or 1.0, extra seconds, bytes saved, bytes held again)
     edge_recompute: list[tuple] = []
     for e in problem.edges:
@@ -339,7 +349,11 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         # a time-out with no incumbent (HiGHS reports it as NOT_SOLVED or an unmapped code): not infeasibility
         bound = objective.BestBound() + const
-        return None, bound if math.isfinite(bound) else -math.inf
+        return None, bound if math.isfinite(bound) and not relax else -math.inf
+    if relax:
+        binaries = [v for vs in x.values() for v in vs if not isinstance(v, float)] + list(r.values())
+        if status != pywraplp.Solver.OPTIMAL or any(min(v.solution_value(), 1.0 - v.solution_value()) > 1e-6 for v in binaries):
+            return None, objective.Value() + const if status == pywraplp.Solver.OPTIMAL else -math.inf
     choice = {}
     for node, vs in x.items():
         vals = [v if isinstance(v, float) else v.solution_value() for v in vs]
@@ -361,8 +375,8 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
 _RECOMPUTE_EPS_S = 1e-12
 
 
-def _recompute_var(solver, unit: Recompute):
-    v = solver.BoolVar(f"recompute[{unit.name}]")
+def _recompute_var(solver, unit: Recompute, binary):
+    v = binary(f"recompute[{unit.name}]")
     if unit.force:
         solver.Add(v == 1)
     return v
