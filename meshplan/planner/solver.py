@@ -3,7 +3,12 @@
 The only module that imports OR-Tools. The model is the standard MIP of auto-sharding (Alpa,
 autoparallel) with one refinement: edge variables are indexed by the *layouts* the two ends see,
 not by strategy pairs, since many strategies share a layout. With the marginal (transport)
-constraints the LP relaxation is tight on chains and trees, so branch-and-bound stays small.
+constraints the LP relaxation is tight on chains and trees, so branch-and-bound stays small; the
+LP is solved first (GLOP), and when its optimum is integral it is the answer, proven optimal.
+
+Every solve ends in a plan or an honest error: a time limit with no incumbent returns the caller's
+consistent start (with its gap), or raises `SolveTimeout`; only a proven contradiction raises
+`InfeasiblePlan`.
 """
 
 from __future__ import annotations
