@@ -1,4 +1,5 @@
-"""benchmarks/vs_baselines.py --quick runs end to end: every method trains with single-process parity.
+"""benchmarks/vs_baselines.py --quick runs end to end: every method trains with single-process parity;
+benchmarks/mesh_search.py --quick plans every mesh of the default search.
 
 Speed targets live in the benchmark's output, not here: this only checks that it runs, that every
 method's first losses match the single-process run, and that it prints its ratio lines.
@@ -32,3 +33,15 @@ def test_vs_baselines_quick_runs_with_parity():
         assert re.search(r"^" + re.escape(method) + r"\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\d$", out, re.M), method
     ratios = re.findall(r"meshplan \((global|local)\) / best baseline = \d+\.\d\d \(target <= 1\.05\): (met|NOT met)", out)
     assert sorted(m for m, _ in ratios) == ["global", "local"], out
+
+
+def test_mesh_search_quick_plans_every_mesh_and_the_default_call_keeps_the_fastest():
+    """benchmarks/mesh_search.py --quick: the MLP on every mesh of 8 devices, one row each, and the default call's plan
+    is the fastest of them (the script exits non-zero otherwise)."""
+    proc = subprocess.run([sys.executable, "benchmarks/mesh_search.py", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = re.findall(r"^mlp_small\s+8 (\([0-9, ]+\))\s.*\b(optimal|feasible|local)\b", out, re.M)
+    assert [mesh for mesh, _ in rows] == ["(8,)", "(2, 4)", "(4, 2)", "(2, 2, 2)"], out
+    assert re.search(r"^mlp_small\s+8\s+\d+\.\d\d \(.*\)\s+\S+\s+\S+\s+True\s+0$", out, re.M), out
+    assert "slowest single mesh:" in out
