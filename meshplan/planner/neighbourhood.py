@@ -2,7 +2,7 @@
 
 The MIP has a variable for every (given, needed) layout pair of every edge. A tensor's layouts
 grow as (placements per axis) ** axes, so the pairs grow with its square: the demo Llama on a
-(2, 2, 2) mesh has 968,606 pairs (34,696 on (2, 4)); building its tables took 59 s and HiGHS had
+(2, 2, 2) mesh has 1,402,895 pairs (49,219 on (2, 4)); building its tables took 59 s and HiGHS had
 no incumbent after 120 s. `layout_pairs` counts them before any table is built, and above
 `PAIR_LIMIT` the planner searches here instead:
 
@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 
 PAIR_LIMIT = 100_000
 """Layout pairs above which a mesh is searched by neighbourhoods. Exact solves measured here
-(`benchmarks/mesh_search.py`): 49,219 pairs in 4-5 s, 129,754 in 9-10 s, 146,846 on (2, 2, 2) in
-24 s, 192,486 (HF RWKV on (2, 4)) not proven in 60 s; 968,606 found no plan in 120 s."""
+(`benchmarks/mesh_search.py`, tables and solve): 49,219 pairs in 3-5 s, 129,754 in 9-10 s, 146,846
+on (2, 2, 2) in 24 s, 192,486 (HF RWKV on (2, 4)) not proven optimal in 60 s; 1,402,895 found no
+plan in 120 s."""
 
 Subset = dict[str, list[int]]
 """node -> indexes into its candidate list that a sub-problem keeps."""
