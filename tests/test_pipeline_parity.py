@@ -126,7 +126,7 @@ def searched_plan():
     """meshplan.plan's own pipeline search, with two pins and a budget that makes stage 0 recompute its layers."""
     model, x = data()
     opts = meshplan.PipelineOptions(degrees=(2,), microbatch_sizes=(2,), schedules=("gpipe", "1f1b"))
-    return meshplan.plan(model, 4, (x,), cluster="cpu", pipeline=opts, stage_config={"layers.1": 0, "layers.2": 1}, memory_budget=760_000)
+    return meshplan.plan(model, 4, (x,), cluster="cpu", pipeline=opts, stage_config={"layers.1": 0, "layers.2": 1}, memory_budget=600_000)
 
 
 def check_searched(plan, results):
