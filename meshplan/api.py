@@ -178,8 +178,7 @@ def search_meshes(graph: Graph, meshes: list[MeshSpec], cluster: ClusterPreset, 
     plan (over the memory budget, annotations that cannot hold, no consistent choice, a solve out of
     time) is skipped with a logged reason, and the returned plan lists the skipped meshes and why."""
     found: list[Plan] = []
-    too_small: list[MemoryBudgetError] = []
-    skipped: list[str] = []
+    failed: list[tuple[MeshSpec, Exception]] = []
     for mesh in meshes:
         try:  # the plans found so far start the search of meshes too large to solve exactly
             p = make_plan(graph, mesh, cluster, options, model_name=model_name, earlier=found)
@@ -187,20 +186,20 @@ def search_meshes(graph: Graph, meshes: list[MeshSpec], cluster: ClusterPreset, 
             if len(meshes) == 1:
                 raise
             log.info("mesh %s skipped: %s", mesh, e)
-            skipped.append(f"mesh {mesh.shape}: {type(e).__name__}: {e}")
-            if isinstance(e, MemoryBudgetError):
-                too_small.append(e)
+            failed.append((mesh, e))
             continue
         log.info("mesh %s: predicted step %.3f ms, peak %s (%s)", mesh, p.step_time_s * 1e3, format_bytes(p.memory.total), p.solver.status)
         found.append(p)
-    if not found and too_small:
-        raise min(too_small, key=lambda e: e.smallest)
-    if not found and all(": AnnotationError: " in r for r in skipped):
-        raise AnnotationError("the annotations hold on none of the candidate meshes:\n  " + "\n  ".join(r.replace(": AnnotationError", "", 1) for r in skipped))
+    skipped = tuple(f"mesh {mesh.shape}: {type(e).__name__}: {e}" for mesh, e in failed)
     if not found:
+        too_small = [e for _, e in failed if isinstance(e, MemoryBudgetError)]
+        if too_small:
+            raise min(too_small, key=lambda e: e.smallest)
+        if all(isinstance(e, AnnotationError) for _, e in failed):
+            raise AnnotationError("the annotations hold on none of the candidate meshes:\n  " + "\n  ".join(f"mesh {m.shape}: {e}" for m, e in failed))
         raise InfeasiblePlan("no candidate mesh gave a plan:\n  " + "\n  ".join(skipped))
     best = min(found, key=lambda p: p.step_time_s)
-    return dataclasses.replace(best, solver=dataclasses.replace(best.solver, skipped=tuple(skipped))) if skipped else best
+    return dataclasses.replace(best, solver=dataclasses.replace(best.solver, skipped=skipped)) if skipped else best
 
 
 def auto_parallelize(

@@ -170,9 +170,10 @@ def search(
     *,
     time_limit_s: float,
 ) -> Solved[T]:
-    """The best plan found from `starts` by one-axis rounds (module docstring). `solve_subset` raises `InfeasiblePlan` or `SolveTimeout` for a subset
-    with no plan: a start that fails is passed over (if all fail, the last error is raised), a
-    neighbourhood that fails is logged and leaves the incumbent."""
+    """The best plan found from `starts` by one-axis rounds (module docstring). `solve_subset`
+    raises `InfeasiblePlan` or `SolveTimeout` for a subset with no plan: a start that fails is
+    passed over (if all fail, the last error is raised), a neighbourhood that fails is logged and
+    leaves the incumbent."""
     began = time.perf_counter()
     best: Solved[T] | None = None
     error: Exception | None = None
