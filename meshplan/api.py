@@ -211,12 +211,15 @@ def auto_parallelize(
     example_kwargs: dict | None = None,
     timeout: timedelta | float | None = None,
     loss_fn: Callable | None = None,
+    group: dist.ProcessGroup | None = None,
     **plan_kwargs,
 ) -> ParallelModule | PipelineRunner:
     """Plan `model` (or take `plan`) and return this rank's `ParallelModule`.
 
     Call on every rank of an initialised process group (torchrun's environment is used to
-    initialise one when none exists). Every rank plans identically; hashes are compared.
+    initialise one when none exists), or of `group`. The group's first rank plans and sends the plan
+    to the others, so a solve stopped by its time limit still gives every rank the same plan; each
+    rank checks that the plan fits its own model.
     `timeout` (seconds or a timedelta; default $MESHPLAN_TIMEOUT, else 10 minutes) bounds every
     collective the runtime runs: a rank that dies, never joins or skips a collective makes the
     others raise `CollectiveError` instead of hanging.
@@ -227,15 +230,18 @@ def auto_parallelize(
     """
     timeout = resolve_timeout(timeout)
     _ensure_process_group(timeout)
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     if devices is None:
         devices = world
     if isinstance(devices, int) and devices != world:
-        raise ValueError(f"devices={devices} but the process group has world size {world}; they must be equal")
+        raise ValueError(f"devices={devices} but the process group has {world} ranks; they must be equal")
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if plan is None:
-        plan = globals()["plan"](model, devices, example_inputs, example_kwargs=example_kwargs, **plan_kwargs)
+        plan = plan_once(lambda: globals()["plan"](model, devices, example_inputs, example_kwargs=example_kwargs, **plan_kwargs), group)
     if plan.pipeline is not None:
+        if group is not None:
+            raise ValueError("a pipelined plan runs on every rank of the job; auto_parallelize(group=...) takes plans "
+                             "without a pipeline (pipeline=None)")
         if loss_fn is None:
             raise ValueError("a pipelined plan runs forward and backward together: pass auto_parallelize(..., loss_fn=loss_fn)")
         micro = plan.pipeline.microbatches
@@ -244,8 +250,26 @@ def auto_parallelize(
         graph = trace(model, tuple(x[: x.shape[0] // micro] for x in example_inputs), example_kwargs)
         return PipelineRunner(model, graph, plan, loss_fn, timeout=timeout)
     if plan.mesh.size != world:
-        raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the world size is {world}")
-    return ParallelModule(model, trace(model, example_inputs, example_kwargs), plan, timeout=timeout)
+        raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the process group has {world} ranks")
+    return ParallelModule(model, trace(model, example_inputs, example_kwargs), plan, group=group, timeout=timeout)
+
+
+def plan_once(make: Callable[[], Plan], group: dist.ProcessGroup | None = None) -> Plan:
+    """`make()` on the group's first rank, whose plan (or error) every other rank receives."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    message: list = [None]
+    if dist.get_rank() == src:
+        try:
+            made = make()
+        except Exception as e:
+            dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}")], src=src, group=group)
+            raise
+        message = [("plan", made.to_json())]
+    dist.broadcast_object_list(message, src=src, group=group)
+    kind, payload = message[0]
+    if kind == "error":
+        raise RuntimeError(f"rank {src} could not plan, so this rank has no plan either: {payload}")
+    return made if dist.get_rank() == src else Plan.from_json(payload)
 
 
 def _ensure_process_group(timeout: timedelta) -> None:

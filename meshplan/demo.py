@@ -45,7 +45,7 @@ def _rank(rank: int, world: int, model: str, batch: int, steps: int, the_plan: P
     pmodel = auto_parallelize(net, devices=world, example_inputs=(tokens,), plan=the_plan)
     pmodel.reset_collective_counts()
     losses = _train(pmodel, tokens, steps)
-    return losses, pmodel.collective_counts(), {k: v.detach() for k, v in pmodel.named_parameters()}
+    return losses, pmodel.collective_counts(), {k: v.detach().to_local() for k, v in pmodel.named_parameters()}
 
 
 def run_demo(devices: int = 4, steps: int = 3, model: str = "gpt", batch: int = 8) -> bool:

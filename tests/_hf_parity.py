@@ -45,7 +45,7 @@ def hf_rank_worker(rank: int, world: int, jobs: list[tuple[str, object]]):
             pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=args, example_kwargs=kwargs, plan=plan)
         pmodel.reset_collective_counts()
         losses = hf_train(pmodel, args, kwargs)
-        params = {k: v.detach() for k, v in pmodel.named_parameters()}
+        params = {k: v.detach().to_local() for k, v in pmodel.named_parameters()}
         out.append((losses, pmodel.collective_counts(), params, pmodel.plan.hash()))
     return out
 

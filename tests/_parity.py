@@ -86,7 +86,7 @@ def rank_worker(rank: int, world: int, name: str, plan):
     pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan)
     pmodel.reset_collective_counts()
     losses = train(pmodel, x, y, name)
-    return losses, pmodel.collective_counts(), {k: v.detach() for k, v in pmodel.named_parameters()}, pmodel.plan.hash()
+    return losses, pmodel.collective_counts(), {k: v.detach().to_local() for k, v in pmodel.named_parameters()}, pmodel.plan.hash()
 
 
 def check_parity(name: str, plan, results, *, rtol: float = 1e-4, atol: float = 1e-6) -> None:

@@ -64,7 +64,7 @@ def _save_worker(rank, world, plan, path):
     again = _steps(pmodel, opt, x, y, MORE)
     # whole tensors in, this rank's blocks out
     checkpoint.load_model_state_dict(pmodel, whole)
-    reloaded = {k: v.detach().clone() for k, v in pmodel.state_dict().items()}
+    reloaded = {k: v.detach().to_local().clone() for k, v in pmodel.state_dict().items()}
     return before, after, again, info, whole, whole_state, reloaded
 
 
@@ -76,10 +76,14 @@ def _load_worker(rank, world, plan, path):
     pmodel = meshplan.auto_parallelize(model, example_inputs=(x,), plan=plan)
     opt = torch.optim.Adam(pmodel.parameters(), lr=1e-2)
     info = meshplan.load_checkpoint(path, pmodel, opt)
-    params = {k: v.detach().clone() for k, v in pmodel.named_parameters()}
-    state = {k: {s: v.clone() for s, v in opt.state[p].items()} for k, p in pmodel.named_parameters()}
+    params = {k: v.detach().to_local().clone() for k, v in pmodel.named_parameters()}
+    state = {k: {s: _local(v).clone() for s, v in opt.state[p].items()} for k, p in pmodel.named_parameters()}
     losses = _steps(pmodel, opt, x, y, MORE)
     return info, params, state, losses
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _reference():

@@ -58,7 +58,7 @@ def _worker(rank, world, graph, plans):
             torch.manual_seed(1234 + rank)  # ranks start apart; ParallelModule makes them agree
         pmodel = ParallelModule(model, graph, plan)
         losses = train(pmodel, tokens)
-        out[name] = (losses, {k: v.detach() for k, v in pmodel.named_parameters()})
+        out[name] = (losses, {k: v.detach().to_local() for k, v in pmodel.named_parameters()})
     return out
 
 

@@ -43,11 +43,11 @@ def _accumulating_worker(rank, world, plans):
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan)
         for xb, yb in _batches():  # no zero_grad between the two micro-steps
             loss_fn("gpt", pmodel(xb), yb).backward()
-        accumulated = {k: v.grad.clone() for k, v in pmodel.named_parameters()}
+        accumulated = {k: v.grad.to_local().clone() for k, v in pmodel.named_parameters()}
         pmodel.zero_grad()
         xb, yb = _batches()[1]
         loss_fn("gpt", pmodel(xb), yb).backward()  # and a single backward after zero_grad is unchanged
-        single = {k: v.grad.clone() for k, v in pmodel.named_parameters()}
+        single = {k: v.grad.to_local().clone() for k, v in pmodel.named_parameters()}
         out.append((accumulated, single))
     return out
 

@@ -108,7 +108,7 @@ def _assert_timed_out(record: dict, what: str) -> None:
 
 def test_rank_that_joins_late(tmp_path, plan):
     records = _run_pair("join_late", tmp_path, plan)
-    _assert_timed_out(records[0], "creating the process group of all ranks failed after waiting at most 5 s")
+    _assert_timed_out(records[0], "creating the process group for mesh axes (0,) (ranks [0, 1]) failed after waiting at most 5 s")
     assert records[0]["elapsed"] > TIMEOUT * 0.8, "rank 0 should have waited for the timeout"
     assert records[1]["error"] == "CollectiveError", records[1]  # the latecomer finds nobody
     assert records[1]["elapsed"] < TIMEOUT + SLACK

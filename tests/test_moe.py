@@ -117,7 +117,7 @@ def _worker(rank, world, graph, plans):
         pmodel = ParallelModule(model, graph, plan)
         pmodel.reset_collective_counts()
         losses = train(pmodel, tokens)
-        out[name] = (losses, pmodel.collective_counts(), {k: v.detach() for k, v in pmodel.named_parameters()})
+        out[name] = (losses, pmodel.collective_counts(), {k: v.detach().to_local() for k, v in pmodel.named_parameters()})
     return out
 
 

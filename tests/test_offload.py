@@ -64,7 +64,7 @@ def _worker(rank, world, plans):
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan)
         opt = pmodel.make_optimizer(torch.optim.Adam, lr=1e-2)
         losses = run_steps(pmodel, opt, x, y, "gpt", STEPS)
-        out.append((losses, {k: v.detach() for k, v in pmodel.named_parameters()}))
+        out.append((losses, {k: v.detach().to_local() for k, v in pmodel.named_parameters()}))
     return out
 
 

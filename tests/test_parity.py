@@ -71,7 +71,7 @@ def _local_inputs_worker(rank, world, plan):
     rows = slice(rank * x.shape[0] // world, (rank + 1) * x.shape[0] // world)
     pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan)
     losses = train(pmodel, x[rows], y[rows], "mlp")  # each rank loads only its slice
-    return losses, {k: v.detach() for k, v in pmodel.named_parameters()}
+    return losses, {k: v.detach().to_local() for k, v in pmodel.named_parameters()}
 
 
 def test_local_inputs_train_like_the_whole_batch():

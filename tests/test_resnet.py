@@ -93,7 +93,7 @@ def _worker(rank, world, graph, plans):
         pmodel = ParallelModule(model, graph, plan)
         pmodel.reset_collective_counts()
         losses = train(pmodel, x, y)
-        out[name] = (losses, pmodel.collective_counts(), {k: v.detach().clone() for k, v in pmodel.state_dict().items()})
+        out[name] = (losses, pmodel.collective_counts(), {k: v.detach().to_local().clone() for k, v in pmodel.state_dict().items()})
     return out
 
 

@@ -1,9 +1,8 @@
 """Checkpoints that load under any plan: torch.distributed.checkpoint (DCP) over DTensor views.
 
-A `ParallelModule` holds each parameter as this rank's local shard. Here each shard (and each
-optimizer state tensor shaped like it) is wrapped, without a copy, in a DTensor on a DeviceMesh
-built from the plan's own process groups, so DCP records where every shard sits in the whole
-tensor. A checkpoint saved under one plan (tp=4, say) therefore loads under any other plan of the
+A `ParallelModule` holds each parameter and buffer as a DTensor on the plan's DeviceMesh (and a
+torch optimizer keeps its state in DTensors of the same layout), so DCP records where every shard
+sits in the whole tensor. A checkpoint saved under one plan (tp=4, say) therefore loads under any other plan of the
 same model (dp=2 x tp=2, or another world size): DCP reads the overlapping pieces.
 
 A checkpoint is a directory: DCP's shard files and `.metadata`, plus `meshplan.json` (step,
@@ -33,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from meshplan.ir.placement import Partial, to_dtensor
 from meshplan.planner.plan import ParamChoice
+from meshplan.runtime.parallel_module import shard_tensor
 
 __all__ = [
     "CheckpointInfo", "device_mesh", "latest_checkpoint", "load_checkpoint", "load_model_state_dict",
@@ -57,18 +57,12 @@ class CheckpointInfo:
     """The JSON-serialisable `extra` given to `save_checkpoint`."""
 
 
-# ------------------------------------------------------------------ DTensor views of local shards
+# ------------------------------------------------------------------ DTensors by FQN
 
 
 def device_mesh(pmodel) -> DeviceMesh:
-    """A DeviceMesh for `pmodel.plan.mesh` over the ParallelModule's own groups (no new group, no collective)."""
-    comm, mesh = pmodel.comm, pmodel.plan.mesh
-    ranks = torch.arange(mesh.size, dtype=torch.int).view(mesh.shape)
-    device = "cuda" if next(iter(pmodel.parameters()), torch.empty(0)).is_cuda else "cpu"
-    if mesh.ndim == 1:
-        return DeviceMesh.from_group(comm.world, device, mesh=ranks, mesh_dim_names=mesh.axis_names)
-    groups = [comm.group((a,)) for a in range(mesh.ndim)]
-    return DeviceMesh.from_group(groups, device, mesh=ranks, mesh_dim_names=mesh.axis_names)
+    """The DeviceMesh `pmodel`'s parameters live on (the plan's mesh over its own groups)."""
+    return pmodel.device_mesh
 
 
 def _view(local: torch.Tensor, p: ParamChoice, mesh: DeviceMesh) -> DTensor:
@@ -84,13 +78,10 @@ def _by_fqn(pmodel) -> dict[str, ParamChoice]:
 
 
 def model_state_dict(pmodel) -> dict[str, torch.Tensor]:
-    """`pmodel.state_dict()` with every value a DTensor over this rank's shard (no copy).
-
-    The keys are the original model's (`model.state_dict()`), so a single process can load the
-    model part of a checkpoint into the unsharded model with plain `dcp.load`.
-    """
-    mesh, choice = device_mesh(pmodel), _by_fqn(pmodel)
-    return {k: _view(v, choice[k], mesh) for k, v in pmodel.state_dict(keep_vars=True).items()}
+    """`pmodel.state_dict()`: every value a DTensor over this rank's shard, under the original model's keys
+    (`model.state_dict()`), so a single process can load the model part of a checkpoint into the unsharded
+    model with plain `dcp.load`."""
+    return dict(pmodel.state_dict(keep_vars=True))
 
 
 def load_model_state_dict(pmodel, state_dict: dict[str, torch.Tensor]) -> None:
@@ -100,12 +91,10 @@ def load_model_state_dict(pmodel, state_dict: dict[str, torch.Tensor]) -> None:
     choice = _by_fqn(pmodel)
     with torch.no_grad():
         for k, target in own.items():
-            target.copy_(_local_part(state_dict[k], choice[k], pmodel, k))
+            target.to_local().copy_(_local_part(state_dict[k], choice[k], pmodel, k))
 
 
 def _local_part(value: torch.Tensor, p: ParamChoice, pmodel, what: str) -> torch.Tensor:
-    from meshplan.runtime.parallel_module import shard_tensor  # parallel_module imports nothing of ours
-
     if tuple(value.shape) != tuple(p.shape):
         raise ValueError(f"{what} has shape {list(value.shape)} but this model's {p.fqns[0]} is {list(p.shape)}")
     if isinstance(value, DTensor):
@@ -113,7 +102,7 @@ def _local_part(value: torch.Tensor, p: ParamChoice, pmodel, what: str) -> torch
         if list(value.placements) == want and value.device_mesh.shape == tuple(pmodel.plan.mesh.shape):
             return value.to_local()
         value = value.full_tensor()  # another layout: gather, then take our block
-    return shard_tensor(value, p.layout, pmodel.plan.mesh, pmodel.comm.rank)
+    return shard_tensor(value.to(pmodel.comm.device), p.layout, pmodel.plan.mesh, pmodel.comm.rank)
 
 
 def _check_keys(what: str, got: set[str], want: set[str]) -> None:
@@ -143,17 +132,13 @@ def _optimizer_params(pmodel, optimizer: torch.optim.Optimizer) -> list[list[str
 
 def optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """`{"state": {fqn: {key: value}}, "param_groups": [...]}`, keyed by parameter FQN as in
-    `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`; state tensors shaped like
-    the local shard are DTensors with the parameter's layout, other tensors (Adam's `step`) stay plain."""
-    mesh, choice = device_mesh(pmodel), _by_fqn(pmodel)
-    params = dict(pmodel.named_parameters())
+    `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`; state shaped like a parameter is
+    a DTensor with its layout (torch's optimizers make it so), other tensors (Adam's `step`) stay plain."""
     groups = _optimizer_params(pmodel, optimizer)
+    params = dict(pmodel.named_parameters())
     state: dict[str, dict[str, Any]] = {}
     for fqn in (f for g in groups for f in g):
-        local = params[fqn]
-        for key, value in optimizer.state.get(local, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local.shape:
-                value = _view(value, choice[fqn], mesh)
+        for key, value in optimizer.state.get(params[fqn], {}).items():
             state.setdefault(fqn, {})[key] = value
     param_groups = []
     for names, g in zip(groups, optimizer.param_groups):
@@ -168,7 +153,7 @@ def load_optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer, state_di
     if saved_groups != groups:
         raise ValueError(f"optimizer parameter groups {saved_groups} do not match this optimizer's {groups}; build "
                          "the optimizer with the same parameters and groups as the one that was saved")
-    choice, index = _by_fqn(pmodel), {}
+    choice, mesh, index = _by_fqn(pmodel), device_mesh(pmodel), {}
     for fqn in (f for g in groups for f in g):
         index[fqn] = len(index)
     state = {}
@@ -176,7 +161,8 @@ def load_optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer, state_di
         if fqn not in index:
             raise ValueError(f"optimizer state for {fqn!r}, which this optimizer does not hold")
         state[index[fqn]] = {
-            k: _local_part(v, choice[fqn], pmodel, f"optimizer state {fqn}.{k}") if isinstance(v, DTensor) else v
+            k: _view(_local_part(v, choice[fqn], pmodel, f"optimizer state {fqn}.{k}"), choice[fqn], mesh)
+            if isinstance(v, DTensor) else v
             for k, v in entries.items()
         }
     param_groups = []
@@ -290,12 +276,12 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer: torch.optim.Opti
 def _optimizer_targets(path, saved: dict, pmodel, plain: dict) -> dict[str, dict[str, torch.Tensor]]:
     """Empty tensors (DTensors in this plan's layout where the state was sharded) for DCP to load into;
     non-tensor state values go to `plain`."""
-    mesh, choice, params = device_mesh(pmodel), _by_fqn(pmodel), dict(pmodel.named_parameters())
+    params = dict(pmodel.named_parameters())
     targets: dict[str, dict[str, torch.Tensor]] = {}
     for fqn, entries in saved.items():
         if fqn not in params:
             raise ValueError(f"checkpoint {path} has optimizer state for {fqn!r}, not a parameter of this model")
-        local = params[fqn]
+        param = params[fqn]
         for key, spec in entries.items():
             if "value" in spec:
                 plain.setdefault(fqn, {})[key] = spec["value"]
@@ -304,8 +290,8 @@ def _optimizer_targets(path, saved: dict, pmodel, plain: dict) -> dict[str, dict
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"checkpoint {path}: optimizer state {fqn}.{key} has unknown dtype {spec['dtype']!r}")
             targets.setdefault(fqn, {})[key] = (
-                _view(torch.empty(local.shape, dtype=dtype, device=local.device), choice[fqn], mesh) if spec["sharded"]
-                else torch.empty(spec["shape"], dtype=dtype, device=local.device))
+                torch.empty_like(param, dtype=dtype) if spec["sharded"]  # a DTensor in this plan's layout
+                else torch.empty(spec["shape"], dtype=dtype, device=param.device))
     return targets
 
 

@@ -9,14 +9,15 @@ the plan is the truth.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 from collections import Counter
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.ir.mesh import MeshSpec
@@ -60,25 +61,45 @@ class CollectiveError(RuntimeError):
 
 
 class MeshComm:
-    """This rank's place on the mesh and a process group for every line of axes it needs.
+    """This rank's place on the mesh, its device, and a process group for every line of axes it needs.
 
-    Every group is created with `timeout`: a collective that waits longer for another rank raises
-    `CollectiveError` on this rank instead of hanging (gloo and NCCL both honour a group's timeout).
+    `ranks[i]` is the global rank at mesh position i (row-major; default: global ranks 0..N-1), so a
+    plan can run on any sub-group of the job. Groups are created with `dist.new_group` rather than
+    `init_device_mesh` because each needs `timeout` (a collective that waits longer for another
+    rank raises `CollectiveError` instead of hanging) and because a sub-group's ranks must not wait
+    for ranks outside it (`use_local_synchronization`); `device_mesh` then wraps the same groups in
+    a DeviceMesh, which DTensor parameters, optimizers and DCP use.
     """
 
-    def __init__(self, mesh: MeshSpec, rank: int, world_size: int, timeout: timedelta | float | None = None) -> None:
-        if mesh.size != world_size:
-            raise ValueError(f"plan is for {mesh.size} devices (mesh {mesh}) but the process group has {world_size} ranks")
+    def __init__(self, mesh: MeshSpec, rank: int, ranks: Sequence[int] | None = None, *,
+                 timeout: timedelta | float | None = None, device: torch.device | str = "cpu") -> None:
+        ranks = list(range(mesh.size)) if ranks is None else [int(r) for r in ranks]
+        if len(ranks) != mesh.size:
+            raise ValueError(f"plan is for {mesh.size} devices (mesh {mesh}) but the process group has {len(ranks)} ranks")
         self.mesh = mesh
         self.rank = rank
+        self.ranks = ranks
         self.coord = mesh.coordinate(rank)
         self.timeout = resolve_timeout(timeout)
+        self.device = torch.device(device)
         self._groups: dict[tuple[int, ...], object] = {}
+        self._device_mesh: DeviceMesh | None = None
 
     @property
     def world(self):
         """The group of every rank of the mesh (created by the first `create_groups`)."""
         return self.group(tuple(range(self.mesh.ndim)))
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The plan's mesh as a DeviceMesh over this comm's own per-axis groups (no new group)."""
+        if self._device_mesh is None:
+            self.create_groups([(a,) for a in range(self.mesh.ndim)])
+            layout = torch.tensor(self.ranks, dtype=torch.int).view(self.mesh.shape)
+            groups = [self.group((a,)) for a in range(self.mesh.ndim)]
+            self._device_mesh = DeviceMesh.from_group(groups if len(groups) > 1 else groups[0], self.device.type,
+                                                      mesh=layout, mesh_dim_names=self.mesh.axis_names)
+        return self._device_mesh
 
     @contextlib.contextmanager
     def guard(self, what: str):
@@ -103,24 +124,16 @@ class MeshComm:
         return self._groups[axes]
 
     def create_groups(self, axis_sets: list[tuple[int, ...]]) -> None:
-        """Collectively create the groups; every rank must call this with the same list."""
-        shape = self.mesh.shape
+        """Create this rank's group for each set of axes. Every rank of the mesh calls this with the same
+        list; ranks outside the mesh need not (each group synchronises only its members)."""
         for axes in sorted({tuple(sorted(a)) for a in axis_sets}):
             if axes in self._groups:
                 continue
-            if len(axes) == self.mesh.ndim:  # not dist.group.WORLD: its timeout is not ours
-                with self.guard("creating the process group of all ranks"):
-                    self._groups[axes] = dist.new_group(list(range(self.mesh.size)), timeout=self.timeout)
-                continue
             others = [a for a in range(self.mesh.ndim) if a not in axes]
-            for fixed in itertools.product(*(range(shape[a]) for a in others)):
-                ranks = [
-                    r for r in range(self.mesh.size) if all(self.mesh.coordinate(r)[a] == v for a, v in zip(others, fixed))
-                ]
-                with self.guard(f"creating the process group for mesh axes {axes} (ranks {ranks})"):
-                    pg = dist.new_group(ranks, timeout=self.timeout)
-                if self.rank in ranks:
-                    self._groups[axes] = pg
+            line = [self.ranks[r] for r in range(self.mesh.size)
+                    if all(self.mesh.coordinate(r)[a] == self.coord[a] for a in others)]
+            with self.guard(f"creating the process group for mesh axes {axes} (ranks {line})"):
+                self._groups[axes] = dist.new_group(line, timeout=self.timeout, use_local_synchronization=True)
 
     def size(self, axes: tuple[int, ...]) -> int:
         return math.prod(self.mesh.shape[a] for a in axes)

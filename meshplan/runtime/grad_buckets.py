@@ -5,22 +5,37 @@ the all-reduces are issued in. A bucket is launched asynchronously as soon as al
 are accumulated and every earlier bucket has been launched, so all ranks issue the same collectives
 in the same order; the end of backward waits for them and writes the sums back into `.grad`.
 
-Only this backward's gradient is summed over ranks. With gradient accumulation (several
+Only gradients not reduced yet are summed over ranks. With gradient accumulation (several
 `backward()` calls before `step()`), `.grad` already holds the earlier micro-steps' gradients,
 summed before; summing them again would count them once per rank. A tensor hook sees each new
 gradient before autograd adds it: the bucket reduces that, and the end of backward writes
 `earlier + sum` into `.grad` (what one process accumulates).
+
+Inside `deferred()` (ParallelModule.no_sync) nothing is reduced: autograd accumulates local
+gradients into `.grad`, and the first reducing backward after it sums those together with its own
+(`.grad` minus what was already reduced when the deferral began).
+
+Parameters are DTensors; every sum works on their local tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from meshplan.planner.plan import GradBucket
 from meshplan.runtime.collectives import MeshComm, count_collective
+
+
+_NONE = object()
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class GradBuckets:
@@ -30,11 +45,21 @@ class GradBuckets:
         self._comm = comm
         self._where = {id(params[n]): i for i, b in enumerate(buckets) for n in b.params}
         self._flat: list[torch.Tensor | None] = [None] * len(buckets)  # reused every step; safe: _finish waits
+        self._deferring = False
+        self._reduced_before: dict[int, torch.Tensor | None] = {}  # id(param) -> its reduced .grad when the deferral began
         self._reset()
         for group in self._params:
             for p in group:
                 p.register_hook(functools.partial(self._on_new_grad, p))
                 p.register_post_accumulate_grad_hook(self._on_grad)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
 
     def _reset(self) -> None:
         self._ready = [0] * len(self._buckets)
@@ -43,13 +68,21 @@ class GradBuckets:
         self._armed = False
         self._new: dict[int, torch.Tensor] = {}  # id(param) -> this backward's local gradient, until its bucket launches
         self._earlier: dict[int, torch.Tensor | None] = {}  # id(param) -> what .grad held before this backward
+        self._kept: dict[int, torch.Tensor | None] = {}  # id(param) -> the reduced part its new .grad adds the sum to
 
+    @torch.no_grad()
     def _on_new_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Runs before autograd adds `grad` into `param.grad` (returns None: it is added as usual)."""
-        self._new[id(param)] = grad
-        self._earlier[id(param)] = None if param.grad is None else param.grad.clone()
+        if self._deferring:
+            if id(param) not in self._reduced_before:
+                self._reduced_before[id(param)] = None if param.grad is None else _local(param.grad).clone()
+            return
+        self._new[id(param)] = _local(grad)
+        self._earlier[id(param)] = None if param.grad is None else _local(param.grad).clone()
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        if self._deferring:
+            return
         if not self._armed:
             # runs once the whole backward pass is done, on the thread that started it
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -60,9 +93,22 @@ class GradBuckets:
             self._launch(self._next)
             self._next += 1
 
+    @torch.no_grad()
+    def _unreduced(self, p: torch.Tensor) -> torch.Tensor:
+        """What `p` contributes to this reduction, and (in `_kept`) the reduced part its `.grad` keeps."""
+        new = self._new.pop(id(p), None)
+        earlier = self._earlier[id(p)] if id(p) in self._earlier else _local(p.grad)
+        part = torch.zeros_like(_local(p)) if new is None else new
+        reduced = self._reduced_before.pop(id(p), _NONE)
+        if reduced is not _NONE and earlier is not None:  # local gradients accumulated under no_sync
+            part = part + (earlier if reduced is None else earlier - reduced)
+            self._kept[id(p)] = reduced
+        elif new is not None:
+            self._kept[id(p)] = earlier
+        return part
+
     def _launch(self, i: int) -> None:
-        grads = [self._new.pop(id(p), None) for p in self._params[i]]
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(self._params[i], grads)]
+        grads = [self._unreduced(p) for p in self._params[i]]
         flat = self._flat[i]
         if flat is None:
             # one buffer per bucket for the whole run, as DDP keeps: a fresh multi-MB tensor can cost
@@ -78,6 +124,7 @@ class GradBuckets:
     def _axis_names(self, i: int) -> list[str]:
         return [self._comm.mesh.axis_names[a] for a in self._buckets[i].axes]
 
+    @torch.no_grad()
     def _finish(self) -> None:
         # parameters that got no gradient this step still take part: every rank must issue every bucket
         while self._next < len(self._buckets):
@@ -88,10 +135,11 @@ class GradBuckets:
                 work.wait(self._comm.timeout)
             offset = 0
             for p in self._params[i]:
-                n = p.numel()
-                if id(p) in self._earlier:  # it got a gradient in this backward (on every rank: one program)
-                    summed = flat[offset : offset + n].view_as(p.grad)
-                    earlier = self._earlier[id(p)]
-                    p.grad.copy_(summed if earlier is None else earlier.add_(summed))
+                n = _local(p).numel()
+                if id(p) in self._kept:  # it has a gradient to write (on every rank: one program)
+                    summed = flat[offset : offset + n].view_as(_local(p))
+                    kept = self._kept[id(p)]
+                    _local(p.grad).copy_(summed if kept is None else kept.add_(summed))
                 offset += n
         self._reset()
+

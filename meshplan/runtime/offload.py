@@ -20,9 +20,10 @@ class PlannedOptimizer:
     def __init__(self, params: list[nn.Parameter], offloaded: list[nn.Parameter], make: Callable[[list], torch.optim.Optimizer]) -> None:
         pin = torch.cuda.is_available()
         self._pairs = []
-        for p in offloaded:
-            host = nn.Parameter(torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=pin))
-            host.data.copy_(p.detach())
+        for p in offloaded:  # p: a DTensor; its host copy holds this rank's shard
+            local = p.detach().to_local()
+            host = nn.Parameter(torch.empty(local.shape, dtype=torch.float32, device="cpu", pin_memory=pin))
+            host.data.copy_(local)
             self._pairs.append((p, host))
         self.device = make(params) if params else None
         self.host = make([h for _, h in self._pairs]) if self._pairs else None
@@ -44,13 +45,13 @@ class PlannedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         for p, host in self._pairs:
-            host.grad = None if p.grad is None else p.grad.to("cpu", torch.float32, non_blocking=True)
+            host.grad = None if p.grad is None else p.grad.to_local().to("cpu", torch.float32, non_blocking=True)
         if self._pairs and torch.cuda.is_available():
             torch.cuda.synchronize()  # the gradients are on the host before the host optimizer reads them
         for o in self.optimizers:
             o.step()
         for p, host in self._pairs:
-            p.copy_(host, non_blocking=True)
+            p.to_local().copy_(host, non_blocking=True)
 
 
 def make_optimizer(module: nn.Module, plan, leaves: dict[str, torch.Tensor], optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> PlannedOptimizer:

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.placement import Placements, Shard, local_shape
+from meshplan.ir.placement import Placements, Shard, local_shape, to_dtensor
 from meshplan.planner.plan import Plan
 from meshplan.planner.rules.random import is_random
 from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.offload import make_optimizer
+from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.rewrite import local_program
 
 
@@ -32,11 +35,16 @@ def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int)
 
 
 class ParallelModule(nn.Module):
-    """Runs `plan` on this rank. Parameters are local shards registered under the model's own FQNs.
+    """Runs `plan` on this rank with the user's own training loop.
 
-    `state_dict()` holds those local shards; `meshplan.runtime.checkpoint` views them as DTensors
-    so a checkpoint saved under one plan loads under another. `timeout` bounds every collective
-    (see `collectives.resolve_timeout`).
+    Parameters and buffers are DTensors on `device_mesh` with the plan's layouts, registered under
+    the model's own FQNs; the per-rank program runs on their local tensors, and their gradients
+    arrive as DTensors of the same layout. So `torch.optim.*`, `clip_grad_norm_` (one global norm),
+    LR schedulers, `state_dict()` / DCP and `named_parameters()` see the whole model, as on one process.
+
+    `group`: the process group the plan runs on (default: every rank of the job); its size must be
+    the plan's mesh size, and its ranks take the mesh positions in order. `timeout` bounds every
+    collective (see `collectives.resolve_timeout`).
     """
 
     def __init__(self, model: nn.Module, graph: Graph, plan: Plan, *, group=None, timeout: timedelta | float | None = None) -> None:
@@ -46,8 +54,15 @@ class ParallelModule(nn.Module):
                 f"plan was made for a different graph (fingerprint {plan.graph_fingerprint}, this model traces to "
                 f"{graph.fingerprint()}); re-plan or load the plan made for this model"
             )
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.comm = MeshComm(plan.mesh, rank, world, timeout)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        if len(ranks) != plan.mesh.size:
+            raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the process group has "
+                             f"{len(ranks)} ranks; pass a group of {plan.mesh.size} ranks or plan for {len(ranks)} devices")
+        device = group_device(group)
+        full = dict(model.named_parameters(remove_duplicate=False))
+        full.update(dict(model.named_buffers(remove_duplicate=False)))
+        _check_model_device(full, device)
+        self.comm = MeshComm(plan.mesh, dist.get_rank(group), ranks, timeout=timeout, device=device)
         self.comm.create_groups([tuple(range(plan.mesh.ndim))])  # first: the plan check runs on it
         check_same_plan(plan, self.comm, group=self.comm.world, rank=self.comm.rank)
         self.plan = plan
@@ -57,35 +72,39 @@ class ParallelModule(nn.Module):
 
         axis_sets = [(a,) for a in range(plan.mesh.ndim)] + [b.axes for b in plan.buckets]
         self.comm.create_groups(axis_sets)
+        self.device_mesh = self.comm.device_mesh
 
-        full = dict(model.named_parameters(remove_duplicate=False))
-        full.update(dict(model.named_buffers(remove_duplicate=False)))
         persistent = set(model.state_dict(keep_vars=True))  # so state_dict() has the model's own keys
         self._leaf: dict[str, torch.Tensor] = {}
         for p in plan.params:
-            whole = full[p.fqns[0]].detach()
-            # every rank starts from rank 0's weights, as DDP does
-            whole = whole.clone()
-            with self.comm.guard(f"broadcasting {p.fqns[0]} from rank 0"):
-                dist.broadcast(whole, src=0, group=self.comm.world)
-            # a copy, not a view: a dim-0 chunk is already contiguous and would keep the whole tensor alive
-            local = shard_tensor(whole, p.layout, plan.mesh, rank).clone(memory_format=torch.contiguous_format)
+            # every rank starts from the first rank's weights, as DDP does
+            whole = full[p.fqns[0]].detach().to(device, copy=True)
+            with self.comm.guard(f"broadcasting {p.fqns[0]} from rank {ranks[0]}"):
+                dist.broadcast(whole, src=ranks[0], group=self.comm.world)
+            tensor = self._distributed(whole, p.layout)
             if p.is_buffer:
-                tensor: torch.Tensor = local
                 for fqn in p.fqns:
-                    _owner(self, fqn).register_buffer(fqn.rsplit(".", 1)[-1], local, persistent=fqn in persistent)
+                    _owner(self, fqn).register_buffer(fqn.rsplit(".", 1)[-1], tensor, persistent=fqn in persistent)
             else:
-                tensor = nn.Parameter(local, requires_grad=full[p.fqns[0]].requires_grad)
+                tensor = nn.Parameter(tensor, requires_grad=full[p.fqns[0]].requires_grad)
                 for fqn in p.fqns:
                     setattr(_owner(self, fqn), fqn.rsplit(".", 1)[-1], tensor)
             self._leaf[p.node] = tensor
         self._buffer_node = {f: p.node for p in plan.params if p.is_buffer for f in p.fqns}
         self._layout = {p.node: p.layout for p in plan.params}
         self._fqns = {p.node: p.fqns for p in plan.params}
+        self._rng = None
         if any(is_random(n.target) for n in graph.nodes if n.kind == "op"):
-            _share_rng_state(self.comm)
+            self._rng = ProgramRng(self.comm.world, device, ranks[0], self.comm.guard)
         self._grad_buckets = GradBuckets(plan.buckets, self._leaf, self.comm)
         self.program = local_program(graph.fx, plan, self.comm)
+
+    def _distributed(self, whole: torch.Tensor, layout: Placements) -> DTensor:
+        """This rank's block of `whole` as a DTensor with `layout` (a copy: a chunk view would keep `whole` alive)."""
+        local = shard_tensor(whole, layout, self.plan.mesh, self.comm.rank).clone(memory_format=torch.contiguous_format)
+        stride = torch.empty(whole.shape, device="meta").stride()  # the whole tensor's, as `local` is contiguous
+        return DTensor.from_local(local, self.device_mesh, [to_dtensor(q) for q in layout], run_check=False,
+                                  shape=whole.shape, stride=stride)
 
     def forward(self, *args, **kwargs):
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -93,28 +112,37 @@ class ParallelModule(nn.Module):
         call = []
         for name in self._placeholders:
             if name in self._leaf:
-                call.append(self._leaf[name])
+                call.append(self._leaf[name].to_local())  # differentiable: the gradient arrives as a DTensor
             elif name in self._traced.constants:
                 call.append(self._traced.constants[name])
             else:
                 call.append(self._localise_input(name, next(user)))
-        out = list(self.program(*call))
+        with self._rng.active() if self._rng is not None else contextlib.nullcontext():
+            out = list(self.program(*call))
         mutated = self._traced.mutations
         # running statistics (batch norm): this rank's part becomes the buffer. A new tensor, not an
         # in-place copy: the step's backward may still read the old one.
         for fqn, value in zip(mutated, out):
             node = self._buffer_node[fqn]
-            new = shard_tensor(value.detach(), self._layout[node], self.plan.mesh, self.comm.rank).contiguous()
+            new = self._distributed(value.detach(), self._layout[node])
             for alias in self._fqns[node]:
                 _owner(self, alias)._buffers[alias.rsplit(".", 1)[-1]] = new
             self._leaf[node] = new
         out = out[len(mutated):]
         return pytree.tree_unflatten(out, self._traced.out_spec)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside this block keep their gradients local (no collective); the first
+        backward after it reduces everything accumulated since the last reduction, as DDP's `no_sync`."""
+        with self._grad_buckets.deferred():
+            yield
+
     def _localise_input(self, name: str, x):
         choice = self._inputs.get(name)
         if choice is None or not isinstance(x, torch.Tensor):
             return x
+        x = x.to(self.comm.device)  # as DDP does with its device: a no-op when the input is there already
         if self.plan.inputs_mode == "global":
             if tuple(x.shape) != choice.shape:
                 raise ValueError(
@@ -161,7 +189,7 @@ def check_same_plan(plan: Plan, comm: MeshComm, *, group, rank: int) -> None:
     """Every rank of `group` must run the identical plan: compare hashes before the first collective of a step
     (`group` None: every rank of the job, as a pipeline's stages need)."""
     h = int(plan.hash()[:15], 16)
-    t = torch.tensor([h, -h], dtype=torch.int64)
+    t = torch.tensor([h, -h], dtype=torch.int64, device=comm.device)
     with comm.guard("comparing plan hashes"):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if t[0].item() != h or -t[1].item() != h:
@@ -171,10 +199,23 @@ def check_same_plan(plan: Plan, comm: MeshComm, *, group, rank: int) -> None:
         )
 
 
-def _share_rng_state(comm: MeshComm) -> None:
-    """Every rank takes rank 0's CPU generator state: random ops draw whole tensors (planner/rules/random.py),
-    so identical states give every rank the single-device model's masks."""
-    state = torch.get_rng_state()
-    with comm.guard("broadcasting rank 0's random generator state"):
-        dist.broadcast(state, src=0, group=comm.world)
-    torch.set_rng_state(state)
+def _check_model_device(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    """The model's tensors must be real and on the host or on this rank's device (they are copied there)."""
+    for fqn, t in tensors.items():
+        if t.device.type == "meta":
+            raise ValueError(f"{fqn} is on the meta device; materialise the model before auto_parallelize "
+                             "(model.to_empty(device='cpu') and initialise it, or load its weights)")
+        if t.device.type != "cpu" and t.device != device:
+            raise ValueError(f"{fqn} is on {t.device} but this rank runs on {device} (from the process group's backend "
+                             f"and the current device); move the model to the CPU or to {device} first")
+
+
+def group_device(group=None) -> torch.device:
+    """The device `group`'s collectives take tensors on: the host for gloo, else the current accelerator
+    (`torch.cuda.set_device(LOCAL_RANK)` under torchrun, which `init_torchrun_group` does)."""
+    if dist.get_backend(group) in ("gloo", "fake"):
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        raise ValueError(f"process group backend {dist.get_backend(group)!r} needs an accelerator, and none is available")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())

@@ -29,11 +29,10 @@ from torch.utils import _pytree as pytree
 
 from meshplan.cost_model.schedules import TORCH_SCHEDULE_CLASS
 from meshplan.ir.graph import Graph
-from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import local_shape
 from meshplan.planner.plan import Plan
 from meshplan.runtime.collectives import MeshComm, count_collective
-from meshplan.runtime.parallel_module import ParallelModule, _owner, check_same_plan, shard_tensor
+from meshplan.runtime.parallel_module import ParallelModule, _owner, check_same_plan, group_device, shard_tensor
 from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.stage_split import StageProgram, example_values, node_stages, split_program, unit_stages
 
@@ -41,33 +40,6 @@ from meshplan.runtime.stage_split import StageProgram, example_values, node_stag
 def stage_device(k: int, p: int, schedule: str) -> int:
     """Pipeline rank of virtual stage k: round robin, or down and back up for ZB-V's V."""
     return (k if k < p else 2 * p - 1 - k) if schedule == "zbv" else k % p
-
-
-class StageComm(MeshComm):
-    """A MeshComm for one stage's sub-mesh: sub-mesh rank r is global rank `ranks[r]`.
-
-    Every rank creates the groups of every stage (torch wants each new_group called everywhere, in one
-    order); only a member keeps them."""
-
-    def __init__(self, mesh: MeshSpec, rank: int, ranks: list[int], member: bool, timeout: timedelta | float | None) -> None:
-        super().__init__(mesh, rank, mesh.size, timeout)
-        assert len(ranks) == mesh.size, (ranks, mesh)
-        self.ranks, self.member = list(ranks), member
-
-    def create_groups(self, axis_sets: list[tuple[int, ...]]) -> None:
-        shape = self.mesh.shape
-        for axes in sorted({tuple(sorted(a)) for a in axis_sets}):
-            if axes in self._groups:
-                continue
-            others = [a for a in range(self.mesh.ndim) if a not in axes]
-            lines: dict[tuple[int, ...], list[int]] = {}
-            for r in range(self.mesh.size):
-                lines.setdefault(tuple(self.mesh.coordinate(r)[a] for a in others), []).append(r)
-            for _, members in sorted(lines.items()):
-                with self.guard(f"creating the process group for mesh axes {axes} of ranks {[self.ranks[r] for r in members]}"):
-                    pg = dist.new_group([self.ranks[r] for r in members], timeout=self.timeout)
-                if self.member and self.rank in members:
-                    self._groups[axes] = pg
 
 
 class StageModule(nn.Module):
@@ -101,8 +73,7 @@ class PipelineRunner:
     """This rank's stages of a pipelined plan. `step(x, y)` runs one training step (forward, backward, gradient sync)
     over the whole batch; the user's optimizer steps `parameters()` afterwards, as with any module."""
 
-    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, loss_fn: Callable, *, timeout: timedelta | float | None = None,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, loss_fn: Callable, *, timeout: timedelta | float | None = None) -> None:
         pipe = plan.pipeline
         if pipe is None:
             raise ValueError("PipelineRunner needs a plan with a pipeline (plan.pipeline is None); use ParallelModule for single-stage plans")
@@ -116,10 +87,9 @@ class PipelineRunner:
         self.plan, self.pipe, self.loss_fn = plan, pipe, loss_fn
         self.stage_rank, self.local = divmod(rank, n)
         axis_sets = [tuple(range(plan.mesh.ndim))] + [(a,) for a in range(plan.mesh.ndim)] + [b.axes for b in plan.buckets]
-        comms = [StageComm(plan.mesh, self.local, list(range(s * n, (s + 1) * n)), s == self.stage_rank, timeout) for s in range(p)]
-        for c in comms:
-            c.create_groups(axis_sets)
-        self.comm = comms[self.stage_rank]
+        device = group_device()
+        self.comm = MeshComm(plan.mesh, self.local, range(self.stage_rank * n, (self.stage_rank + 1) * n), timeout=timeout, device=device)
+        self.comm.create_groups(axis_sets)  # each stage's groups, by its own ranks only
         check_same_plan(plan, self.comm, group=None, rank=rank)
         pp_groups = [dist.new_group([s * n + j for s in range(p)], timeout=self.comm.timeout) for j in range(n)]
 
@@ -141,7 +111,7 @@ class PipelineRunner:
         full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
         self.leaves: dict[str, torch.Tensor] = {}
         for prm in plan.params:
-            whole = full[prm.fqns[0]].detach().clone()
+            whole = full[prm.fqns[0]].detach().to(device, copy=True)
             with self.comm.guard(f"broadcasting {prm.fqns[0]} from rank 0"):
                 dist.broadcast(whole, src=0)
             if prm.node in needed:
@@ -172,7 +142,7 @@ class PipelineRunner:
             for k in self.mine
         }
         stages = [
-            PipelineStage(self.modules[k], k, n_stages, torch.device(device), group=pp_groups[self.local],
+            PipelineStage(self.modules[k], k, n_stages, device, group=pp_groups[self.local],
                           input_args=example_values(program, programs[k].carried_in, graph, plan),
                           output_args=example_values(program, programs[k].carried_out if k < n_stages - 1 else None, graph, plan))
             for k in self.mine
@@ -281,4 +251,4 @@ class PipelineRunner:
     reset_collective_counts = staticmethod(ParallelModule.reset_collective_counts)
 
 
-__all__ = ["PipelineRunner", "StageComm", "stage_device"]
+__all__ = ["PipelineRunner", "stage_device"]
