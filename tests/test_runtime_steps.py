@@ -18,7 +18,7 @@ def _local(rank: int) -> torch.Tensor:
 
 
 def _steps(rank: int, world: int) -> dict:
-    comm = MeshComm(MeshSpec((world,)), rank, world)
+    comm = MeshComm(MeshSpec((world,)), rank)
     comm.create_groups([(0,)])
     x = _local(rank)
     out = {}
