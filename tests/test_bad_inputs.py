@@ -120,7 +120,7 @@ def test_plan_file_for_another_world_and_checkpoint_of_another_model(tmp_path):
         meshplan.plan(model, devices=2, example_inputs=(x,)).save(str(tmp_path / "plan.json"))
     (messages,) = run_local(1, _foreign_files, str(tmp_path / "plan.json"), str(tmp_path / "ckpt"), timeout=300)
     assert len(messages) == 3, messages
-    assert messages[0] == "the plan's mesh dp=2 has 2 devices but the world size is 1"
+    assert messages[0] == "the plan's mesh dp=2 has 2 devices but the process group has 1 ranks"
     assert messages[1] == (f"checkpoint {tmp_path / 'ckpt'} was saved from a different model: 5 parameters differ in name or "
                            "shape (layers.0.bias: [64] in the checkpoint, [32] here; layers.0.weight: [64, 32] in the checkpoint, "
                            "[32, 32] here; layers.1.bias: [64] in the checkpoint, [32] here; ...)")

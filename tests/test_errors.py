@@ -95,7 +95,7 @@ def _wrong_devices(rank, world):
 @pytest.mark.multiprocess
 def test_devices_must_equal_world_size():
     messages = run_local(2, _wrong_devices, timeout=300)
-    assert messages == ["devices=4 but the process group has world size 2; they must be equal"] * 2
+    assert messages == ["devices=4 but the process group has 2 ranks; they must be equal"] * 2
 
 
 def _different_plans(rank, world, plans):
