@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -251,7 +252,31 @@ def auto_parallelize(
         return PipelineRunner(model, graph, plan, loss_fn, timeout=timeout)
     if plan.mesh.size != world:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the process group has {world} ranks")
-    return ParallelModule(model, trace(model, example_inputs, example_kwargs), plan, group=group, timeout=timeout)
+    graph = trace(model, example_inputs, example_kwargs)
+    eval_source = functools.partial(_eval_program, model, example_inputs, example_kwargs, graph, plan, group)
+    return ParallelModule(model, graph, plan, group=group, timeout=timeout, eval_source=eval_source)
+
+
+def _eval_program(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, graph: Graph, plan: Plan,
+                  group: dist.ProcessGroup | None) -> tuple[Graph, Plan] | None:
+    """The model traced in eval mode and planned with `plan`'s parameter and input layouts, or None when
+    eval mode traces to the same program. Every rank of `group` calls this (the first rank plans)."""
+    was_training = model.training
+    model.eval()
+    try:
+        eval_graph = trace(model, example_inputs, example_kwargs)
+    finally:
+        model.train(was_training)
+    if eval_graph.fingerprint() == graph.fingerprint():
+        return None
+    options = PlanOptions(
+        inputs=plan.inputs_mode, recompute="never",
+        param_layouts={p.fqns[0]: p.layout for p in plan.params}, input_layouts={i.name: i.layout for i in plan.inputs},
+    )
+    phase(f"planning {type(model).__name__} in eval mode with the training plan's layouts")
+    eval_plan = plan_once(lambda: make_plan(eval_graph, plan.mesh, get_cluster(plan.cluster), options,
+                                            model_name=type(model).__name__), group)
+    return eval_graph, eval_plan
 
 
 def plan_once(make: Callable[[], Plan], group: dist.ProcessGroup | None = None) -> Plan:

@@ -21,6 +21,7 @@ from _parity import loss_fn, megatron_layouts
 import meshplan
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig
+from meshplan.models.resnet import ResNet
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 
@@ -126,3 +127,112 @@ def test_user_training_loop_matches_one_process_under_dp_tp_and_2d():
                 assert synced == (0 if deferred else buckets), f"{where}: {'deferred' if deferred else 'last'} micro-step ran {synced} bucket all-reduces"
         if "data" in name:
             assert buckets > 0, f"{name} must reduce gradients over the data-parallel axis"
+
+
+# ---------------------------------------------------------------- eval() and train()
+
+
+def _eval_models():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(dropout=0.2))
+    tokens = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    resnet = ResNet()
+    images = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    return {"gpt": (gpt, tokens), "resnet": (resnet, images)}
+
+
+def _eval_loss(name, out, x):
+    return loss_fn("gpt", out, x) if name == "gpt" else out.square().mean()
+
+
+def _eval_loop(name, model, x):
+    """A training step, an evaluation in eval mode, then training again: outputs and losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for evaluate in (False, True, False):
+        if evaluate:
+            model.eval()
+            with torch.no_grad():
+                evaluated = model(x)
+            model.train()
+            continue
+        loss = _eval_loss(name, model(x), x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, evaluated
+
+
+def _eval_worker(rank, world, kinds):
+    out = {}
+    for name, kind in kinds:
+        model, x = _eval_models()[name]
+        kw = {"mode": "data_parallel"} if kind == "dp" else dict(zip(("param_layouts", "input_layouts"), megatron_layouts("gpt", 1)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), mesh_shape=(world,), **kw)
+        losses, evaluated = _eval_loop(name, pmodel, x)
+        out[(name, kind)] = (losses, evaluated, {k: v.to_local() for k, v in pmodel.state_dict().items() if "running" in k})
+    return out
+
+
+@pytest.mark.multiprocess
+def test_eval_mode_switches_dropout_and_batch_norm():
+    kinds = [("gpt", "dp"), ("gpt", "tp"), ("resnet", "dp")]
+    results = run_local(2, _eval_worker, kinds, timeout=900)
+    for name, kind in kinds:
+        model, x = _eval_models()[name]
+        ref_losses, ref_eval = _eval_loop(name, model, x)
+        for rank, result in enumerate(results):
+            losses, evaluated, running = result[(name, kind)]
+            where = f"{name} {kind}, rank {rank}"
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6, msg=lambda m: f"{where}: {m}")
+            torch.testing.assert_close(evaluated, ref_eval, rtol=1e-4, atol=1e-5, msg=lambda m: f"{where} eval output: {m}")
+            for fqn, value in running.items():  # eval mode leaves the running statistics alone
+                torch.testing.assert_close(value, model.state_dict()[fqn], rtol=1e-4, atol=1e-6, msg=lambda m: f"{where} {fqn}: {m}")
+        with torch.no_grad():  # eval mode really differs from train mode for these models
+            assert (model.eval()(x) - model.train()(x)).abs().max() > 1e-3, name
+
+
+# ---------------------------------------------------------------- a plan on a sub-group
+
+
+def _group_worker(rank, world):
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = rank // 2
+    if rank % 2:  # plan once: only a group's first rank may plan
+
+        def no_planning(*args, **kwargs):
+            raise AssertionError(f"rank {rank} planned; it must receive its group's plan")
+
+        meshplan.api.plan = no_planning
+    model, data = build()
+    if mine == 0:  # each group plans its own way, on its own first rank
+        kw = {"mode": "data_parallel"}
+    else:
+        kw = dict(zip(("param_layouts", "input_layouts"), megatron_layouts("gpt", 1)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pmodel = meshplan.auto_parallelize(model, devices=2, example_inputs=(data[0],), mesh_shape=(2,), group=groups[mine], **kw)
+    losses, norms, grads, inferred = train(pmodel, data, no_sync=pmodel.no_sync)
+    return pmodel.plan, losses, norms, grads
+
+
+@pytest.mark.multiprocess
+def test_two_groups_train_their_own_plans():
+    model, data = build()
+    ref_losses, ref_norms, ref_grads, _ = train(model, data)
+    results = run_local(4, _group_worker, timeout=900)
+    plans = [results[0][0], results[2][0]]
+    assert plans[0].hash() != plans[1].hash(), "the two groups were given different plans"
+    for rank, (plan, losses, norms, grads) in enumerate(results):
+        assert plan.hash() == plans[rank // 2].hash(), f"rank {rank} runs another plan than its group's first rank"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-4, atol=1e-6)
+        layouts = {f: p.layout for p in plan.params for f in p.fqns}
+        for fqn, local in grads.items():
+            torch.testing.assert_close(local, shard_tensor(ref_grads[fqn], layouts[fqn], plan.mesh, rank % 2), rtol=1e-4, atol=1e-6)

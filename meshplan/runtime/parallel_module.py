@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
@@ -15,7 +18,8 @@ from torch.utils import _pytree as pytree
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Shard, local_shape, to_dtensor
-from meshplan.planner.plan import Plan
+from meshplan.ir.trace import TracedProgram
+from meshplan.planner.plan import InputChoice, Plan
 from meshplan.planner.rules.random import is_random
 from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm
@@ -45,9 +49,15 @@ class ParallelModule(nn.Module):
     `group`: the process group the plan runs on (default: every rank of the job); its size must be
     the plan's mesh size, and its ranks take the mesh positions in order. `timeout` bounds every
     collective (see `collectives.resolve_timeout`).
+
+    `eval()` mode runs a second program, traced from the model in eval mode and planned with this
+    plan's parameter and input layouts (dropout off, batch norm on running statistics). It is built
+    on the first forward in eval mode by `eval_source()`, which returns that (graph, plan), or None
+    when eval mode traces to the same program; `auto_parallelize` provides it.
     """
 
-    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, *, group=None, timeout: timedelta | float | None = None) -> None:
+    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, *, group=None, timeout: timedelta | float | None = None,
+                 eval_source: Callable[[], tuple[Graph, Plan] | None] | None = None) -> None:
         super().__init__()
         if plan.graph_fingerprint != graph.fingerprint():
             raise ValueError(
@@ -66,9 +76,6 @@ class ParallelModule(nn.Module):
         self.comm.create_groups([tuple(range(plan.mesh.ndim))])  # first: the plan check runs on it
         check_same_plan(plan, self.comm, group=self.comm.world, rank=self.comm.rank)
         self.plan = plan
-        self._traced = graph.fx
-        self._inputs = {i.name: i for i in plan.inputs}
-        self._placeholders = [n.name for n in graph.fx.gm.graph.nodes if n.op == "placeholder"]
 
         axis_sets = [(a,) for a in range(plan.mesh.ndim)] + [b.axes for b in plan.buckets]
         self.comm.create_groups(axis_sets)
@@ -90,14 +97,40 @@ class ParallelModule(nn.Module):
                 for fqn in p.fqns:
                     setattr(_owner(self, fqn), fqn.rsplit(".", 1)[-1], tensor)
             self._leaf[p.node] = tensor
-        self._buffer_node = {f: p.node for p in plan.params if p.is_buffer for f in p.fqns}
+        self._node_of = {f: p.node for p in plan.params for f in p.fqns}
         self._layout = {p.node: p.layout for p in plan.params}
         self._fqns = {p.node: p.fqns for p in plan.params}
         self._rng = None
         if any(is_random(n.target) for n in graph.nodes if n.kind == "op"):
             self._rng = ProgramRng(self.comm.world, device, ranks[0], self.comm.guard)
         self._grad_buckets = GradBuckets(plan.buckets, self._leaf, self.comm)
-        self.program = local_program(graph.fx, plan, self.comm)
+        self._train = self._rank_program(graph, plan)
+        self.program = self._train.gm
+        self._eval_source = eval_source
+        self._eval: _RankProgram | None = None
+
+    def _rank_program(self, graph: Graph, plan: Plan) -> _RankProgram:
+        leaf_of = {}
+        for p in plan.params:
+            mine = self._node_of.get(p.fqns[0])
+            if mine is None or self._layout[mine] != p.layout:
+                raise AssertionError(f"{p.fqns[0]}: the eval-mode plan stores it as {p.layout}, this module as "
+                                     f"{None if mine is None else self._layout[mine]}")
+            leaf_of[p.node] = mine
+        return _RankProgram(local_program(graph.fx, plan, self.comm), graph.fx, {i.name: i for i in plan.inputs},
+                            [n.name for n in graph.fx.gm.graph.nodes if n.op == "placeholder"], leaf_of)
+
+    def _current(self) -> _RankProgram:
+        if self.training:
+            return self._train
+        if self._eval is None:
+            source = self._eval_source() if self._eval_source is not None else None
+            if source is None and self._eval_source is None and (self._rng is not None or self._train.traced.mutations):
+                raise ValueError("this model has dropout or batch norm, which behave differently in eval mode, and this "
+                                 "ParallelModule has no eval-mode program; build it with meshplan.auto_parallelize, or pass "
+                                 "eval_source=")
+            self._eval = self._train if source is None else self._rank_program(*source)
+        return self._eval
 
     def _distributed(self, whole: torch.Tensor, layout: Placements) -> DTensor:
         """This rank's block of `whole` as a DTensor with `layout` (a copy: a chunk view would keep `whole` alive)."""
@@ -107,29 +140,30 @@ class ParallelModule(nn.Module):
                                   shape=whole.shape, stride=stride)
 
     def forward(self, *args, **kwargs):
+        program = self._current()
         leaves, _ = pytree.tree_flatten((args, kwargs))
         user = iter(leaves)
         call = []
-        for name in self._placeholders:
-            if name in self._leaf:
-                call.append(self._leaf[name].to_local())  # differentiable: the gradient arrives as a DTensor
-            elif name in self._traced.constants:
-                call.append(self._traced.constants[name])
+        for name in program.placeholders:
+            if name in program.leaf_of:
+                call.append(self._leaf[program.leaf_of[name]].to_local())  # differentiable: the gradient arrives as a DTensor
+            elif name in program.traced.constants:
+                call.append(program.traced.constants[name])
             else:
-                call.append(self._localise_input(name, next(user)))
+                call.append(self._localise_input(program.inputs.get(name), next(user)))
         with self._rng.active() if self._rng is not None else contextlib.nullcontext():
-            out = list(self.program(*call))
-        mutated = self._traced.mutations
+            out = list(program.gm(*call))
+        mutated = program.traced.mutations
         # running statistics (batch norm): this rank's part becomes the buffer. A new tensor, not an
         # in-place copy: the step's backward may still read the old one.
         for fqn, value in zip(mutated, out):
-            node = self._buffer_node[fqn]
+            node = self._node_of[fqn]
             new = self._distributed(value.detach(), self._layout[node])
             for alias in self._fqns[node]:
                 _owner(self, alias)._buffers[alias.rsplit(".", 1)[-1]] = new
             self._leaf[node] = new
         out = out[len(mutated):]
-        return pytree.tree_unflatten(out, self._traced.out_spec)
+        return pytree.tree_unflatten(out, program.traced.out_spec)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -138,10 +172,10 @@ class ParallelModule(nn.Module):
         with self._grad_buckets.deferred():
             yield
 
-    def _localise_input(self, name: str, x):
-        choice = self._inputs.get(name)
+    def _localise_input(self, choice: InputChoice | None, x):
         if choice is None or not isinstance(x, torch.Tensor):
             return x
+        name = choice.name
         x = x.to(self.comm.device)  # as DDP does with its device: a no-op when the input is there already
         if self.plan.inputs_mode == "global":
             if tuple(x.shape) != choice.shape:
@@ -173,6 +207,18 @@ class ParallelModule(nn.Module):
     @staticmethod
     def reset_collective_counts() -> None:
         collectives.reset_counts()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RankProgram:
+    """One mode's per-rank program and what its placeholders take."""
+
+    gm: fx.GraphModule
+    traced: TracedProgram
+    inputs: dict[str, InputChoice]
+    placeholders: list[str]
+    leaf_of: dict[str, str]
+    """placeholder -> the train plan's node of the same parameter or buffer (the key of `_leaf`)"""
 
 
 def _owner(root: nn.Module, fqn: str) -> nn.Module:
