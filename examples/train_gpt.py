@@ -1,14 +1,17 @@
-"""Train the small GPT with a plan meshplan picks, on CPU processes joined by gloo.
+"""Train the small GPT with a plan meshplan picks: gloo on CPU, NCCL on GPUs.
 
-    torchrun --nproc-per-node 4 examples/train_gpt.py --steps 20
+    torchrun --nproc-per-node 4 examples/train_gpt.py --steps 20 --accumulate 2
 
 Every rank builds the same model (same seed) and feeds the same global batch; meshplan shards
-the work as its plan says. Plain `python examples/train_gpt.py` runs it on one process.
+the work as its plan says. The loop is an ordinary PyTorch one: AdamW, gradient accumulation with
+`no_sync()`, `clip_grad_norm_`, a cosine LR schedule, a DCP checkpoint at the end. Plain
+`python examples/train_gpt.py` runs it on one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -17,7 +20,7 @@ import torch.nn.functional as F
 
 import meshplan
 from meshplan.models import GPT, GPTConfig
-from meshplan.runtime.launch import free_port, is_torchrun
+from meshplan.runtime.launch import free_port, init_torchrun_group, is_torchrun
 
 
 def batch(gen: torch.Generator, size: int, cfg: GPTConfig) -> torch.Tensor:
@@ -32,11 +35,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
     parser.add_argument("--batch", type=int, default=8, help="global batch size (sequences per step)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--checkpoint", default=None, help="directory to save a checkpoint to at the end")
     args = parser.parse_args()
 
     if not is_torchrun():  # plain `python`: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo")
+    init_torchrun_group()  # NCCL (and this rank's GPU) where CUDA is available, else gloo
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
 
@@ -50,17 +55,25 @@ def main() -> None:
     if rank == 0:
         print(pmodel.plan)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
 
     for step in range(1, args.steps + 1):
-        logits = pmodel(tokens)  # [batch, seq, vocab]
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        for micro in range(args.accumulate):
+            # the gradient all-reduce runs once, after the last micro-batch
+            with pmodel.no_sync() if micro < args.accumulate - 1 else contextlib.nullcontext():
+                logits = pmodel(tokens)  # [batch, seq, vocab]
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
+                (loss / args.accumulate).backward()
+            tokens = batch(gen, args.batch, cfg)
+        norm = torch.nn.utils.clip_grad_norm_(pmodel.parameters(), 1.0)  # one global norm, the same on every rank
         opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
         if rank == 0 and (step == 1 or step % 5 == 0 or step == args.steps):
-            print(f"step {step:4d}  loss {loss.item():.4f}")
-        tokens = batch(gen, args.batch, cfg)
+            print(f"step {step:4d}  loss {loss.item():.4f}  grad norm {norm.item():.3f}  lr {schedule.get_last_lr()[0]:.2e}")
 
+    if args.checkpoint:
+        meshplan.save_checkpoint(args.checkpoint, pmodel, opt, step=args.steps)
     dist.destroy_process_group()
 
 

@@ -225,9 +225,9 @@ def auto_parallelize(
     collective the runtime runs: a rank that dies, never joins or skips a collective makes the
     others raise `CollectiveError` instead of hanging.
 
-    A plan with a pipeline (`pipeline=` in the plan options) returns a `PipelineRunner` instead: pass
-    `loss_fn(output, target)`; each step is `loss = runner.step(*batch, target=y)` then the user's
-    `optimizer.step()` over `runner.parameters()`.
+    A plan with a pipeline (`pipeline=` in the plan options) returns a `PipelineRunner` instead, which
+    needs `loss_fn(output, target)`. `loss = pmodel.step(*batch, target=y)` then the user's
+    `optimizer.step()` trains either kind; a `ParallelModule` also takes `pmodel(x)` and `backward()`.
     """
     timeout = resolve_timeout(timeout)
     _ensure_process_group(timeout)
@@ -254,7 +254,9 @@ def auto_parallelize(
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the process group has {world} ranks")
     graph = trace(model, example_inputs, example_kwargs)
     eval_source = functools.partial(_eval_program, model, example_inputs, example_kwargs, graph, plan, group)
-    return ParallelModule(model, graph, plan, group=group, timeout=timeout, eval_source=eval_source)
+    pmodel = ParallelModule(model, graph, plan, group=group, timeout=timeout, eval_source=eval_source)
+    pmodel.loss_fn = loss_fn
+    return pmodel
 
 
 def _eval_program(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, graph: Graph, plan: Plan,

@@ -78,6 +78,8 @@ def worker(rank, world, plans, searched=None):
     if searched is not None:  # the user's path: auto_parallelize with the searched plan, the user's loop and optimizer
         model, x = data()
         runner = meshplan.auto_parallelize(model, example_inputs=(x,), plan=searched, loss_fn=loss_fn)
+        with pytest.raises(ValueError, match="a pipelined plan runs its whole batch in one step"):
+            runner.no_sync()
         opt = torch.optim.SGD(runner.parameters(), lr=0.1)
         losses = []
         for _ in range(STEPS):

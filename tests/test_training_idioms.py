@@ -37,8 +37,9 @@ def build():
     return model, data
 
 
-def train(model, data, *, no_sync=None, counts=None):
-    """The user's loop. Returns losses, clip norms, the gradients seen by the last step, inference output."""
+def train(model, data, *, no_sync=None, counts=None, use_step=False):
+    """The user's loop. Returns losses, clip norms, the gradients seen by the last step, inference output.
+    `use_step`: forward and backward through `pmodel.step()`, the call every plan (pipelined or not) takes."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     losses, norms = [], []
@@ -49,8 +50,11 @@ def train(model, data, *, no_sync=None, counts=None):
                 if counts is not None:
                     counts.reset_collective_counts()
                 tokens = data[step * MICRO + micro]
-                loss = loss_fn("gpt", model(tokens), tokens) / MICRO
-                loss.backward()
+                if use_step:
+                    loss = model.step(tokens, target=tokens, loss_fn=lambda out, y: loss_fn("gpt", out, y) / MICRO)
+                else:
+                    loss = loss_fn("gpt", model(tokens), tokens) / MICRO
+                    loss.backward()
                 if counts is not None:
                     counts.log.append((deferred, dict(counts.collective_counts())))
             losses.append(loss.item())
@@ -218,7 +222,7 @@ def _group_worker(rank, world):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pmodel = meshplan.auto_parallelize(model, devices=2, example_inputs=(data[0],), mesh_shape=(2,), group=groups[mine], **kw)
-    losses, norms, grads, inferred = train(pmodel, data, no_sync=pmodel.no_sync)
+    losses, norms, grads, inferred = train(pmodel, data, no_sync=pmodel.no_sync, use_step=mine == 1)
     return pmodel.plan, losses, norms, grads
 
 

@@ -42,7 +42,8 @@ def is_torchrun() -> bool:
 
 
 def init_torchrun_group(backend: str | None = None, timeout: timedelta | float | None = None) -> None:
-    """`init_process_group` from torchrun's environment, safe across torchrun's restarts.
+    """`init_process_group` from torchrun's environment, safe across torchrun's restarts. On an
+    accelerator backend (NCCL, the default where CUDA is available) the current device becomes LOCAL_RANK's.
 
     torchrun's c10d rendezvous shares one TCPStore across restarts, and the keys a process group
     writes there (gloo's peer addresses, NCCL's unique id) outlive the attempt that wrote them: a
@@ -56,6 +57,9 @@ def init_torchrun_group(backend: str | None = None, timeout: timedelta | float |
         raise ValueError("init_torchrun_group needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = resolve_timeout(timeout)
+    if backend != "gloo" and torch.accelerator.is_available():
+        # one device per process: collectives and the runtime use the current device
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", 0)))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, timeout=timeout)

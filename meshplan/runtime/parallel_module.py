@@ -108,6 +108,8 @@ class ParallelModule(nn.Module):
         self.program = self._train.gm
         self._eval_source = eval_source
         self._eval: _RankProgram | None = None
+        self.loss_fn: Callable | None = None
+        """the loss `step()` uses when given none"""
 
     def _rank_program(self, graph: Graph, plan: Plan) -> _RankProgram:
         leaf_of = {}
@@ -164,6 +166,17 @@ class ParallelModule(nn.Module):
             self._leaf[node] = new
         out = out[len(mutated):]
         return pytree.tree_unflatten(out, program.traced.out_spec)
+
+    def step(self, *inputs, target, loss_fn: Callable | None = None) -> torch.Tensor:
+        """Forward and backward of one batch: the training-step call a `PipelineRunner` takes too, so one loop
+        runs every plan. `loss_fn(output, target)` (default: the one given to `auto_parallelize`). Returns the
+        loss, detached; the user's optimizer steps afterwards."""
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise ValueError("step() needs a loss: pass step(..., loss_fn=) or auto_parallelize(..., loss_fn=)")
+        loss = loss_fn(self(*inputs), target)
+        loss.backward()
+        return loss.detach()
 
     @contextlib.contextmanager
     def no_sync(self):

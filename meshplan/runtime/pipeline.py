@@ -149,7 +149,7 @@ class PipelineRunner:
         ]
         cls = getattr(torch_schedules, TORCH_SCHEDULE_CLASS[pipe.schedule])
         # gradients are scaled once per parameter in _finish_grads (a parameter two local stages share would be scaled twice by torch)
-        kwargs = dict(n_microbatches=pipe.microbatches, loss_fn=loss_fn, scale_grads=False)
+        kwargs = dict(n_microbatches=pipe.microbatches, loss_fn=lambda out, target: self.loss_fn(out, target), scale_grads=False)
         self.schedule = cls(stages[0], **kwargs) if issubclass(cls, torch_schedules.PipelineScheduleSingle) else cls(stages, **kwargs)
         self.is_first, self.is_last = 0 in self.mine, (n_stages - 1) in self.mine
 
@@ -181,11 +181,14 @@ class PipelineRunner:
     def _params(self) -> dict[str, nn.Parameter]:
         return {k: v for k, v in self.leaves.items() if isinstance(v, nn.Parameter) and v.requires_grad}
 
-    def step(self, *inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor, loss_fn: Callable | None = None) -> torch.Tensor | None:
         """Forward and backward of one whole batch (split into the plan's microbatches) and the gradient sync.
 
-        Every rank passes the same batch (inputs are needed by the first stage, the target by the last). Returns
-        the mean microbatch loss on the last stage's ranks, None elsewhere."""
+        Every rank passes the same batch (inputs are needed by the first stage, the target by the last). `loss_fn`
+        replaces the one given at construction. Returns the mean microbatch loss on the last stage's ranks, None
+        elsewhere."""
+        if loss_fn is not None:
+            self.loss_fn = loss_fn
         losses: list[torch.Tensor] = []
         args = inputs if self.is_first else ()
         kwargs = {"target": target, "losses": losses} if self.is_last else {}
@@ -224,6 +227,11 @@ class PipelineRunner:
             for q in held:
                 q.grad.copy_(flat[offset : offset + q.numel()].view_as(q.grad))
                 offset += q.numel()
+
+    def no_sync(self):
+        raise ValueError("no_sync() defers gradient reductions between backward calls, and a pipelined plan runs its whole "
+                         "batch in one step() call: pass the accumulated batch to step() instead (the plan splits it into "
+                         f"{self.pipe.microbatches} microbatches)")
 
     # ------------------------------------------------------------------ the plan is the truth
 
