@@ -82,7 +82,7 @@ def _pipeline_worker(rank, world, plan):
     x2 = torch.randint(0, 64, x.shape, generator=torch.Generator().manual_seed(7))
     runner.step(x, target=x)
     runner.step(x2, target=x2)
-    return {n: p.grad.clone() for n, p in runner.named_parameters()}, runner.local
+    return {n: p.grad.to_local().clone() for n, p in runner.named_parameters()}, runner.local
 
 
 def test_two_pipeline_steps_accumulate_like_one_process():

@@ -29,6 +29,7 @@ from _parity import megatron_layouts
 
 BATCH, SEQ, VOCAB = 8, 8, 64
 STEPS = 2
+MAX_NORM = 0.05  # below the gradient norms of these steps: clipping scales them
 CFG = dict(layers=4, hidden=32, heads=2, vocab_size=VOCAB, seq_len=SEQ)
 UNITS = ["pre", "layers.0", "layers.1", "layers.2", "layers.3", "post"]
 
@@ -81,22 +82,23 @@ def worker(rank, world, plans, searched=None):
         with pytest.raises(ValueError, match="a pipelined plan runs its whole batch in one step"):
             runner.no_sync()
         opt = torch.optim.SGD(runner.parameters(), lr=0.1)
-        losses = []
+        losses, norms = [], []
         for _ in range(STEPS):
             runner.reset_collective_counts()
             opt.zero_grad()
             loss = runner.step(x, target=x)
+            norms.append(float(runner.clip_grad_norm_(MAX_NORM)))  # over both pipeline ranks' gradients
             opt.step()
             losses.append(None if loss is None else float(loss))
-        params = {n: p.detach().clone() for n, p in runner.named_parameters()}
+        params = {n: p.detach().to_local().clone() for n, p in runner.named_parameters()}
         checkpointed = sum(isinstance(m, Recomputed) for st in runner.modules.values() for m in st.modules())
-        out.append((losses, params, runner.local, runner.collective_counts(), runner.expected_collectives(), checkpointed))
+        out.append((losses, params, runner.local, runner.collective_counts(), runner.expected_collectives(), checkpointed, norms))
     for plan in plans:
         model, x = data()
         runner = PipelineRunner(model, trace(model, (x[: BATCH // plan.pipeline.microbatches],)), plan, loss_fn)
         runner.reset_collective_counts()
         loss = runner.step(x, target=x)
-        grads = {n: p.grad.clone() for n, p in runner.named_parameters()}
+        grads = {n: p.grad.to_local().clone() for n, p in runner.named_parameters()}
         out.append((None if loss is None else float(loss), grads, runner.local, runner.collective_counts(), runner.expected_collectives()))
     return out
 
@@ -135,13 +137,15 @@ def check_searched(plan, results):
     """Losses of STEPS SGD steps and the parameters after them, against one process."""
     model, x = data()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_losses = []
+    ref_losses, ref_norms = [], []
     for _ in range(STEPS):
         opt.zero_grad()
         loss = loss_fn(model(x), x)
         loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
         ref_losses.append(loss.item())
+    assert min(ref_norms) > 2 * MAX_NORM
     ref = dict(model.named_parameters())
     layouts = {prm.fqns[0]: prm.layout for prm in plan.params}
     last = [r[0][0] for r in results if r[0][0][0] is not None]
@@ -150,7 +154,9 @@ def check_searched(plan, results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     seen = set()
     for rank, r in enumerate(results):
-        _, params, local, counts, expected, _ = r[0]
+        _, params, local, counts, expected, _, norms = r[0]
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"searched plan rank {rank} clip norms: {m}")
         for name, v in params.items():
             torch.testing.assert_close(v, shard_tensor(ref[name].detach(), layouts[name], plan.mesh, local), rtol=1e-4, atol=1e-6,
                                        msg=lambda m: f"searched plan rank {rank} {name}: {m}")
@@ -197,3 +203,64 @@ def test_pipeline_parity_pp2_dp2_tp2_world8():
     ]
     assert all(len(p.buckets) and p.mesh.shape == (2, 2) for p in plans)
     check(plans, run_local(8, worker, plans, timeout=900))
+
+
+# ---------------------------------------------------------------- checkpoints across pipelined and flat plans
+
+
+def _save_pipelined(rank, world, plan, path):
+    warnings.simplefilter("ignore")
+    model, x = data()
+    runner = meshplan.auto_parallelize(model, example_inputs=(x,), plan=plan, loss_fn=loss_fn)
+    opt = torch.optim.Adam(runner.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        if step == 2:
+            meshplan.save_checkpoint(path, runner, opt, step=step)
+        loss = runner.step(x, target=x)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else float(loss))
+    return losses
+
+
+def _resume(rank, world, plan, path):
+    """Load the pipelined run's checkpoint into `plan` (pipelined or not) and run the third step."""
+    warnings.simplefilter("ignore")
+    model, x = data()
+    torch.manual_seed(100 + rank)  # the checkpoint's weights, not these, must win
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    pmodel = meshplan.auto_parallelize(model, example_inputs=(x,), plan=plan, loss_fn=loss_fn)
+    opt = torch.optim.Adam(pmodel.parameters(), lr=1e-2)
+    info = meshplan.load_checkpoint(path, pmodel, opt)
+    loss = pmodel.step(x, target=x)
+    return info.step, None if loss is None else float(loss)
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_from_a_pipeline_resumes_on_a_flat_plan_and_on_the_pipeline(tmp_path):
+    model, x = data()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref = []
+    for _ in range(3):
+        loss = loss_fn(model(x), x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    pipelined = stage_plan("auto", (1,), pipe_plan("1f1b", 2, ["pre", "layers.2"]))
+    path = str(tmp_path / "ckpt")
+    saved = run_local(2, _save_pipelined, pipelined, path, timeout=600)
+    last = [losses for losses in saved if losses[0] is not None]
+    assert len(last) == 1
+    torch.testing.assert_close(torch.tensor(last[0]), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    params, inputs = megatron_layouts("gpt", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flat = meshplan.plan(model, (2,), (x,), param_layouts=params, input_layouts=inputs)
+    for plan in (flat, pipelined):
+        for step, loss in run_local(2, _resume, plan, path, timeout=600):
+            assert step == 2
+            if loss is not None:  # every rank of a flat plan; the last stage of a pipeline
+                assert abs(loss - ref[2]) < 1e-5, (plan.pipeline is not None, loss, ref[2])

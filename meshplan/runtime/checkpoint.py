@@ -1,9 +1,10 @@
-"""Checkpoints that load under any plan: torch.distributed.checkpoint (DCP) over DTensor views.
+"""Checkpoints that load under any plan: torch.distributed.checkpoint (DCP) of DTensor parameters.
 
-A `ParallelModule` holds each parameter and buffer as a DTensor on the plan's DeviceMesh (and a
-torch optimizer keeps its state in DTensors of the same layout), so DCP records where every shard
-sits in the whole tensor. A checkpoint saved under one plan (tp=4, say) therefore loads under any other plan of the
-same model (dp=2 x tp=2, or another world size): DCP reads the overlapping pieces.
+A `ParallelModule` holds each parameter and buffer as a DTensor on the plan's DeviceMesh, and a
+`PipelineRunner` on its stage's sub-mesh (a torch optimizer keeps its state in DTensors of the same
+layout), so DCP records where every shard sits in the whole tensor. A checkpoint saved under one
+plan (tp=4, or a pipeline, say) therefore loads under any other plan of the same model (dp=2 x tp=2,
+another world size, with or without a pipeline): DCP reads the overlapping pieces.
 
 A checkpoint is a directory: DCP's shard files and `.metadata`, plus `meshplan.json` (step,
 optimizer hyper-parameters, the saving plan's hash and mesh, user `extra`), written last, so a
@@ -149,7 +150,8 @@ def optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer) -> dict[str, 
 def load_optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
     """Inverse of `optimizer_state_dict`: sharded state as DTensors (any layout), other values as they are."""
     groups = _optimizer_params(pmodel, optimizer)
-    saved_groups = [list(g["params"]) for g in state_dict["param_groups"]]
+    held = {fqn for fqn, _ in pmodel.named_parameters()}  # a pipeline rank holds its stages' only
+    saved_groups = [[f for f in g["params"] if f in held] for g in state_dict["param_groups"]]
     if saved_groups != groups:
         raise ValueError(f"optimizer parameter groups {saved_groups} do not match this optimizer's {groups}; build "
                          "the optimizer with the same parameters and groups as the one that was saved")
@@ -158,6 +160,8 @@ def load_optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer, state_di
         index[fqn] = len(index)
     state = {}
     for fqn, entries in state_dict["state"].items():
+        if fqn not in held:
+            continue
         if fqn not in index:
             raise ValueError(f"optimizer state for {fqn!r}, which this optimizer does not hold")
         state[index[fqn]] = {
@@ -202,20 +206,39 @@ def save_checkpoint(path: str | os.PathLike, pmodel, optimizer: torch.optim.Opti
                         "sharded": isinstance(value, DTensor), "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
                 else:
                     layout.setdefault(fqn, {})[key] = {"value": value}
-        info["optimizer"] = {"class": type(optimizer).__name__, "param_groups": osd["param_groups"], "state": layout}
+        param_groups, layout = _over_ranks(pmodel, osd["param_groups"], layout)
+        info["optimizer"] = {"class": type(optimizer).__name__, "param_groups": param_groups, "state": layout}
     try:
         text = json.dumps(info, indent=1, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint metadata must be JSON (extra, optimizer hyper-parameters): {e}") from None
     comm = pmodel.comm
-    _dcp(comm, f"saving checkpoint {path}", lambda: dcp.save(state, storage_writer=FileSystemWriter(path), process_group=comm.world))
+    _dcp(comm, f"saving checkpoint {path}", lambda: dcp.save(state, storage_writer=FileSystemWriter(path), process_group=pmodel.process_group))
     with comm.guard(f"saving checkpoint {path}"):
-        if comm.rank == 0:
+        if dist.get_rank(pmodel.process_group) == 0:
             tmp = os.path.join(path, INFO_FILE + ".tmp")
             with open(tmp, "w") as f:
                 f.write(text)
             os.replace(tmp, os.path.join(path, INFO_FILE))
-        dist.barrier(group=comm.world)
+        dist.barrier(group=pmodel.process_group)
+
+
+def _over_ranks(pmodel, param_groups: list[dict], layout: dict) -> tuple[list[dict], dict]:
+    """The optimizer's groups and state layout of the whole model: a pipeline rank's optimizer holds
+    only its stages' parameters, so each group lists the union over ranks (first rank's hyper-parameters)."""
+    gathered: list = [None] * dist.get_world_size(pmodel.process_group)
+    with pmodel.comm.guard("gathering every rank's optimizer parameter groups"):
+        dist.all_gather_object(gathered, ([g["params"] for g in param_groups], layout), group=pmodel.process_group)
+    merged = [dict(g, params=list(g["params"])) for g in param_groups]
+    every_layout: dict = {}
+    for names, rank_layout in gathered:
+        if len(names) != len(merged):
+            raise ValueError(f"ranks hold optimizers with different numbers of parameter groups ({len(names)} and "
+                             f"{len(merged)}); build every rank's optimizer with the same groups")
+        for group, more in zip(merged, names):
+            group["params"] += [f for f in more if f not in group["params"]]
+        every_layout.update(rank_layout)
+    return merged, every_layout
 
 
 def read_info(path: str | os.PathLike) -> dict[str, Any]:
@@ -263,7 +286,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer: torch.optim.Opti
     SafeFileSystemReader(path).read_metadata()  # a corrupt or unsafe .metadata is a ValueError here, on every rank
     comm = pmodel.comm
     _dcp(comm, f"loading checkpoint {path}", lambda: dcp.load(
-        state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=comm.world))
+        state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), process_group=pmodel.process_group))
     if optimizer is not None:
         osd = {"state": {f: {**state["optim"]["state"].get(f, {}), **plain.get(f, {})}
                          for f in set(state["optim"]["state"]) | set(plain)},
@@ -278,9 +301,12 @@ def _optimizer_targets(path, saved: dict, pmodel, plain: dict) -> dict[str, dict
     non-tensor state values go to `plain`."""
     params = dict(pmodel.named_parameters())
     targets: dict[str, dict[str, torch.Tensor]] = {}
+    in_model = set(_by_fqn(pmodel))
     for fqn, entries in saved.items():
-        if fqn not in params:
+        if fqn not in in_model:
             raise ValueError(f"checkpoint {path} has optimizer state for {fqn!r}, not a parameter of this model")
+        if fqn not in params:
+            continue  # held by another pipeline rank
         param = params[fqn]
         for key, spec in entries.items():
             if "value" in spec:

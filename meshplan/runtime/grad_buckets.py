@@ -34,7 +34,7 @@ from meshplan.runtime.collectives import MeshComm, count_collective
 _NONE = object()
 
 
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+def local_of(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -75,10 +75,10 @@ class GradBuckets:
         """Runs before autograd adds `grad` into `param.grad` (returns None: it is added as usual)."""
         if self._deferring:
             if id(param) not in self._reduced_before:
-                self._reduced_before[id(param)] = None if param.grad is None else _local(param.grad).clone()
+                self._reduced_before[id(param)] = None if param.grad is None else local_of(param.grad).clone()
             return
-        self._new[id(param)] = _local(grad)
-        self._earlier[id(param)] = None if param.grad is None else _local(param.grad).clone()
+        self._new[id(param)] = local_of(grad)
+        self._earlier[id(param)] = None if param.grad is None else local_of(param.grad).clone()
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._deferring:
@@ -97,8 +97,8 @@ class GradBuckets:
     def _unreduced(self, p: torch.Tensor) -> torch.Tensor:
         """What `p` contributes to this reduction, and (in `_kept`) the reduced part its `.grad` keeps."""
         new = self._new.pop(id(p), None)
-        earlier = self._earlier[id(p)] if id(p) in self._earlier else _local(p.grad)
-        part = torch.zeros_like(_local(p)) if new is None else new
+        earlier = self._earlier[id(p)] if id(p) in self._earlier else local_of(p.grad)
+        part = torch.zeros_like(local_of(p)) if new is None else new
         reduced = self._reduced_before.pop(id(p), _NONE)
         if reduced is not _NONE and earlier is not None:  # local gradients accumulated under no_sync
             part = part + (earlier if reduced is None else earlier - reduced)
@@ -135,11 +135,11 @@ class GradBuckets:
                 work.wait(self._comm.timeout)
             offset = 0
             for p in self._params[i]:
-                n = _local(p).numel()
+                n = local_of(p).numel()
                 if id(p) in self._kept:  # it has a gradient to write (on every rank: one program)
-                    summed = flat[offset : offset + n].view_as(_local(p))
+                    summed = flat[offset : offset + n].view_as(local_of(p))
                     kept = self._kept[id(p)]
-                    _local(p.grad).copy_(summed if kept is None else kept.add_(summed))
+                    local_of(p.grad).copy_(summed if kept is None else kept.add_(summed))
                 offset += n
         self._reset()
 

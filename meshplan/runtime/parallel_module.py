@@ -29,6 +29,15 @@ from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.rewrite import local_program
 
 
+def distribute(whole: torch.Tensor, layout: Placements, comm: MeshComm) -> DTensor:
+    """This rank's block of `whole` as a DTensor with `layout` on `comm`'s mesh (a copy: a chunk view
+    would keep `whole` alive)."""
+    local = shard_tensor(whole, layout, comm.mesh, comm.rank).clone(memory_format=torch.contiguous_format)
+    stride = torch.empty(whole.shape, device="meta").stride()  # the whole tensor's, as `local` is contiguous
+    return DTensor.from_local(local, comm.device_mesh, [to_dtensor(q) for q in layout], run_check=False,
+                              shape=whole.shape, stride=stride)
+
+
 def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int) -> torch.Tensor:
     """Rank `rank`'s block of a whole tensor (outer mesh axes take the outer blocks, as in DTensor)."""
     coord = mesh.coordinate(rank)
@@ -110,6 +119,8 @@ class ParallelModule(nn.Module):
         self._eval: _RankProgram | None = None
         self.loss_fn: Callable | None = None
         """the loss `step()` uses when given none"""
+        self.process_group = self.comm.world
+        """every rank of this plan (checkpoints are saved and loaded over it)"""
 
     def _rank_program(self, graph: Graph, plan: Plan) -> _RankProgram:
         leaf_of = {}
@@ -135,11 +146,7 @@ class ParallelModule(nn.Module):
         return self._eval
 
     def _distributed(self, whole: torch.Tensor, layout: Placements) -> DTensor:
-        """This rank's block of `whole` as a DTensor with `layout` (a copy: a chunk view would keep `whole` alive)."""
-        local = shard_tensor(whole, layout, self.plan.mesh, self.comm.rank).clone(memory_format=torch.contiguous_format)
-        stride = torch.empty(whole.shape, device="meta").stride()  # the whole tensor's, as `local` is contiguous
-        return DTensor.from_local(local, self.device_mesh, [to_dtensor(q) for q in layout], run_check=False,
-                                  shape=whole.shape, stride=stride)
+        return distribute(whole, layout, self.comm)
 
     def forward(self, *args, **kwargs):
         program = self._current()
@@ -177,6 +184,10 @@ class ParallelModule(nn.Module):
         loss = loss_fn(self(*inputs), target)
         loss.backward()
         return loss.detach()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over this module's parameters (the same call a `PipelineRunner` takes)."""
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -16,6 +16,7 @@ replicas) once per step.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils import _pytree as pytree
@@ -32,7 +34,13 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.placement import local_shape
 from meshplan.planner.plan import Plan
 from meshplan.runtime.collectives import MeshComm, count_collective
-from meshplan.runtime.parallel_module import ParallelModule, _owner, check_same_plan, group_device, shard_tensor
+from meshplan.planner.rules.random import is_random
+from meshplan.runtime.grad_buckets import local_of
+from meshplan.runtime.offload import make_optimizer
+from meshplan.runtime.parallel_module import (
+    ParallelModule, _check_model_device, _owner, check_same_plan, distribute, group_device, shard_tensor,
+)
+from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.stage_split import StageProgram, example_values, node_stages, split_program, unit_stages
 
@@ -63,7 +71,8 @@ class StageModule(nn.Module):
     def forward(self, *carried):
         if self._localise is not None:  # stage 0: the user's (global) microbatch, sharded as the plan says
             carried = tuple(self._localise(n, x) for n, x in zip(self._carried, carried))
-        out = self.program(*carried, *self._leaves)
+        # DTensor parameters and buffers run as their local tensors; the gradient arrives as a DTensor
+        out = self.program(*carried, *(t.to_local() if isinstance(t, DTensor) else t for t in self._leaves))
         if self._out_spec is not None:
             return pytree.tree_unflatten(list(out), self._out_spec)
         return out if len(out) != 1 else out[0]
@@ -106,20 +115,28 @@ class PipelineRunner:
         self.owner = {k: stage_device(k, p, pipe.schedule) for k in range(n_stages)}
         self.mine = [k for k in range(n_stages) if self.owner[k] == self.stage_rank]
 
-        # parameters: every rank starts from rank 0's weights and keeps the shards its stages read
+        # parameters: every rank starts from rank 0's weights and keeps the shards its stages read, as
+        # DTensors on its stage's sub-mesh
         needed = {name for k in self.mine for name in programs[k].locals_in}
         full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+        _check_model_device(full, device)
+        self.device_mesh = self.comm.device_mesh
         self.leaves: dict[str, torch.Tensor] = {}
         for prm in plan.params:
             whole = full[prm.fqns[0]].detach().to(device, copy=True)
             with self.comm.guard(f"broadcasting {prm.fqns[0]} from rank 0"):
                 dist.broadcast(whole, src=0)
             if prm.node in needed:
-                local = shard_tensor(whole, prm.layout, plan.mesh, self.local).contiguous()
+                local = distribute(whole, prm.layout, self.comm)
                 self.leaves[prm.node] = local if prm.is_buffer else nn.Parameter(local, requires_grad=full[prm.fqns[0]].requires_grad)
         self.leaves.update({k: v for k, v in traced.constants.items() if k in needed})
         fqns = {prm.node: prm.fqns for prm in plan.params}
         self.fqn_of = {prm.node: prm.fqns[0] for prm in plan.params}
+        self._fqns = fqns
+        self.process_group = None
+        """every rank of the job (checkpoints are saved and loaded over it)"""
+        self.pp_group = pp_groups[self.local]
+        self._rng = ProgramRng(None, device, 0, self.comm.guard) if any(is_random(x.target) for x in graph.nodes if x.kind == "op") else None
 
         # a parameter read on several pipeline ranks (tied embedding / head) sums its gradient over them
         holders: dict[str, set[int]] = {}
@@ -161,6 +178,7 @@ class PipelineRunner:
             choice = inputs.get(name)
             if choice is None or not isinstance(x, torch.Tensor):
                 return x
+            x = x.to(self.comm.device)
             want = choice.shape if global_inputs else local_shape(choice.shape, choice.layout, mesh.shape)
             if tuple(x.shape) != tuple(want):
                 raise ValueError(f"microbatch input {name} has shape {list(x.shape)} but the plan was made for {list(want)} "
@@ -173,6 +191,45 @@ class PipelineRunner:
 
     def parameters(self):
         return iter(self._params().values())
+
+    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by model FQN (every alias of a tied weight), as DTensors on its
+        stage's sub-mesh: `meshplan.save_checkpoint` / `load_checkpoint` take a runner like a ParallelModule,
+        and a checkpoint saved under one plan (pipelined or not) loads under any other."""
+        out = {}
+        for node, t in self.leaves.items():
+            for fqn in self._fqns.get(node, ()):
+                out[fqn] = t if keep_vars else t.detach()
+        return out
+
+    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
+        """`optimizer_cls(self.parameters(), **kwargs)`, with host-memory state for parameters the plan offloads."""
+        return make_optimizer(self, self.plan, self.leaves, optimizer_cls, **kwargs)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`clip_grad_norm_` over the whole model's gradients, which live on several pipeline ranks: each rank's
+        stages contribute their norm (a tied weight once, on its first holder), summed over the pipeline.
+        `torch.nn.utils.clip_grad_norm_(runner.parameters())` would see this rank's stages only."""
+        params = self._params()
+        counted = [p for name, p in params.items() if p.grad is not None and self.tied.get(name, (self.stage_rank,))[0] == self.stage_rank]
+        norm_type = float(norm_type)
+        if counted:
+            local = torch.nn.utils.get_total_norm([p.grad for p in counted], norm_type)
+            local = local.full_tensor() if isinstance(local, DTensor) else local  # over the stage's sub-mesh
+        else:
+            local = torch.zeros((), device=self.comm.device)
+        if norm_type == float("inf"):
+            total = local.clone()
+            with self.comm.guard("the gradient norm's maximum over pipeline ranks"):
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.pp_group)
+        else:
+            total = local.pow(norm_type)
+            with self.comm.guard("the gradient norm's sum over pipeline ranks"):
+                dist.all_reduce(total, group=self.pp_group)
+            total = total.pow(1.0 / norm_type)
+        torch.nn.utils.clip_grads_with_norm_([p for p in params.values() if p.grad is not None], max_norm, total)
+        return total
 
     def named_parameters(self):
         """(model FQN, local shard) of the parameters this rank's stages hold; a tied weight under its first name."""
@@ -196,7 +253,8 @@ class PipelineRunner:
         earlier = {}
         for name, prm in self._params().items():
             earlier[name], prm.grad = prm.grad, None
-        self.schedule.step(*args, **kwargs)
+        with self._rng.active() if self._rng is not None else contextlib.nullcontext():
+            self.schedule.step(*args, **kwargs)
         self._finish_grads()
         for name, prm in self._params().items():
             if earlier[name] is not None:
@@ -214,19 +272,20 @@ class PipelineRunner:
             if name in params:
                 count_collective("tied_sync", "all_reduce")
                 with self.comm.guard(f"summing the gradient of tied {self.fqn_of[name]} over pipeline ranks {self.tied[name]}"):
-                    dist.all_reduce(params[name].grad, group=self.tied_groups[self.tied[name]])
+                    dist.all_reduce(local_of(params[name].grad), group=self.tied_groups[self.tied[name]])
         for i, bucket in enumerate(self.plan.buckets):
             held = [params[x] for x in bucket.params if x in params]
             if not held:
                 continue
-            flat = torch.cat([q.grad.reshape(-1) for q in held])
+            flat = torch.cat([local_of(q.grad).reshape(-1) for q in held])
             count_collective("grad_sync", "all_reduce")
             with self.comm.guard(f"gradient bucket {i} all_reduce over mesh axes {bucket.axes}"):
                 dist.all_reduce(flat, group=self.comm.group(bucket.axes))
             offset = 0
             for q in held:
-                q.grad.copy_(flat[offset : offset + q.numel()].view_as(q.grad))
-                offset += q.numel()
+                grad = local_of(q.grad)
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
     def no_sync(self):
         raise ValueError("no_sync() defers gradient reductions between backward calls, and a pipelined plan runs its whole "
