@@ -59,10 +59,15 @@ PARITY_ATOL = 1e-4
 TARGET = 1.05
 MESHPLAN = ("meshplan (global)", "meshplan (local)")
 BASELINES = ("DDP", "FSDP2", "TP")
-METHODS = MESHPLAN + BASELINES
 DP_PLAN = "meshplan (local, DP)"
-"""Diagnostic row (--also-dp): meshplan's runtime on a data-parallel plan (mode='data_parallel', inputs='local'),
-which separates the runtime's overhead from the planner's choice of plan."""
+TP_PLAN = "meshplan (TP)"
+LIKE_FOR_LIKE = {DP_PLAN: "DDP", TP_PLAN: "TP"}
+"""meshplan's runtime on the baseline's own layouts: a data-parallel plan (mode='data_parallel', inputs='local')
+against DDP, and Megatron's layouts (param_layouts, whole batch) against parallelize_module's TP. These rows
+measure the runtime's overhead apart from the planner's choice of plan."""
+METHODS = MESHPLAN + tuple(LIKE_FOR_LIKE) + BASELINES
+COLWISE = ("q_proj", "k_proj", "v_proj", "fc1")
+ROWWISE = ("out_proj", "fc2")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,6 +80,8 @@ class Setting:
     methods: tuple[str, ...] = METHODS
     profile: str = "measure"
     """'measure' (this machine, now), a profile path, or 'none' (cpu presets)."""
+    foreach: bool | None = None
+    """Adam's `foreach` for every method (None: torch's default, per-parameter loops on CPU)."""
 
 
 def build(cfg: GPTConfig) -> tuple[GPT, torch.Tensor]:
@@ -138,11 +145,11 @@ def make_method(name: str, rank: int, world: int, cfg: GPTConfig, plans: dict, o
     from torch.distributed.device_mesh import init_device_mesh
 
     model, tokens = build(cfg)
-    if name in MESHPLAN or name == DP_PLAN:
-        mode = {MESHPLAN[0]: "global", MESHPLAN[1]: "local", DP_PLAN: "dp"}[name]
+    if name in MESHPLAN or name in LIKE_FOR_LIKE:
+        mode = {MESHPLAN[0]: "global", MESHPLAN[1]: "local", DP_PLAN: "dp", TP_PLAN: "tp"}[name]
         plan = plans[mode]
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
-        if mode == "global":
+        if mode in ("global", "tp"):
             return pmodel, tokens, tokens, False
         x = shard_tensor(tokens, plan.inputs[0].layout, plan.mesh, rank)
         return pmodel, x, shard_tensor(tokens, out_layouts[mode], plan.mesh, rank), True
@@ -181,7 +188,7 @@ def worker(rank: int, world: int, setting: Setting, plans: dict, out_layouts: di
     runs = {}
     for name in setting.methods:
         module, x, y, split = make_method(name, rank, world, cfg, plans, out_layouts)
-        opt = torch.optim.Adam(module.parameters(), lr=LR)
+        opt = torch.optim.Adam(module.parameters(), lr=LR, foreach=setting.foreach)
 
         def step(module=module, x=x, y=y, opt=opt) -> torch.Tensor:
             opt.zero_grad(set_to_none=True)
@@ -235,14 +242,18 @@ def measured_profile(cfg: GPTConfig, world: int, source: str):
     return prof
 
 
-def plan_meshplan(cfg: GPTConfig, world: int, dp: bool = False, profile=None) -> tuple[dict, dict]:
-    """meshplan's plans by input mode ('dp': the data-parallel diagnostic plan) and their output layouts."""
+def plan_meshplan(cfg: GPTConfig, world: int, methods: tuple[str, ...], profile=None) -> tuple[dict, dict]:
+    """meshplan's plans by input mode ('dp', 'tp': the like-for-like plans) and their output layouts."""
     model, tokens = build(cfg)
     plans, layouts = {}, {}
+    megatron = {f"*.{m}.*": "S(0)" for m in COLWISE} | {f"*.{m}.weight": "S(1)" for m in ROWWISE}
+    like = {"dp": {"inputs": "local", "mode": "data_parallel", "mesh_shape": (world,)},
+            "tp": {"mesh_shape": (world,), "param_layouts": megatron, "input_layouts": {"tokens": "R"}}}
+    modes = ["global", "local"] + [m for m, n in (("dp", DP_PLAN), ("tp", TP_PLAN)) if n in methods]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for mode in ("global", "local", "dp") if dp else ("global", "local"):
-            kw = {"inputs": "local", "mode": "data_parallel", "mesh_shape": (world,)} if mode == "dp" else {"inputs": mode}
+        for mode in modes:
+            kw = like.get(mode, {"inputs": mode})
             plans[mode] = meshplan.plan(model, devices=world, example_inputs=(tokens,), cluster="cpu", profile=profile, **kw)
             layouts[mode] = output_layout(cfg, plans[mode])
     return plans, layouts
@@ -255,13 +266,13 @@ def run_setting(setting: Setting) -> bool:
           f"vocab {cfg.vocab_size}, seq {cfg.seq_len}, batch {BATCH} (global), {params / 1e6:.2f} M params, Adam ===")
     profile = measured_profile(cfg, setting.world, setting.profile)
     t0 = time.perf_counter()
-    plans, out_layouts = plan_meshplan(cfg, setting.world, DP_PLAN in setting.methods, profile)
+    plans, out_layouts = plan_meshplan(cfg, setting.world, setting.methods, profile)
     print(f"planning (both input modes, mesh search): {time.perf_counter() - t0:.1f} s")
     for mode, plan in plans.items():
         params_by_layout: dict[str, int] = {}
         for p in plan.params:
             params_by_layout[str(p.layout)] = params_by_layout.get(str(p.layout), 0) + 1
-        what = "mode=data_parallel, inputs=local" if mode == "dp" else f"inputs={mode}"
+        what = {"dp": "mode=data_parallel, inputs=local", "tp": "Megatron param_layouts, inputs=global"}.get(mode, f"inputs={mode}")
         print(f"meshplan plan, {what}: mesh {plan.mesh}, input layout {plan.inputs[0].layout}, "
               f"output layout {out_layouts[mode]}, predicted step {plan.step_time_s * 1e3:.1f} ms")
         print(f"  collectives per step: {dict(sorted(plan.collectives().items()))}")
@@ -295,6 +306,11 @@ def run_setting(setting: Setting) -> bool:
         ratio = worst[n] / best
         print(f"world {setting.world} {setting.size}: {n} / best baseline = {ratio:.2f} (target <= {TARGET}): "
               f"{'met' if ratio <= TARGET else 'NOT met'}")
+    for n, baseline in LIKE_FOR_LIKE.items():  # the runtime's overhead, like for like
+        if n in setting.methods:
+            ratio = worst[n] / worst[baseline]
+            print(f"world {setting.world} {setting.size}: {n} / {baseline} = {ratio:.2f} (same layouts; target <= {TARGET}): "
+                  f"{'met' if ratio <= TARGET else 'NOT met'}")
     return ok
 
 
@@ -306,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per method (>= 10 for reported figures)")
     ap.add_argument("--rounds", type=int, default=4, help="timed steps are split into this many interleaved rounds")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--also-dp", action="store_true", help=f"add the diagnostic row {DP_PLAN!r}")
+    ap.add_argument("--foreach", action="store_true",
+                    help="Adam(foreach=True) for every method (torch's default on GPUs; on CPU it defaults to per-parameter loops)")
     ap.add_argument("--profile", default="measure",
                     help="costs the planner uses: 'measure' (profile this machine first, the default), a profile path, or 'none' (cpu presets)")
     args = ap.parse_args(argv)
@@ -319,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     for world in args.worlds:
         for size in args.sizes:
             ok &= run_setting(Setting(world=world, size=size, warmup=args.warmup, steps=args.steps,
-                                      rounds=min(args.rounds, args.steps), methods=METHODS + (DP_PLAN,) * args.also_dp,
-                                      profile=args.profile))
+                                      rounds=min(args.rounds, args.steps), methods=METHODS,
+                                      profile=args.profile, foreach=args.foreach or None))
     if not ok:
         print("parity FAILED in at least one setting: the timings above are not comparable", file=sys.stderr)
     return 0 if ok else 1

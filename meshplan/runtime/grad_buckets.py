@@ -25,17 +25,13 @@ import functools
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from meshplan.planner.plan import GradBucket
 from meshplan.runtime.collectives import MeshComm, count_collective
+from meshplan.runtime.local_view import local_of
 
 
 _NONE = object()
-
-
-def local_of(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class GradBuckets:

@@ -24,6 +24,7 @@ from meshplan.planner.rules.random import is_random
 from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.grad_buckets import GradBuckets
+from meshplan.runtime.local_view import local_view
 from meshplan.runtime.offload import make_optimizer
 from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.rewrite import local_program
@@ -155,7 +156,7 @@ class ParallelModule(nn.Module):
         call = []
         for name in program.placeholders:
             if name in program.leaf_of:
-                call.append(self._leaf[program.leaf_of[name]].to_local())  # differentiable: the gradient arrives as a DTensor
+                call.append(local_view(self._leaf[program.leaf_of[name]]))  # differentiable: the gradient arrives as a DTensor
             elif name in program.traced.constants:
                 call.append(program.traced.constants[name])
             else:

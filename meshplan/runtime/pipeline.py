@@ -35,7 +35,7 @@ from meshplan.ir.placement import local_shape
 from meshplan.planner.plan import Plan
 from meshplan.runtime.collectives import MeshComm, count_collective
 from meshplan.planner.rules.random import is_random
-from meshplan.runtime.grad_buckets import local_of
+from meshplan.runtime.local_view import local_of, local_view
 from meshplan.runtime.offload import make_optimizer
 from meshplan.runtime.parallel_module import (
     ParallelModule, _check_model_device, _owner, check_same_plan, distribute, group_device, shard_tensor,
@@ -72,7 +72,7 @@ class StageModule(nn.Module):
         if self._localise is not None:  # stage 0: the user's (global) microbatch, sharded as the plan says
             carried = tuple(self._localise(n, x) for n, x in zip(self._carried, carried))
         # DTensor parameters and buffers run as their local tensors; the gradient arrives as a DTensor
-        out = self.program(*carried, *(t.to_local() if isinstance(t, DTensor) else t for t in self._leaves))
+        out = self.program(*carried, *(local_view(t) for t in self._leaves))
         if self._out_spec is not None:
             return pytree.tree_unflatten(list(out), self._out_spec)
         return out if len(out) != 1 else out[0]
