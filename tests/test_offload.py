@@ -57,30 +57,46 @@ def test_offload_needs_a_host():
         _plan(offload="host")
 
 
-def _worker(rank, world, plans):
+def _worker(rank, world, plans, path):
     out = []
-    for plan in plans:
+    for i, plan in enumerate(plans):
         model, x, y = build("gpt")
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan)
         opt = pmodel.make_optimizer(torch.optim.Adam, lr=1e-2)
+        assert isinstance(opt, torch.optim.Adam)  # an ordinary optimizer: schedulers and checkpoints take it
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         losses = run_steps(pmodel, opt, x, y, "gpt", STEPS)
-        out.append((losses, {k: v.detach().to_local() for k, v in pmodel.named_parameters()}))
+        schedule.step()
+        state = {k: {s: v.to_local().clone() for s, v in opt.state[t].items() if s != "step"}
+                 for k, t in (dict(pmodel.named_parameters()) | pmodel.offload_copies).items()}
+        if i == 0:  # the offloading run saves its checkpoint ...
+            meshplan.save_checkpoint(path, pmodel, opt, step=STEPS)
+        else:  # ... which loads into the plan that keeps its state on the device
+            meshplan.load_checkpoint(path, pmodel, opt)
+            state = {k: {s: v.to_local().clone() for s, v in opt.state[t].items() if s != "step"}
+                     for k, t in pmodel.named_parameters()}
+        out.append((losses, {k: v.detach().to_local() for k, v in pmodel.named_parameters()}, state))
     return out
 
 
 @pytest.mark.multiprocess
-def test_parity_with_offloaded_optimizer_state():
+def test_parity_with_offloaded_optimizer_state(tmp_path):
     """Adam with host-offloaded state trains exactly like Adam on the device under the same layouts, and
     both match one process's losses. (Parameters are compared between the two distributed runs: Adam
     turns the rounding noise of a gradient that is mathematically zero, such as the key bias's, into
     steps of size lr, so a comparison with one process would measure that noise, not the offload.)"""
     host, keep = _plan(offload="always"), _plan(offload="never")
-    results = run_local(2, _worker, [host, keep], timeout=600)
+    results = run_local(2, _worker, [host, keep], str(tmp_path / "ckpt"), timeout=600)
     model, x, y = build("gpt")
     reference = run_steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), x, y, "gpt", STEPS)
-    for rank, ((host_losses, host_params), (keep_losses, keep_params)) in enumerate(results):
+    for rank, ((host_losses, host_params, host_state), (keep_losses, keep_params, loaded_state)) in enumerate(results):
         torch.testing.assert_close(torch.tensor(host_losses), torch.tensor(reference), rtol=1e-4, atol=1e-6)
         assert host_losses == keep_losses
         assert set(host_params) == {k for k, _ in model.named_parameters()}
         for fqn, value in host_params.items():
             torch.testing.assert_close(value, keep_params[fqn], rtol=0, atol=0, msg=lambda m: f"rank {rank} {fqn}: {m}")
+        # the host-held Adam state, checkpointed and loaded into the on-device plan, is the same state
+        assert set(loaded_state) == set(host_state) and all(host_state.values())
+        for fqn, entries in host_state.items():
+            for key, value in entries.items():
+                torch.testing.assert_close(loaded_state[fqn][key], value, rtol=0, atol=0, msg=lambda m: f"rank {rank} {fqn}.{key}: {m}")

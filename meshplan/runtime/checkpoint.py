@@ -118,7 +118,7 @@ def _check_keys(what: str, got: set[str], want: set[str]) -> None:
 
 def _optimizer_params(pmodel, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """FQNs of the optimizer's parameters, group by group (the key optimizer state is stored under)."""
-    fqn_of = {id(t): fqn for fqn, t in pmodel.named_parameters()}
+    fqn_of = {id(t): fqn for fqn, t in _stepped(pmodel).items()}
     groups = []
     for g in optimizer.param_groups:
         names = []
@@ -131,12 +131,18 @@ def _optimizer_params(pmodel, optimizer: torch.optim.Optimizer) -> list[list[str
     return groups
 
 
+def _stepped(pmodel) -> dict[str, torch.Tensor]:
+    """FQN -> the tensor an optimizer from `pmodel.parameters()` or `pmodel.make_optimizer` steps (the host
+    copy of an offloaded parameter)."""
+    return dict(pmodel.named_parameters()) | getattr(pmodel, "offload_copies", {})
+
+
 def optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """`{"state": {fqn: {key: value}}, "param_groups": [...]}`, keyed by parameter FQN as in
     `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`; state shaped like a parameter is
     a DTensor with its layout (torch's optimizers make it so), other tensors (Adam's `step`) stay plain."""
     groups = _optimizer_params(pmodel, optimizer)
-    params = dict(pmodel.named_parameters())
+    params = _stepped(pmodel)
     state: dict[str, dict[str, Any]] = {}
     for fqn in (f for g in groups for f in g):
         for key, value in optimizer.state.get(params[fqn], {}).items():

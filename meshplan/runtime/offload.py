@@ -1,65 +1,72 @@
-"""The optimizer a plan asks for: on-device for most parameters, on the host for offloaded ones.
+"""The optimizer a plan asks for: the user's own optimizer class, with offloaded state on the host.
 
 For a parameter the plan offloads (`ParamChoice.offload`), an fp32 master copy lives in host
-memory (pinned when a GPU is present) and the wrapped optimizer keeps its state next to it. A step
-copies the gradient down, steps on the host, and copies the result back into the device
-parameter: the round trip `cost_model/offload.py` prices. Other parameters step where they are.
+memory (pinned when a GPU is present), and the optimizer steps that copy, so its state lives on
+the host too. Step hooks do the round trip `cost_model/offload.py` prices: before the step the
+device gradient moves to the copy (the device parameter's `.grad` is then None: the copy holds
+it), after the step the copy's values move back into the device parameter. Other parameters step
+where they are.
+
+The result is one ordinary `optimizer_cls` instance, so LR schedulers, `state_dict()` and
+`meshplan.save_checkpoint` accept it. The copies are DTensors with the device parameter's layout
+(a host local tensor on the same mesh, as FSDP2's CPU offload keeps them), so checkpoints of their
+state load under any plan; `module.offload_copies` maps each offloaded FQN to its copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshplan.runtime.local_view import local_of
 
 
-class PlannedOptimizer:
-    """Two instances of the user's optimizer class: one over device parameters, one over host copies."""
-
-    def __init__(self, params: list[nn.Parameter], offloaded: list[nn.Parameter], make: Callable[[list], torch.optim.Optimizer]) -> None:
-        pin = torch.cuda.is_available()
-        self._pairs = []
-        for p in offloaded:  # p: a DTensor; its host copy holds this rank's shard
-            local = p.detach().to_local()
-            host = nn.Parameter(torch.empty(local.shape, dtype=torch.float32, device="cpu", pin_memory=pin))
-            host.data.copy_(local)
-            self._pairs.append((p, host))
-        self.device = make(params) if params else None
-        self.host = make([h for _, h in self._pairs]) if self._pairs else None
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for o in (self.device, self.host) if o is not None]
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for o in self.optimizers for g in o.param_groups]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none=set_to_none)
-        for p, _ in self._pairs:
-            p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for p, host in self._pairs:
-            host.grad = None if p.grad is None else p.grad.to_local().to("cpu", torch.float32, non_blocking=True)
-        if self._pairs and torch.cuda.is_available():
-            torch.cuda.synchronize()  # the gradients are on the host before the host optimizer reads them
-        for o in self.optimizers:
-            o.step()
-        for p, host in self._pairs:
-            p.to_local().copy_(host, non_blocking=True)
+def host_copy(p: DTensor) -> nn.Parameter:
+    """An fp32 copy of `p` whose local tensor lives in host memory, with `p`'s layout."""
+    local = local_of(p.detach())
+    host = torch.empty(local.shape, dtype=torch.float32, device="cpu", pin_memory=torch.cuda.is_available())
+    host.copy_(local)
+    return nn.Parameter(DTensor.from_local(host, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()))
 
 
-def make_optimizer(module: nn.Module, plan, leaves: dict[str, torch.Tensor], optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> PlannedOptimizer:
+def make_optimizer(module: nn.Module, plan, leaves: dict[str, torch.Tensor], optimizer_cls: type[torch.optim.Optimizer],
+                   **kwargs) -> torch.optim.Optimizer:
+    """`optimizer_cls` over `module`'s parameters, each offloaded one replaced by its host copy."""
     offload = {id(leaves[p.node]) for p in plan.params if p.offload and p.node in leaves}
-    device, host, seen = [], [], set()
+    fqn_of = {id(t): fqn for fqn, t in module.named_parameters()}
+    params, pairs, seen = [], [], set()
+    module.offload_copies = {}
     for p in module.parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (host if id(p) in offload else device).append(p)
-    return PlannedOptimizer(device, host, lambda ps: optimizer_cls(ps, **kwargs))
+        if id(p) in offload:
+            host = host_copy(p)
+            module.offload_copies[fqn_of[id(p)]] = host
+            pairs.append((p, host))
+            p = host
+        params.append(p)
+    optimizer = optimizer_cls(params, **kwargs)
+    if pairs:
+        optimizer.register_step_pre_hook(lambda *_: _gradients_to_host(pairs))
+        optimizer.register_step_post_hook(lambda *_: _values_to_device(pairs))
+    return optimizer
+
+
+@torch.no_grad()
+def _gradients_to_host(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+    for p, host in pairs:
+        if p.grad is None:
+            continue
+        local = local_of(p.grad).to("cpu", torch.float32, non_blocking=True)
+        host.grad = DTensor.from_local(local, host.device_mesh, host.placements, run_check=False, shape=host.shape, stride=host.stride())
+        p.grad = None  # handed over: the host copy holds this step's gradient
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the gradients are on the host before the optimizer reads them
+
+
+@torch.no_grad()
+def _values_to_device(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+    for p, host in pairs:
+        local_of(p).copy_(local_of(host), non_blocking=True)

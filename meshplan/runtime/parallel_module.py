@@ -122,6 +122,8 @@ class ParallelModule(nn.Module):
         """the loss `step()` uses when given none"""
         self.process_group = self.comm.world
         """every rank of this plan (checkpoints are saved and loaded over it)"""
+        self.offload_copies: dict[str, nn.Parameter] = {}
+        """FQN -> host copy of each parameter whose optimizer state `make_optimizer` offloads"""
 
     def _rank_program(self, graph: Graph, plan: Plan) -> _RankProgram:
         leaf_of = {}

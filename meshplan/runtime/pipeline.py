@@ -135,6 +135,8 @@ class PipelineRunner:
         self._fqns = fqns
         self.process_group = None
         """every rank of the job (checkpoints are saved and loaded over it)"""
+        self.offload_copies: dict[str, nn.Parameter] = {}
+        """FQN -> host copy of each parameter whose optimizer state `make_optimizer` offloads"""
         self.pp_group = pp_groups[self.local]
         self._rng = ProgramRng(None, device, 0, self.comm.guard) if any(is_random(x.target) for x in graph.nodes if x.kind == "op") else None
 
