@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import meshplan
 from meshplan.ir.trace import trace
@@ -188,7 +189,9 @@ def worker(rank: int, world: int, setting: Setting, plans: dict, out_layouts: di
     runs = {}
     for name in setting.methods:
         module, x, y, split = make_method(name, rank, world, cfg, plans, out_layouts)
-        opt = torch.optim.Adam(module.parameters(), lr=LR, foreach=setting.foreach)
+        # a DTensor and a plain tensor may not meet in one foreach op (TP keeps the unsharded parameters plain)
+        kinds = [[p for p in module.parameters() if isinstance(p, DTensor) == dt] for dt in (True, False)]
+        opt = torch.optim.Adam([{"params": ps} for ps in kinds if ps], lr=LR, foreach=setting.foreach)
 
         def step(module=module, x=x, y=y, opt=opt) -> torch.Tensor:
             opt.zero_grad(set_to_none=True)

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from _parity import STEPS, build, loss_fn, run_steps
+from _parity import STEPS, build, run_steps
 
 import meshplan
 from meshplan.cost_model.estimate import optimizer_step_time
