@@ -29,7 +29,7 @@ from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
 from meshplan.progress import phase
 from meshplan.runtime.collectives import resolve_timeout
 from meshplan.runtime.launch import init_torchrun_group
-from meshplan.runtime.parallel_module import ParallelModule
+from meshplan.runtime.parallel_module import ParallelModule, check_model_device, group_device
 from meshplan.runtime.pipeline import PipelineRunner
 
 log = logging.getLogger("meshplan")
@@ -237,6 +237,8 @@ def auto_parallelize(
     if isinstance(devices, int) and devices != world:
         raise ValueError(f"devices={devices} but the process group has {world} ranks; they must be equal")
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    # before planning: a model the runtime cannot take fails the same way on every rank, at once
+    check_model_device(dict(model.named_parameters()) | dict(model.named_buffers()), group_device(group))
     if plan is None:
         plan = plan_once(lambda: globals()["plan"](model, devices, example_inputs, example_kwargs=example_kwargs, **plan_kwargs), group)
     if plan.pipeline is not None:

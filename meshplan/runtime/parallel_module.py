@@ -81,7 +81,7 @@ class ParallelModule(nn.Module):
         device = group_device(group)
         full = dict(model.named_parameters(remove_duplicate=False))
         full.update(dict(model.named_buffers(remove_duplicate=False)))
-        _check_model_device(full, device)
+        check_model_device(full, device)
         self.comm = MeshComm(plan.mesh, dist.get_rank(group), ranks, timeout=timeout, device=device)
         self.comm.create_groups([tuple(range(plan.mesh.ndim))])  # first: the plan check runs on it
         check_same_plan(plan, self.comm, group=self.comm.world, rank=self.comm.rank)
@@ -272,7 +272,7 @@ def check_same_plan(plan: Plan, comm: MeshComm, *, group, rank: int) -> None:
         )
 
 
-def _check_model_device(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+def check_model_device(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
     """The model's tensors must be real and on the host or on this rank's device (they are copied there)."""
     for fqn, t in tensors.items():
         if t.device.type == "meta":

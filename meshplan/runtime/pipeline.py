@@ -38,7 +38,7 @@ from meshplan.planner.rules.random import is_random
 from meshplan.runtime.local_view import local_of, local_view
 from meshplan.runtime.offload import make_optimizer
 from meshplan.runtime.parallel_module import (
-    ParallelModule, _check_model_device, _owner, check_same_plan, distribute, group_device, shard_tensor,
+    ParallelModule, check_model_device, _owner, check_same_plan, distribute, group_device, shard_tensor,
 )
 from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.rewrite import local_program
@@ -119,7 +119,7 @@ class PipelineRunner:
         # DTensors on its stage's sub-mesh
         needed = {name for k in self.mine for name in programs[k].locals_in}
         full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-        _check_model_device(full, device)
+        check_model_device(full, device)
         self.device_mesh = self.comm.device_mesh
         self.leaves: dict[str, torch.Tensor] = {}
         for prm in plan.params:
