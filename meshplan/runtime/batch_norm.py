@@ -11,21 +11,19 @@ replicated parameter's. Without batch-split axes the plain op runs on the local 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from meshplan.cost_model.batch_norm import sync_axes
 from meshplan.planner.rules.batch_norm import BATCH_NORM
-from meshplan.runtime.collectives import MeshComm, count_collective
+from meshplan.runtime.collectives import MeshComm, all_reduce, collective
 from meshplan.runtime.regions import register_region_runtime
 
 
 def _all_reduce(t: torch.Tensor, comm: MeshComm, axes: tuple[int, ...], phase: str) -> torch.Tensor:
-    t = t.contiguous().clone()
     for a in axes:
-        count_collective(phase, "all_reduce")
-        with comm.guard(f"{phase} batch-norm statistics all_reduce over mesh axis {comm.mesh.axis_names[a]}"):
-            dist.all_reduce(t, group=comm.group((a,)))
+        t = collective(comm, phase, "all_reduce",
+                       lambda: f"{phase} batch-norm statistics all_reduce over mesh axis {comm.mesh.axis_names[a]}",
+                       all_reduce, t, comm.group_name(a))
     return t
 
 

@@ -4,6 +4,14 @@ Each step's backward is its dual step (see cost_model/redistribution.py), so aut
 gradients across layouts with exactly the collectives the plan lists. Every collective the
 runtime issues goes through `count_collective`, which counts it: the counters are how tests check that
 the plan is the truth.
+
+Inside the per-rank program the collectives are PyTorch's functional collectives
+(`torch.distributed._functional_collectives`): they take the tensor on whatever device it lives
+on and the group by name, return a new tensor, and trace into a `torch.compile` graph. Eagerly,
+each one is counted and waited for inside `MeshComm.guard`, so a failure or timeout becomes a
+`CollectiveError`; while Dynamo traces (`torch.compiler.is_compiling()`), counting, the guard and
+the recompute check (Python side effects that would break the graph) are left out, so a compiled
+program neither counts its collectives nor names them in errors.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.cost_model.redistribution import CommStep
@@ -83,6 +92,7 @@ class MeshComm:
         self.timeout = resolve_timeout(timeout)
         self.device = torch.device(device)
         self._groups: dict[tuple[int, ...], object] = {}
+        self._group_names: dict[tuple[int, ...], str] = {}
         self._device_mesh: DeviceMesh | None = None
 
     @property
@@ -123,6 +133,14 @@ class MeshComm:
             raise AssertionError(f"process group for mesh axes {axes} was not created at setup")
         return self._groups[axes]
 
+    def group_name(self, axis: int) -> str:
+        """The registered name of the group along one mesh axis: how functional collectives take it
+        (a string traces into a compiled graph as a constant). A plain lookup, filled when the group is
+        created: a compiled program guards on this dict, so it must not change after setup."""
+        if (axis,) not in self._group_names:
+            raise AssertionError(f"process group for mesh axis {axis} was not created at setup")
+        return self._group_names[(axis,)]
+
     def create_groups(self, axis_sets: list[tuple[int, ...]]) -> None:
         """Create this rank's group for each set of axes. Every rank of the mesh calls this with the same
         list; ranks outside the mesh need not (each group synchronises only its members)."""
@@ -134,20 +152,54 @@ class MeshComm:
                     if all(self.mesh.coordinate(r)[a] == self.coord[a] for a in others)]
             with self.guard(f"creating the process group for mesh axes {axes} (ranks {line})"):
                 self._groups[axes] = dist.new_group(line, timeout=self.timeout, use_local_synchronization=True)
+            self._group_names[axes] = self._groups[axes].group_name
 
     def size(self, axes: tuple[int, ...]) -> int:
         return math.prod(self.mesh.shape[a] for a in axes)
 
 
 def count_collective(phase: str, kind: str) -> None:
+    """Count one collective (eagerly; under `torch.compile` tracing nothing is counted, see the module doc)."""
+    if not torch.compiler.is_compiling():
+        COUNTS[f"{phase}:{kind}"] += 1
+
+
+def forward_phase() -> str:
+    """'recompute' for a forward running inside backward (a checkpointed layer running again), else 'forward'.
+    Under compile tracing always 'forward': the phase only names counts and errors, which compiled code skips."""
+    if torch.compiler.is_compiling():
+        return "forward"
+    return "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """The finished result of a functional collective: eagerly it arrives as an AsyncCollectiveTensor,
+    waited for here (inside the caller's guard, so a failure surfaces there); traced, funcol already
+    put the wait in the graph."""
+    if isinstance(t, funcol.AsyncCollectiveTensor):
+        return t.wait()
+    return t
+
+
+def collective(comm: MeshComm, phase: str, kind: str, what, fn, *args) -> torch.Tensor:
+    """`fn(*args)`, a collective that returns its waited result: counted as `phase:kind` and guarded
+    (errors become `CollectiveError` saying `what()`) when eager; plainly called under compile tracing."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
     COUNTS[f"{phase}:{kind}"] += 1
+    with comm.guard(what()):
+        return fn(*args)
+
+
+def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    """A new tensor: `x` reduced over `group` (functional: `x` is left as it was)."""
+    return wait(funcol.all_reduce(x, op, group))
 
 
 def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str) -> torch.Tensor:
     """Execute one step on the local tensor (no autograd: callers wrap this)."""
     n = comm.mesh.shape[step.axis]
     me = comm.coord[step.axis]
-    group = comm.group((step.axis,)) if step.communicates else None
     if step.kind == "chunk":
         return x.chunk(n, dim=step.dim)[me].contiguous()
     if step.kind == "pad":
@@ -158,33 +210,29 @@ def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str) -> tor
         return out
     if step.kind == "to_partial":
         return x if me == 0 else torch.zeros_like(x)
-    count_collective(phase, step.kind)
-    with comm.guard(f"{phase} {step} over mesh axis {comm.mesh.axis_names[step.axis]}"):
-        out = _communicate(step, x, n, group)
+    out = collective(comm, phase, step.kind,
+                     lambda: f"{phase} {step} over mesh axis {comm.mesh.axis_names[step.axis]}",
+                     _communicate, step, x, n, comm.group_name(step.axis))
     if step.reduce == "avg":
         out = out / n
     return out
 
 
-def _communicate(step: CommStep, x: torch.Tensor, n: int, group) -> torch.Tensor:
+def _communicate(step: CommStep, x: torch.Tensor, n: int, group: str) -> torch.Tensor:
     if step.kind == "all_reduce":
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        out = all_reduce(x, group)  # into a fresh contiguous copy, as an in-place all_reduce of a clone
     elif step.kind == "all_gather":
         x = x.contiguous()
-        buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_single(buf, x, group=group)
+        buf = wait(funcol.all_gather_single(x, 0, group))
         # gathered rank after rank along dim 0: that already is the result for dim 0 (no second copy)
         out = buf if step.dim == 0 else torch.cat(buf.view((n,) + tuple(x.shape)).unbind(0), dim=step.dim)
     elif step.kind == "reduce_scatter":
         # a contiguous tensor already holds its dim-0 chunks rank after rank: no stacked copy for dim 0
         pieces = x.contiguous() if step.dim == 0 else torch.cat(x.chunk(n, dim=step.dim))
-        out = pieces.new_empty((pieces.shape[0] // n,) + tuple(pieces.shape[1:]))
-        dist.reduce_scatter_single(out, pieces, group=group)
+        out = wait(funcol.reduce_scatter_single(pieces, "sum", 0, group))
     elif step.kind == "all_to_all":
         pieces = torch.stack([c.contiguous() for c in x.chunk(n, dim=step.dim2)])
-        recv = torch.empty_like(pieces)
-        dist.all_to_all_single(recv, pieces, group=group)
+        recv = wait(funcol.all_to_all_single(pieces, None, None, group))
         out = torch.cat(recv.unbind(0), dim=step.dim)
     else:
         raise AssertionError(f"unknown step kind {step.kind}")
@@ -197,9 +245,7 @@ class StepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, step: CommStep, comm: MeshComm) -> torch.Tensor:
         ctx.step, ctx.comm = step, comm
-        # a forward inside backward is a recomputed (checkpointed) layer running again
-        phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
-        return run_step(step, x, comm, phase)
+        return run_step(step, x, comm, forward_phase())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -13,14 +13,13 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
 from meshplan.cost_model.kernels import kernel_axes, parse_kernel
 from meshplan.ir.placement import Placements, Shard
 from meshplan.planner.strategy import Strategy
-from meshplan.runtime.collectives import MeshComm, count_collective
+from meshplan.runtime.collectives import MeshComm, all_reduce, collective, forward_phase
 
 aten = torch.ops.aten
 
@@ -61,24 +60,23 @@ class MaskedLookup(nn.Module):
         return f"{self.op}, rows [{self.start}, {self.stop})"
 
 
-def _all_reduce(t: torch.Tensor, axes: tuple[int, ...], comm: MeshComm, phase: str, op=dist.ReduceOp.SUM) -> None:
+def _all_reduce(t: torch.Tensor, axes: tuple[int, ...], comm: MeshComm, phase: str, op: str = "sum") -> torch.Tensor:
+    """`t` reduced over each mesh axis in `axes` in turn (a new tensor)."""
     for a in axes:
-        count_collective(phase, "all_reduce")
-        with comm.guard(f"{phase} all_reduce inside a sharded log_softmax over mesh axis {comm.mesh.axis_names[a]}"):
-            dist.all_reduce(t, op=op, group=comm.group((a,)))
+        t = collective(comm, phase, "all_reduce",
+                       lambda: f"{phase} all_reduce inside a sharded log_softmax over mesh axis {comm.mesh.axis_names[a]}",
+                       all_reduce, t, comm.group_name(a), op)
+    return t
 
 
 class _ShardedLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, axes: tuple[int, ...], comm: MeshComm) -> torch.Tensor:
         ctx.dim, ctx.axes, ctx.comm = dim, axes, comm
-        # a forward inside backward is a recomputed (checkpointed) layer running again
-        phase = "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
-        m = x.detach().amax(dim, keepdim=True)
-        _all_reduce(m, axes, comm, phase, dist.ReduceOp.MAX)
+        phase = forward_phase()
+        m = _all_reduce(x.detach().amax(dim, keepdim=True), axes, comm, phase, "max")
         z = x - m
-        s = z.exp().sum(dim, keepdim=True)
-        _all_reduce(s, axes, comm, phase)
+        s = _all_reduce(z.exp().sum(dim, keepdim=True), axes, comm, phase)
         out = z - s.log()
         ctx.save_for_backward(out)
         return out
@@ -86,8 +84,7 @@ class _ShardedLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (out,) = ctx.saved_tensors
-        total = grad.sum(ctx.dim, keepdim=True)
-        _all_reduce(total, ctx.axes, ctx.comm, "backward")
+        total = _all_reduce(grad.sum(ctx.dim, keepdim=True), ctx.axes, ctx.comm, "backward")
         return grad - out.exp() * total, None, None, None
 
 

@@ -32,6 +32,8 @@ def local_view(t: torch.Tensor) -> torch.Tensor:
     """`t`'s local tensor; for a DTensor that requires grad, differentiable into a DTensor gradient."""
     if not isinstance(t, DTensor):
         return t
+    if torch.compiler.is_compiling():  # Dynamo traces DTensor's own to_local (LocalView's spec on ctx would break the graph)
+        return t.to_local()
     if t.requires_grad and torch.is_grad_enabled():
         return LocalView.apply(t)
     return t._local_tensor

@@ -18,21 +18,22 @@ gradients reach the experts' owners and come back; every exchange is counted as 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from meshplan.cost_model.moe import moe_axes
 from meshplan.ir.moe import MOE_OP, expert_mlp, experts_local, route
-from meshplan.runtime.collectives import MeshComm, count_collective
+from meshplan.runtime.collectives import MeshComm, collective, wait
 from meshplan.runtime.regions import register_region_runtime
 
 
+def _exchange(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: str) -> torch.Tensor:
+    return wait(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
+
+
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], comm: MeshComm, axis: int, phase: str) -> torch.Tensor:
-    count_collective(phase, "all_to_all")
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    with comm.guard(f"{phase} moe all_to_all over mesh axis {comm.mesh.axis_names[axis]}"):
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=comm.group((axis,)))
-    return out
+    return collective(comm, phase, "all_to_all", lambda: f"{phase} moe all_to_all over mesh axis {comm.mesh.axis_names[axis]}",
+                      _exchange, x, out_splits, in_splits, comm.group_name(axis))
 
 
 class TokenExchange(torch.autograd.Function):
@@ -75,10 +76,9 @@ class MoEShard(nn.Module):
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, hence by owner rank
         token = order // self.top_k
         counts = torch.bincount(flat, minlength=n * local)
-        count_collective("forward", "all_to_all")
-        recv_counts = torch.empty_like(counts)
-        with comm.guard(f"exchanging moe token counts over mesh axis {comm.mesh.axis_names[axis]}"):
-            dist.all_to_all_single(recv_counts, counts, group=comm.group((axis,)))
+        recv_counts = collective(comm, "forward", "all_to_all",
+                                 lambda: f"exchanging moe token counts over mesh axis {comm.mesh.axis_names[axis]}",
+                                 _exchange, counts, None, None, comm.group_name(axis))
         send = counts.view(n, local).sum(1).tolist()
         recv = recv_counts.view(n, local).sum(1).tolist()
         rows = TokenExchange.apply(x[token], recv, send, comm, axis)
