@@ -29,7 +29,10 @@ from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
 from meshplan.progress import phase
 from meshplan.runtime.collectives import resolve_timeout
 from meshplan.runtime.launch import init_torchrun_group
-from meshplan.runtime.parallel_module import ParallelModule, check_model_device, group_device
+from meshplan.runtime.checkpoint import INFO_FILE, load_checkpoint
+from meshplan.runtime.init_on_meta import FromInit
+from meshplan.runtime.parallel_module import ParallelModule, check_model_device, default_weights, group_device
+from meshplan.runtime.weights import Empty, FromSafetensors, WeightSource
 from meshplan.runtime.pipeline import PipelineRunner
 
 log = logging.getLogger("meshplan")
@@ -213,6 +216,8 @@ def auto_parallelize(
     timeout: timedelta | float | None = None,
     loss_fn: Callable | None = None,
     group: dist.ProcessGroup | None = None,
+    weights: str | os.PathLike | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
     **plan_kwargs,
 ) -> ParallelModule | PipelineRunner:
     """Plan `model` (or take `plan`) and return this rank's `ParallelModule`.
@@ -221,6 +226,14 @@ def auto_parallelize(
     initialise one when none exists), or of `group`. The group's first rank plans and sends the plan
     to the others, so a solve stopped by its time limit still gives every rank the same plan; each
     rank checks that the plan fits its own model.
+
+    Weights: by default the model's own tensors (the group's first rank's win). A model built on the
+    meta device materialises only this rank's shards: from `weights` (a Hugging Face `save_pretrained`
+    directory or a `.safetensors` file, read slice by slice; or a `meshplan.save_checkpoint` directory),
+    else from its own initialisation (`init_fn(model)`, else `model.init_weights()`, else every
+    submodule's `reset_parameters()`), one parameter at a time (runtime/init_on_meta.py). Call
+    `torch.manual_seed(s)` with the same `s` on every rank first: the shards then equal one process
+    initialising the whole model.
     `timeout` (seconds or a timedelta; default $MESHPLAN_TIMEOUT, else 10 minutes) bounds every
     collective the runtime runs: a rank that dies, never joins or skips a collective makes the
     others raise `CollectiveError` instead of hanging.
@@ -239,6 +252,7 @@ def auto_parallelize(
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     # before planning: a model the runtime cannot take fails the same way on every rank, at once
     check_model_device(dict(model.named_parameters()) | dict(model.named_buffers()), group_device(group))
+    source, checkpoint_dir = weight_source(model, weights, init_fn, group)
     if plan is None:
         plan = plan_once(lambda: globals()["plan"](model, devices, example_inputs, example_kwargs=example_kwargs, **plan_kwargs), group)
     if plan.pipeline is not None:
@@ -251,14 +265,37 @@ def auto_parallelize(
         if any(x.shape[0] % micro for x in example_inputs):
             raise ValueError(f"example inputs of batch {[x.shape[0] for x in example_inputs]} do not split into {micro} microbatches")
         graph = trace(model, tuple(x[: x.shape[0] // micro] for x in example_inputs), example_kwargs)
+        if source is not None or checkpoint_dir is not None:
+            raise ValueError("weights= and init_fn= take plans without a pipeline for now; load a pipelined run's "
+                             "weights with meshplan.load_checkpoint after auto_parallelize")
         return PipelineRunner(model, graph, plan, loss_fn, timeout=timeout)
     if plan.mesh.size != world:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the process group has {world} ranks")
     graph = trace(model, example_inputs, example_kwargs)
     eval_source = functools.partial(_eval_program, model, example_inputs, example_kwargs, graph, plan, group)
-    pmodel = ParallelModule(model, graph, plan, group=group, timeout=timeout, eval_source=eval_source)
+    pmodel = ParallelModule(model, graph, plan, group=group, timeout=timeout, eval_source=eval_source, weights=source)
     pmodel.loss_fn = loss_fn
+    if checkpoint_dir is not None:
+        load_checkpoint(checkpoint_dir, pmodel)
     return pmodel
+
+
+def weight_source(model: nn.Module, weights: str | os.PathLike | None, init_fn: Callable | None,
+                  group: dist.ProcessGroup | None) -> tuple[WeightSource | None, str | None]:
+    """The source of the shards `weights` / `init_fn` ask for (None: the default) and a checkpoint directory to
+    load after setup (its shards start empty)."""
+    if weights is not None and init_fn is not None:
+        raise ValueError("give weights= (a checkpoint to load) or init_fn= (how to initialise), not both")
+    if init_fn is not None:
+        return FromInit(model, init_fn), None
+    if weights is None:
+        return None, None
+    path = os.fspath(weights)
+    if os.path.isfile(os.path.join(path, INFO_FILE)):
+        return Empty(), path
+    # buffers the file lacks because the model never saves them: from the model (its init, on the meta device)
+    rest = default_weights(model, group_device(group))
+    return FromSafetensors(path, set(model.state_dict()), rest), None
 
 
 def _eval_program(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, graph: Graph, plan: Plan,

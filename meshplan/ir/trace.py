@@ -8,6 +8,7 @@ parameters become one parameter node, so a plan can never place them differently
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import os
 import sysconfig
@@ -273,6 +274,9 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    if any(t.device.type == "meta" for t in itertools.chain(model.parameters(), model.buffers())):
+        # a model built on the meta device traces with meta inputs (only shapes matter)
+        example_inputs, example_kwargs = pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), (example_inputs, example_kwargs))
     with regions_patched(model):  # blocks with data-dependent control flow trace as one op each
         ep = _export(model, example_inputs, example_kwargs or {})
     gm = ep.graph_module

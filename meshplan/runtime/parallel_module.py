@@ -26,7 +26,9 @@ from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.local_view import local_view
 from meshplan.runtime.offload import make_optimizer
+from meshplan.runtime.init_on_meta import FromInit
 from meshplan.runtime.rng import ProgramRng
+from meshplan.runtime.weights import FromModel, WeightSource
 from meshplan.runtime.rewrite import local_program
 
 
@@ -34,9 +36,23 @@ def distribute(whole: torch.Tensor, layout: Placements, comm: MeshComm) -> DTens
     """This rank's block of `whole` as a DTensor with `layout` on `comm`'s mesh (a copy: a chunk view
     would keep `whole` alive)."""
     local = shard_tensor(whole, layout, comm.mesh, comm.rank).clone(memory_format=torch.contiguous_format)
-    stride = torch.empty(whole.shape, device="meta").stride()  # the whole tensor's, as `local` is contiguous
+    return as_dtensor(local, layout, tuple(whole.shape), comm)
+
+
+def as_dtensor(local: torch.Tensor, layout: Placements, shape: tuple[int, ...], comm: MeshComm) -> DTensor:
+    """`local`, this rank's contiguous block of a whole tensor of `shape`, as a DTensor with `layout`."""
+    stride = torch.empty(shape, device="meta").stride()  # the whole tensor's, as `local` is contiguous
     return DTensor.from_local(local, comm.device_mesh, [to_dtensor(q) for q in layout], run_check=False,
-                              shape=whole.shape, stride=stride)
+                              shape=torch.Size(shape), stride=stride)
+
+
+def default_weights(model: nn.Module, device: torch.device) -> WeightSource:
+    """The model's own tensors, or its own initialisation when it is on the meta device."""
+    tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    if any(t.device.type == "meta" for t in tensors.values()):
+        return FromInit(model)
+    check_model_device(tensors, device)
+    return FromModel(tensors)
 
 
 def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int) -> torch.Tensor:
@@ -64,10 +80,14 @@ class ParallelModule(nn.Module):
     plan's parameter and input layouts (dropout off, batch norm on running statistics). It is built
     on the first forward in eval mode by `eval_source()`, which returns that (graph, plan), or None
     when eval mode traces to the same program; `auto_parallelize` provides it.
+
+    `weights`: where this rank's shards come from (runtime/weights.py): by default the model's own
+    tensors, broadcast from the group's first rank, or, for a model on the meta device, the model's
+    own initialisation (runtime/init_on_meta.py).
     """
 
     def __init__(self, model: nn.Module, graph: Graph, plan: Plan, *, group=None, timeout: timedelta | float | None = None,
-                 eval_source: Callable[[], tuple[Graph, Plan] | None] | None = None) -> None:
+                 eval_source: Callable[[], tuple[Graph, Plan] | None] | None = None, weights: WeightSource | None = None) -> None:
         super().__init__()
         if plan.graph_fingerprint != graph.fingerprint():
             raise ValueError(
@@ -81,7 +101,7 @@ class ParallelModule(nn.Module):
         device = group_device(group)
         full = dict(model.named_parameters(remove_duplicate=False))
         full.update(dict(model.named_buffers(remove_duplicate=False)))
-        check_model_device(full, device)
+        weights = weights or default_weights(model, device)
         self.comm = MeshComm(plan.mesh, dist.get_rank(group), ranks, timeout=timeout, device=device)
         self.comm.create_groups([tuple(range(plan.mesh.ndim))])  # first: the plan check runs on it
         check_same_plan(plan, self.comm, group=self.comm.world, rank=self.comm.rank)
@@ -93,12 +113,9 @@ class ParallelModule(nn.Module):
 
         persistent = set(model.state_dict(keep_vars=True))  # so state_dict() has the model's own keys
         self._leaf: dict[str, torch.Tensor] = {}
+        blocks = weights.blocks(plan.params, self.comm)
         for p in plan.params:
-            # every rank starts from the first rank's weights, as DDP does
-            whole = full[p.fqns[0]].detach().to(device, copy=True)
-            with self.comm.guard(f"broadcasting {p.fqns[0]} from rank {ranks[0]}"):
-                dist.broadcast(whole, src=ranks[0], group=self.comm.world)
-            tensor = self._distributed(whole, p.layout)
+            tensor = as_dtensor(blocks.pop(p.node), p.layout, p.shape, self.comm)
             if p.is_buffer:
                 for fqn in p.fqns:
                     _owner(self, fqn).register_buffer(fqn.rsplit(".", 1)[-1], tensor, persistent=fqn in persistent)
@@ -273,12 +290,9 @@ def check_same_plan(plan: Plan, comm: MeshComm, *, group, rank: int) -> None:
 
 
 def check_model_device(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
-    """The model's tensors must be real and on the host or on this rank's device (they are copied there)."""
+    """The model's real tensors must be on the host or on this rank's device (they are copied there)."""
     for fqn, t in tensors.items():
-        if t.device.type == "meta":
-            raise ValueError(f"{fqn} is on the meta device; materialise the model before auto_parallelize "
-                             "(model.to_empty(device='cpu') and initialise it, or load its weights)")
-        if t.device.type != "cpu" and t.device != device:
+        if t.device.type not in ("cpu", "meta") and t.device != device:
             raise ValueError(f"{fqn} is on {t.device} but this rank runs on {device} (from the process group's backend "
                              f"and the current device); move the model to the CPU or to {device} first")
 

@@ -120,6 +120,10 @@ class PipelineRunner:
         needed = {name for k in self.mine for name in programs[k].locals_in}
         full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
         check_model_device(full, device)
+        on_meta = [fqn for fqn, t in full.items() if t.device.type == "meta"]
+        if on_meta:
+            raise ValueError(f"{on_meta[0]} is on the meta device; a pipelined plan takes a real model for now (materialise "
+                             "it, or plan without a pipeline)")
         self.device_mesh = self.comm.device_mesh
         self.leaves: dict[str, torch.Tensor] = {}
         for prm in plan.params:

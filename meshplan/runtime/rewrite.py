@@ -100,6 +100,9 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
                 env[n] = graph.call_module(name, tuple(args), kwargs)
                 continue
             args = _localise_shape(n, list(args), out_layout.get(n.name), plan.mesh.shape)
+            if isinstance(kwargs.get("device"), torch.device):
+                # a tensor made inside the model lands on this rank's device, wherever the model was traced (meta, cpu)
+                kwargs = {**kwargs, "device": comm.device}
             kernel = local_kernel(n, strategy.get(n.name), comm)
             if kernel is not None:  # a sharded kernel (vocabulary-parallel lookup, log-softmax) in place of the op
                 name = f"kernel_{len(root._modules)}"

@@ -1,0 +1,187 @@
+"""Models built on the meta device: each rank materialises only its shards, from the model's own
+initialisation or from a Hugging Face safetensors checkpoint, and trains with parity.
+
+References are one process: `torch.manual_seed(s); model.to_empty(device="cpu")` (re-tying what
+`to_empty` unties) and the same initialisation, or the checkpoint loaded whole.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from _parity import loss_fn, megatron_layouts
+
+import meshplan
+from meshplan.models import GPT, GPTConfig
+from meshplan.models.hf import hf_llama
+from meshplan.runtime.launch import run_local
+from meshplan.runtime.parallel_module import shard_tensor
+
+SEED = 5
+STEPS = 3
+TOKENS = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+LLAMA_TP = {"*.q_proj.weight": "S(0)", "*.k_proj.weight": "S(0)", "*.v_proj.weight": "S(0)", "*.gate_proj.weight": "S(0)",
+            "*.up_proj.weight": "S(0)", "*.o_proj.weight": "S(1)", "*.down_proj.weight": "S(1)"}
+FSDP = {"*": "S(0)"}  # every parameter and buffer stored sharded, gathered where it is used
+
+
+def _gpt_reference():
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    model.to_empty(device="cpu")
+    model.lm_head.weight = model.wte.weight  # to_empty unties; the model on meta stays tied
+    torch.manual_seed(SEED)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return model
+
+
+def _llama_reference(seed: int = SEED):
+    with torch.device("meta"):
+        model, args, kwargs = hf_llama()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    return model, args, kwargs
+
+
+def _sgd(model, step) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(STEPS):
+        loss = step(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _gpt_step(model):
+    return loss_fn("gpt", model(TOKENS), TOKENS)
+
+
+def _llama_step(model):
+    _, args, kwargs = hf_llama()
+    return model(*args, **kwargs).loss
+
+
+def _plan_kwargs(kind: str, name: str) -> dict:
+    if kind == "fsdp":
+        return {"param_layouts": FSDP, "mesh_shape": (2,)}
+    if name == "gpt":
+        params, inputs = megatron_layouts("gpt", 1)
+        return {"param_layouts": params, "input_layouts": inputs, "mesh_shape": (2,)}
+    return {"param_layouts": LLAMA_TP, "mesh_shape": (2,)}
+
+
+def _worker(rank, world, jobs, path):
+    warnings.simplefilter("ignore")
+    out = {}
+    for name, kind, source in jobs:
+        with torch.device("meta"):
+            model, args, kwargs = (GPT(GPTConfig()), (TOKENS,), {}) if name == "gpt" else hf_llama()
+        torch.manual_seed(SEED)  # every rank the same seed: replicas draw the same weights
+        weights = path if source == "file" else None
+        pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=args, example_kwargs=kwargs, weights=weights,
+                                           **_plan_kwargs(kind, name))
+        assert all(p.device.type == "cpu" for p in pmodel.parameters())
+        shards = {k: v.detach().to_local().clone() for k, v in pmodel.state_dict().items()}
+        layouts = {f: p.layout for p in pmodel.plan.params for f in p.fqns}
+        losses = _sgd(pmodel, _gpt_step if name == "gpt" else _llama_step)
+        out[(name, kind, source)] = (shards, layouts, pmodel.plan.mesh, losses)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_meta_models_materialise_their_shards_and_train(tmp_path):
+    saved, _, _ = _llama_reference(seed=99)  # weights unlike the ranks' initialisation: the file, not the init, must win
+    saved.save_pretrained(tmp_path)
+    jobs = [("gpt", "tp", "init"), ("gpt", "fsdp", "init"), ("llama", "tp", "init"), ("llama", "tp", "file"), ("llama", "fsdp", "file")]
+    results = run_local(2, _worker, jobs, str(tmp_path), timeout=900)
+    for name, kind, source in jobs:
+        if name == "gpt":
+            reference = _gpt_reference()
+        elif source == "init":
+            reference = _llama_reference()[0]
+        else:
+            reference = _llama_reference(seed=99)[0]  # what the file holds (a fresh copy: training changes it)
+        whole = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+        ref_losses = _sgd(reference, _gpt_step if name == "gpt" else _llama_step)
+        for rank, result in enumerate(results):
+            shards, layouts, mesh, losses = result[(name, kind, source)]
+            where = f"{name} {kind} from {source}, rank {rank}"
+            assert set(whole) <= set(shards), (where, set(whole) - set(shards))
+            for fqn, value in whole.items():  # every shard is its slice of the one-process weights (or of the file)
+                assert torch.equal(shards[fqn], shard_tensor(value, layouts[fqn], mesh, rank)), f"{where}: {fqn}"
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {m}")
+        if kind == "tp":
+            assert any(layouts[f] != (meshplan.Replicate(),) for f in whole), f"{name} {kind} must shard something"
+
+
+# ---------------------------------------------------------------- bad input: a clear ValueError, nothing half-loaded
+
+
+class _Uncovered(torch.nn.Module):
+    """A parameter no reset_parameters() initialises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _bad_worker(rank, world, path, other):
+    warnings.simplefilter("ignore")
+    messages = []
+    x = torch.randn(4, 8)
+    with torch.device("meta"):
+        model = _Uncovered()
+    try:
+        meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), mode="data_parallel")
+    except ValueError as e:
+        messages.append(str(e))
+    # an init_fn that covers it
+    pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), mode="data_parallel",
+                                       init_fn=lambda m: (m.lin.reset_parameters(), torch.nn.init.ones_(m.scale)))
+    assert torch.equal(pmodel.scale.full_tensor(), torch.ones(8))
+    torch.manual_seed(rank)  # different seeds: replicas would differ
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    try:
+        meshplan.auto_parallelize(model, devices=world, example_inputs=(TOKENS,), mode="data_parallel")
+    except ValueError as e:
+        messages.append(str(e))
+    for file in (path, other):  # a file of another model, a file with a tensor of another shape
+        with torch.device("meta"):
+            model, args, kwargs = hf_llama()
+        try:
+            meshplan.auto_parallelize(model, devices=world, example_inputs=args, example_kwargs=kwargs, weights=file, mode="data_parallel")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+@pytest.mark.multiprocess
+def test_meta_models_with_missing_init_or_wrong_files_are_value_errors(tmp_path):
+    from safetensors.torch import save_file
+
+    model = GPT(GPTConfig())
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(tmp_path / "gpt.safetensors"))
+    llama = hf_llama()[0]
+    state = {k: v.contiguous() for k, v in llama.state_dict().items()}
+    state["model.norm.weight"] = torch.ones(32)
+    save_file(state, str(tmp_path / "llama.safetensors"))
+    results = run_local(2, _bad_worker, str(tmp_path / "gpt.safetensors"), str(tmp_path / "llama.safetensors"), timeout=600)
+    for messages in results:
+        assert len(messages) == 4, messages
+        assert messages[0].startswith("reset_parameters() does not initialise ['scale'] of the model on the meta device")
+        assert "different random generator states" in messages[1]
+        assert "gpt.safetensors lacks" in messages[2] and "it was saved from another model" in messages[2], messages[2]
+        assert messages[3].startswith("model.norm.weight in ") and "has shape [32] but the model's is [64]" in messages[3], messages[3]
