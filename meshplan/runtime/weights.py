@@ -164,5 +164,6 @@ class FromSafetensors:
             with safe_open(file, framework="pt") as f:
                 for p in ps:  # only this rank's block is read
                     block = f.get_slice(self._name(p))[block_slices(p.shape, p.layout, comm.mesh, comm.rank)]
-                    out[p.node] = block.to(comm.device).contiguous()
+                    # a copy: the slice may be backed by the file's memory map, which must not outlive the load
+                    out[p.node] = block.to(comm.device, copy=True).contiguous()
         return out
