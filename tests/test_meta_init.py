@@ -185,3 +185,21 @@ def test_meta_models_with_missing_init_or_wrong_files_are_value_errors(tmp_path)
         assert "different random generator states" in messages[1]
         assert "gpt.safetensors lacks" in messages[2] and "it was saved from another model" in messages[2], messages[2]
         assert messages[3].startswith("model.norm.weight in ") and "has shape [32] but the model's is [64]" in messages[3], messages[3]
+
+
+def _checkpoint_worker(rank, world, path):
+    warnings.simplefilter("ignore")
+    torch.manual_seed(SEED)
+    pmodel = meshplan.auto_parallelize(GPT(GPTConfig()), devices=world, example_inputs=(TOKENS,), **_plan_kwargs("tp", "gpt"))
+    _sgd(pmodel, _gpt_step)
+    meshplan.save_checkpoint(path, pmodel)
+    saved = {k: v.full_tensor() for k, v in pmodel.state_dict().items()}
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    loaded = meshplan.auto_parallelize(model, devices=world, example_inputs=(TOKENS,), weights=path, **_plan_kwargs("fsdp", "gpt"))
+    return all(torch.equal(v.full_tensor(), saved[k]) for k, v in loaded.state_dict().items()), set(saved) == set(loaded.state_dict())
+
+
+@pytest.mark.multiprocess
+def test_meta_model_loads_a_meshplan_checkpoint_saved_under_another_plan(tmp_path):
+    assert run_local(2, _checkpoint_worker, str(tmp_path / "ckpt"), timeout=600) == [(True, True)] * 2
