@@ -108,6 +108,8 @@ def test_an_infeasible_budget_names_the_smallest_that_works():
         _quiet_plan(model, 4, (x,), mesh_shape=(4,), cluster="h100", memory_budget="1MiB")
     smallest = info.value.smallest
     assert isinstance(info.value, ValueError)
+    # it names the cluster it assumed and how to plan for another
+    assert "Planned for cluster 'h100' (80.0 GiB per device); plan for the hardware you run on with cluster= (a100, cpu, h100, h200)" in str(info.value)
     plan = _quiet_plan(model, 4, (x,), mesh_shape=(4,), cluster="h100", memory_budget=int(math.ceil(smallest)))
     assert plan.memory.total <= math.ceil(smallest)
 

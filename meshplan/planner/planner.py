@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, compute_time, grad_sync_axes, local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, parse_bytes
-from meshplan.cost_model.presets import ClusterPreset
+from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
 from meshplan.cost_model.redistribution import backward_steps, redistribution_steps
 from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Graph
@@ -40,11 +40,13 @@ SEARCHES = ("ilp", "propagation")
 class MemoryBudgetError(ValueError):
     """No plan fits the per-device memory budget; says the smallest budget that would work."""
 
-    def __init__(self, budget: float, smallest: float, mesh: MeshSpec) -> None:
-        self.budget, self.smallest, self.mesh = budget, smallest, mesh
+    def __init__(self, budget: float, smallest: float, mesh: MeshSpec, cluster: ClusterPreset) -> None:
+        self.budget, self.smallest, self.mesh, self.cluster = budget, smallest, mesh, cluster.name
         super().__init__(
             f"memory budget {format_bytes(budget)} per device is infeasible on mesh {mesh}: the smallest predicted peak "
-            f"of any plan is {format_bytes(smallest)} ({int(smallest)} bytes); allowed: a budget >= that, or more devices"
+            f"of any plan is {format_bytes(smallest)} ({int(smallest)} bytes); allowed: a budget >= that, or more devices. "
+            f"Planned for cluster {cluster.name!r} ({format_bytes(cluster.device.memory_bytes)} per device); plan for the "
+            f"hardware you run on with cluster= ({', '.join(sorted(CLUSTERS))}) or memory_budget="
         )
 
 
@@ -156,7 +158,7 @@ def make_plan(
         smallest = solve(tables.problem, time_limit_s=options.time_limit_s, minimize="memory")
         if smallest.objective <= budget:
             raise
-        raise MemoryBudgetError(budget, smallest.objective, mesh) from None
+        raise MemoryBudgetError(budget, smallest.objective, mesh, cluster) from None
     by_node, tables, offload_from, solution = found.result.by_node, found.result.tables, found.result.offload_from, found.result.solution
     if solution.objective >= INFEASIBLE_S:
         raise InfeasiblePlan("no consistent choice of strategies exists for the repeated layers; plan with tie_layers=False")
