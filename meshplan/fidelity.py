@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshplan.models import GPT, GPTConfig
+from meshplan.runtime.local_view import local_of
 
 MODEL = GPTConfig(vocab_size=256, seq_len=32, hidden=128, heads=4, layers=2)
 BATCH = 16
@@ -97,7 +98,7 @@ def _resident_bytes(pmodel, opt) -> int:
     tensors = list(pmodel.parameters()) + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     tensors += [b for b in getattr(pmodel, "_grad_buckets")._flat if b is not None]
     tensors += [p.grad for p in pmodel.parameters() if p.grad is not None]
-    for t in tensors:
+    for t in map(local_of, tensors):  # DTensors hold their bytes in their local tensors
         key = t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)

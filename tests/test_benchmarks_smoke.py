@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("meshplan (global)", "meshplan (local)", "DDP", "FSDP2", "TP")
+METHODS = ("meshplan (global)", "meshplan (local)", "meshplan (local, DP)", "meshplan (TP)", "DDP", "FSDP2", "TP")
 
 
 def test_vs_baselines_quick_runs_with_parity():
@@ -33,6 +33,8 @@ def test_vs_baselines_quick_runs_with_parity():
         assert re.search(r"^" + re.escape(method) + r"\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\d$", out, re.M), method
     ratios = re.findall(r"meshplan \((global|local)\) / best baseline = \d+\.\d\d \(target <= 1\.05\): (met|NOT met)", out)
     assert sorted(m for m, _ in ratios) == ["global", "local"], out
+    like_for_like = re.findall(r"(meshplan \(local, DP\) / DDP|meshplan \(TP\) / TP) = \d+\.\d\d \(same layouts; target <= 1\.05\)", out)
+    assert sorted(like_for_like) == ["meshplan (TP) / TP", "meshplan (local, DP) / DDP"], out
 
 
 def test_mesh_search_quick_plans_every_mesh_and_the_default_call_keeps_the_fastest():
