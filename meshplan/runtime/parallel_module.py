@@ -24,12 +24,12 @@ from meshplan.planner.rules.random import is_random
 from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.grad_buckets import GradBuckets
+from meshplan.runtime.init_on_meta import FromInit
 from meshplan.runtime.local_view import local_view
 from meshplan.runtime.offload import make_optimizer
-from meshplan.runtime.init_on_meta import FromInit
+from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.weights import FromModel, WeightSource
-from meshplan.runtime.rewrite import local_program
 
 
 def distribute(whole: torch.Tensor, layout: Placements, comm: MeshComm) -> DTensor:
@@ -165,9 +165,6 @@ class ParallelModule(nn.Module):
             self._eval = self._train if source is None else self._rank_program(*source)
         return self._eval
 
-    def _distributed(self, whole: torch.Tensor, layout: Placements) -> DTensor:
-        return distribute(whole, layout, self.comm)
-
     def forward(self, *args, **kwargs):
         program = self._current()
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -187,7 +184,7 @@ class ParallelModule(nn.Module):
         # in-place copy: the step's backward may still read the old one.
         for fqn, value in zip(mutated, out):
             node = self._node_of[fqn]
-            new = self._distributed(value.detach(), self._layout[node])
+            new = distribute(value.detach(), self._layout[node], self.comm)
             for alias in self._fqns[node]:
                 _owner(self, alias)._buffers[alias.rsplit(".", 1)[-1]] = new
             self._leaf[node] = new
