@@ -328,13 +328,14 @@ def plan_once(make: Callable[[], Plan], group: dist.ProcessGroup | None = None) 
         try:
             made = make()
         except Exception as e:
-            dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}")], src=src, group=group)
+            kind = "bad input" if isinstance(e, ValueError) else "error"
+            dist.broadcast_object_list([(kind, f"{type(e).__name__}: {e}")], src=src, group=group)
             raise
         message = [("plan", made.to_json())]
     dist.broadcast_object_list(message, src=src, group=group)
     kind, payload = message[0]
-    if kind == "error":
-        raise RuntimeError(f"rank {src} could not plan, so this rank has no plan either: {payload}")
+    if kind != "plan":  # the same kind of error as on the planning rank: a ValueError for bad input
+        raise (ValueError if kind == "bad input" else RuntimeError)(f"rank {src} could not plan, so this rank has no plan either: {payload}")
     return made if dist.get_rank() == src else Plan.from_json(payload)
 
 
