@@ -152,3 +152,20 @@ def test_group_of_another_size_is_a_value_error():
         plan4 = meshplan.plan(model, devices=4, example_inputs=(x,), mesh_shape=(4,), mode="data_parallel")
     assert run_local(2, _plan_for_another_group, plan4, timeout=300) == [
         "the plan's mesh dp=4 has 4 devices but the process group has 2 ranks; pass a group of 4 ranks or plan for 2 devices"] * 2
+
+
+def _budget_too_small(rank, world):
+    model, x, _ = build("mlp")
+    try:
+        meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), mesh_shape=(world,), memory_budget="1KiB")
+    except ValueError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_a_planning_error_on_the_first_rank_is_a_value_error_on_every_rank():
+    """Only the first rank plans: the others wait for its plan, and get its error, of the same kind."""
+    (kind0, message0), (kind1, message1) = run_local(2, _budget_too_small, timeout=300)
+    assert kind0 == "MemoryBudgetError" and "memory budget 1.0 KiB per device is infeasible" in message0
+    assert kind1 == "ValueError" and message1.startswith("rank 0 could not plan, so this rank has no plan either: MemoryBudgetError: memory budget")
