@@ -4,7 +4,8 @@ transformers is optional: it is imported when a factory is called, and only the 
 installs it. Each factory follows the `meshplan plan MODULE:FACTORY` contract: it returns
 `(model, example_inputs, example_kwargs)`, the kwargs holding `labels` so the model computes its own
 loss (the natural way to train a Hugging Face model). Configs use eager/sdpa attention (both trace),
-no dropout (ranks would draw different masks) and no KV cache.
+no dropout (so runs compare bit for bit across plans; dropout itself has parity: planner/rules/random.py)
+and no KV cache.
 """
 
 from __future__ import annotations
