@@ -6,6 +6,7 @@ this test fails with that instruction instead of skipping.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -62,7 +63,7 @@ def test_report_is_self_contained(report):
     assert "@import" not in text and "url(" not in text
     for section in ("Layers, coloured by placement", "Memory per device", "Pipeline schedule", "Communication volume per mesh axis"):
         assert section in text
-    assert "No pipeline stages" in text  # the truth until pipelining exists
+    assert "No pipeline stages" in text  # this plan has none
     assert text.count('class="layer-row"') == len(grouped_units(plan))
     assert text.count("device ") >= plan.mesh.size  # one memory bar per device
 
@@ -96,3 +97,39 @@ def test_hook_catches_a_broken_page(tmp_path):
     dom = run_chromium("--dump-dom", checked.as_uri())
     problems = json.loads(re.search(r"data-problems=\"([^\"]*)\"", dom.stdout).group(1).replace("&quot;", '"'))
     assert problems[0] == "error: boom" and "undefinedCall" in problems[1]
+
+
+@pytest.fixture(scope="module")
+def pipelined(report, tmp_path_factory):
+    """The same plan with a two-stage pipeline section (as `plan(..., pipeline=)` attaches one)."""
+    from meshplan.cost_model.memory import MemoryBreakdown
+    from meshplan.planner.pipeline_plan import PipelinePlan, PipelineStage
+
+    plan, _ = report
+    stages = tuple(
+        PipelineStage(index=k, device=k, units=units, modules=(units[0],), time_s=1e-3 * (k + 1), recompute=k == 0,
+                      memory=MemoryBreakdown(params=1000 * (k + 1), grads=1000, optimizer=2000, activations=5000 * (2 - k)))
+        for k, units in enumerate((("pre", "layers.0"), ("layers.1", "post")))
+    )
+    pipe = PipelinePlan(degree=2, schedule="1f1b", microbatches=4, chunks=1, stages=stages, step_s=0.012, bubble_s=0.003,
+                        bubble_fraction=0.25, p2p_s=2e-5)
+    plan = dataclasses.replace(plan, pipeline=pipe)
+    return plan, plan.report(str(tmp_path_factory.mktemp("pipelined") / "plan.html"))
+
+
+def test_report_of_a_pipelined_plan_shows_its_stages_bubble_and_per_stage_memory(pipelined, tmp_path):
+    plan, path = pipelined
+    text = open(path, encoding="utf-8").read()
+    assert "No pipeline stages" not in text
+    assert "2 pipeline ranks x 4 devices each, schedule 1f1b, 4 microbatches" in text
+    assert "bubble 25.0% (3.000 ms of a 12.000 ms step)" in text
+    assert "bubble 3.000 ms" in text and "working 9.000 ms" in text  # the step bar: the schedule's step, not one microbatch
+    assert "stage 0 (pipeline rank 0)" in text and "stage 1 (pipeline rank 1)" in text  # one memory bar per stage
+    assert "Peak 13.7 KiB per device" in text  # the larger stage (stage 0: 1000 + 1000 + 2000 + 10000 bytes), not plan.memory
+    assert text.count("<td>1f1b</td>") == 0 and text.count("</td><td>yes</td>") == 1
+    checked = tmp_path / "checked.html"
+    checked.write_text(text.replace("<head>", "<head>" + HOOK, 1), encoding="utf-8")
+    dom = run_chromium("--dump-dom", checked.as_uri())
+    assert dom.returncode == 0 and 'data-rendered="ok"' in dom.stdout, dom.stderr[-2000:]
+    problems = re.search(r"data-problems=\"([^\"]*)\"", dom.stdout)
+    assert problems is not None and json.loads(problems.group(1).replace("&quot;", '"')) == []

@@ -2,8 +2,9 @@
 
 Sections: the predicted step (compute / communication / bubble), the layer list coloured by
 placement (one coloured segment per mesh axis: grey R, orange P, one hue per sharded tensor dim),
-memory per device as stacked bars, the pipeline schedule (a single stage until pipelining exists,
-and the page says so), and the communication volume per mesh axis. Everything is read from the
+memory per device as stacked bars (per pipeline stage for a pipelined plan), the pipeline schedule
+(stages, ranks, microbatches, bubble; or a note that the plan runs as one stage), and the
+communication volume per mesh axis. Everything is read from the
 Plan alone, so `meshplan report plan.json` needs no model.
 """
 
@@ -109,16 +110,16 @@ def render(plan: Plan) -> str:
     ]
     # ---- step time
     parts.append("<h2>Predicted step time</h2>")
-    parts.append(
-        _bar_svg(
-            [("one step", [("compute", plan.compute_s, "#2f6fdf"), ("communication", plan.comm_s, "#e67e22"), ("bubble", plan.bubble_s, "#c0392b")])],
-            lambda v: f"{v * 1e3:.3f} ms",
-        )
-    )
-    parts.append(
-        _legend([(f"compute {plan.compute_s * 1e3:.3f} ms", "#2f6fdf"), (f"communication {plan.comm_s * 1e3:.3f} ms", "#e67e22"),
-                 (f"bubble {plan.bubble_s * 1e3:.3f} ms", "#c0392b")])
-    )
+    pipe = plan.pipeline
+    if pipe is None:
+        step = [("compute", plan.compute_s, "#2f6fdf"), ("communication", plan.comm_s, "#e67e22"), ("bubble", 0.0, "#c0392b")]
+    else:  # compute_s and comm_s are one microbatch's on one stage's sub-mesh; the schedule's step holds them all
+        parts.append(f'<div class="muted">One microbatch on one stage\'s sub-mesh: compute {plan.compute_s * 1e3:.3f} ms, '
+                     f"communication {plan.comm_s * 1e3:.3f} ms; the step runs {pipe.microbatches} microbatches through "
+                     f"{pipe.degree} pipeline ranks.</div>")
+        step = [("working", pipe.step_s - pipe.bubble_s, "#2f6fdf"), ("bubble", pipe.bubble_s, "#c0392b")]
+    parts.append(_bar_svg([("one step", step)], lambda v: f"{v * 1e3:.3f} ms"))
+    parts.append(_legend([(f"{name} {v * 1e3:.3f} ms", c) for name, v, c in step]))
     # ---- layers
     parts.append("<h2>Layers, coloured by placement</h2>")
     parts.append(
@@ -145,21 +146,42 @@ def render(plan: Plan) -> str:
     parts.append("<h2>Memory per device</h2>")
     mem = plan.memory
     segs = [(k, float(getattr(mem, k)), c) for k, c in MEMORY_COLOURS.items()]
-    if mesh.size <= MAX_DEVICE_BARS:
+    if pipe is not None:
+        rows = [(f"stage {st.index} (pipeline rank {st.device})", [(k, float(getattr(st.memory, k)), c) for k, c in MEMORY_COLOURS.items()])
+                for st in pipe.stages]
+        mem = max((st.memory for st in pipe.stages), key=lambda m: m.total)
+        note = (f"Each device of a stage's {mesh.size}-device sub-mesh holds the stage's amount (shards are even); the "
+                "largest stage sets the peak.")
+    elif mesh.size <= MAX_DEVICE_BARS:
         rows = [(f"device {r}", segs) for r in range(mesh.size)]
         note = "Every device holds the same amount under this plan (one stage; shards are even)."
     else:
         rows = [(f"devices 0..{mesh.size - 1}", segs)]
         note = f"All {mesh.size} devices hold the same amount under this plan (one stage; shards are even): one bar shown."
-    parts.append(f'<div class="muted">{e(note)} Total {e(format_bytes(mem.total))} per device.</div>')
+    parts.append(f'<div class="muted">{e(note)} Peak {e(format_bytes(mem.total))} per device.</div>')
     parts.append(_bar_svg(rows, format_bytes))
     parts.append(_legend([(f"{k} {format_bytes(getattr(mem, k))}", c) for k, c in MEMORY_COLOURS.items()]))
     # ---- pipeline
     parts.append("<h2>Pipeline schedule</h2>")
-    parts.append(
-        f'<div class="card" id="pipeline">No pipeline stages: this plan runs as a single stage on all {mesh.size} devices, so '
-        "there is no pipeline schedule and the bubble is 0.</div>"
-    )
+    if pipe is None:
+        parts.append(
+            f'<div class="card" id="pipeline">No pipeline stages: this plan runs as a single stage on all {mesh.size} devices, so '
+            "there is no pipeline schedule and the bubble is 0.</div>"
+        )
+    else:
+        parts.append(
+            f'<div class="card" id="pipeline">{pipe.degree} pipeline ranks x {mesh.size} devices each, schedule {e(pipe.schedule)}, '
+            f"{pipe.microbatches} microbatches, {pipe.chunks} stage(s) per rank; bubble {pipe.bubble_fraction:.1%} "
+            f"({pipe.bubble_s * 1e3:.3f} ms of a {pipe.step_s * 1e3:.3f} ms step), point-to-point {pipe.p2p_s * 1e6:.3g} µs per cut "
+            "per microbatch.</div>"
+        )
+        parts.append("<table><tr><th>stage</th><th>pipeline rank</th><th>units</th><th>per microbatch</th><th>recompute</th><th>peak memory</th></tr>")
+        for st in pipe.stages:
+            span = st.units[0] if len(st.units) == 1 else f"{st.units[0]} .. {st.units[-1]}"
+            parts.append(f"<tr><td>{st.index}</td><td>{st.device}</td><td class='name'>{e(span)} ({len(st.units)})</td>"
+                         f"<td>{st.time_s * 1e3:.3f} ms</td><td>{'yes' if st.recompute else 'no'}</td>"
+                         f"<td>{e(format_bytes(st.memory.total))}</td></tr>")
+        parts.append("</table>")
     # ---- communication
     parts.append("<h2>Communication volume per mesh axis</h2>")
     vol = comm_volume(plan)
