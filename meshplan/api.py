@@ -320,19 +320,27 @@ def _eval_program(model: nn.Module, example_inputs: tuple, example_kwargs: dict 
     return eval_graph, eval_plan
 
 
+PLAN_WAIT = timedelta(hours=1)
+"""How long the other ranks wait for the first rank's plan (planning is no collective: the runtime's
+`timeout` does not bound it)."""
+
+
 def plan_once(make: Callable[[], Plan], group: dist.ProcessGroup | None = None) -> Plan:
-    """`make()` on the group's first rank, whose plan (or error) every other rank receives."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+    """`make()` on the group's first rank, whose plan (or error) every other rank receives over a host
+    (gloo) group whose timeout is `PLAN_WAIT`, whatever the job's backend."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    src = ranks[0]
+    waiting = dist.new_group(ranks, backend="gloo", timeout=PLAN_WAIT, use_local_synchronization=True)
     message: list = [None]
     if dist.get_rank() == src:
         try:
             made = make()
         except Exception as e:
             kind = "bad input" if isinstance(e, ValueError) else "error"
-            dist.broadcast_object_list([(kind, f"{type(e).__name__}: {e}")], src=src, group=group)
+            dist.broadcast_object_list([(kind, f"{type(e).__name__}: {e}")], src=src, group=waiting)
             raise
         message = [("plan", made.to_json())]
-    dist.broadcast_object_list(message, src=src, group=group)
+    dist.broadcast_object_list(message, src=src, group=waiting)
     kind, payload = message[0]
     if kind != "plan":  # the same kind of error as on the planning rank: a ValueError for bad input
         raise (ValueError if kind == "bad input" else RuntimeError)(f"rank {src} could not plan, so this rank has no plan either: {payload}")
