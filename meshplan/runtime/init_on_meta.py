@@ -84,7 +84,8 @@ class _Materialise(TorchDispatchMode):
             raise ValueError(f"the initialisation runs {func} on several parameters at once ({sorted(touched)}); meshplan "
                              "materialises one parameter at a time: load the weights from a checkpoint (weights=) instead")
         # an overwriting op may start a parameter over through its first argument (the one it writes) only
-        first = self._real(args[0], func.overloadpacket in OVERWRITES) if args else None
+        overwrites = func.overloadpacket in OVERWRITES
+        first = pytree.tree_map(lambda t: self._real(t, overwrites), args[0]) if args else None
         real_args, real_kwargs = pytree.tree_map(self._real, (args[1:], kwargs))
         real_args = (first, *real_args) if args else real_args
         out = func(*real_args, **real_kwargs)
