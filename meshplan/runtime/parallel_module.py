@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.placement import Placements, Shard, local_shape, to_dtensor
+from meshplan.ir.placement import Placements, local_shape, to_dtensor
 from meshplan.ir.trace import TracedProgram
 from meshplan.planner.plan import InputChoice, Plan
 from meshplan.planner.rules.random import is_random
@@ -29,7 +29,7 @@ from meshplan.runtime.local_view import local_view
 from meshplan.runtime.offload import make_optimizer
 from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.rng import ProgramRng
-from meshplan.runtime.weights import FromModel, WeightSource
+from meshplan.runtime.weights import FromModel, WeightSource, block_slices
 
 
 def distribute(whole: torch.Tensor, layout: Placements, comm: MeshComm) -> DTensor:
@@ -56,12 +56,8 @@ def default_weights(model: nn.Module, device: torch.device) -> WeightSource:
 
 
 def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int) -> torch.Tensor:
-    """Rank `rank`'s block of a whole tensor (outer mesh axes take the outer blocks, as in DTensor)."""
-    coord = mesh.coordinate(rank)
-    for a, p in enumerate(layout):
-        if isinstance(p, Shard):
-            t = t.chunk(mesh.shape[a], dim=p.dim)[coord[a]]
-    return t
+    """Rank `rank`'s block of a whole tensor, a view (outer mesh axes take the outer blocks, as in DTensor)."""
+    return t[block_slices(tuple(t.shape), layout, mesh, rank)]
 
 
 class ParallelModule(nn.Module):

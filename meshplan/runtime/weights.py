@@ -28,7 +28,6 @@ from meshplan.planner.plan import ParamChoice
 from meshplan.runtime.collectives import MeshComm
 
 
-
 class WeightSource(Protocol):
     def blocks(self, params: tuple[ParamChoice, ...], comm: MeshComm) -> dict[str, torch.Tensor]:
         """node -> this rank's contiguous block of that parameter or buffer, on `comm.device`."""
@@ -115,6 +114,13 @@ class FromSafetensors:
     def _name(self, p: ParamChoice) -> str | None:
         return next((f for f in p.fqns if f in self._where), None)
 
+    def _by_file(self, params: tuple[ParamChoice, ...]) -> dict[str, list[ParamChoice]]:
+        """The parameters grouped by the file that holds them (each file is opened once)."""
+        out: dict[str, list[ParamChoice]] = {}
+        for p in params:
+            out.setdefault(self._where[self._name(p)], []).append(p)
+        return out
+
     def _unsaved(self, params: tuple[ParamChoice, ...]) -> list[ParamChoice]:
         """Buffers the file lacks because the model never saves them."""
         if self._saved is None:
@@ -133,10 +139,7 @@ class FromSafetensors:
         if missing:
             raise ValueError(f"{self.path} lacks {len(missing)} of the model's tensors: {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}; it was saved from another model")
-        by_file: dict[str, list[ParamChoice]] = {}
-        for p in params:
-            by_file.setdefault(self._where[self._name(p)], []).append(p)
-        for file, ps in by_file.items():
+        for file, ps in self._by_file(params).items():
             with safe_open(file, framework="pt") as f:
                 for p in ps:
                     sl = f.get_slice(self._name(p))
@@ -157,10 +160,7 @@ class FromSafetensors:
             wanted = {p.node for p in unsaved}
             out = {k: v for k, v in self._rest.blocks(params, comm).items() if k in wanted}
             params = tuple(p for p in params if p.node not in wanted)
-        by_file: dict[str, list[ParamChoice]] = {}
-        for p in params:
-            by_file.setdefault(self._where[self._name(p)], []).append(p)
-        for file, ps in by_file.items():
+        for file, ps in self._by_file(params).items():
             with safe_open(file, framework="pt") as f:
                 for p in ps:  # only this rank's block is read
                     block = f.get_slice(self._name(p))[block_slices(p.shape, p.layout, comm.mesh, comm.rank)]
