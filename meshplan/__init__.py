@@ -7,6 +7,7 @@
 from meshplan.api import auto_parallelize, plan
 from meshplan.inspect import list_ops, load_plan, plan_code
 from meshplan.ir.placement import Partial, Replicate, Shard
+from meshplan.ir.precision import MixedPrecision
 from meshplan.planner.annotations import Layout, shard
 from meshplan.planner.pipeline import PipelineOptions
 from meshplan.planner.plan import Plan
@@ -16,6 +17,6 @@ from meshplan.runtime.parallel_module import ParallelModule
 from meshplan.runtime.pipeline import PipelineRunner
 
 __all__ = [
-    "CollectiveError", "Layout", "ParallelModule", "Partial", "PipelineOptions", "PipelineRunner", "Plan", "Replicate", "Shard",
+    "CollectiveError", "Layout", "MixedPrecision", "ParallelModule", "Partial", "PipelineOptions", "PipelineRunner", "Plan", "Replicate", "Shard",
     "auto_parallelize", "list_ops", "load_checkpoint", "load_plan", "plan", "plan_code", "save_checkpoint", "shard",
 ]

@@ -19,6 +19,7 @@ from meshplan.cost_model.presets import ClusterPreset, get_cluster
 from meshplan.cost_model.profile import Profile, resolve_profile
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.precision import MixedPrecision, resolve_precision
 from meshplan.ir.trace import trace
 from meshplan.planner.annotations import AnnotationError, module_annotations
 from meshplan.planner.constraints import Annotations
@@ -118,6 +119,7 @@ def plan(
     pipeline: int | str | PipelineOptions | None = None,
     stage_config: dict[str, int] | None = None,
     time_limit_s: float = 60.0,
+    mixed_precision: str | MixedPrecision = "auto",
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
@@ -146,6 +148,11 @@ def plan(
     `profile`: measured costs (a `Profile`, a profile JSON path, or "local" for this machine's
     database entry; see docs/cost_model.md). Without one the cluster's presets price everything,
     and a warning says so once.
+
+    `mixed_precision`: 'bf16' computes in bf16 with fp32 master weights, optimizer state and gradient
+    reduction; 'fp32' runs the model's own dtypes; or a `MixedPrecision` policy.
+    'auto' (default): bf16 on clusters whose device has a bf16 peak above its fp32 peak (the GPU
+    presets), else fp32. The plan records and prints which (ir/precision.py, docs/precision.md).
     """
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be a positive number of seconds; got {time_limit_s!r}")
@@ -155,6 +162,7 @@ def plan(
         default = "h100" if torch.cuda.is_available() else "cpu"
         measured = resolve_profile(profile, cluster if isinstance(cluster, str) or cluster is None else cluster.name, default)
         cluster_preset = get_cluster(cluster or (measured.cluster if measured is not None else default)).with_profile(measured)
+    precision = resolve_precision(mixed_precision, auto=cluster_preset.device.default_precision)
     if pipeline is not None or stage_config:
         if not isinstance(devices, int) or mode != "auto" or param_layouts or input_layouts or parameter_plan or parallelize_plan:
             raise ValueError("pipeline search takes an int `devices` and mode='auto' without layout annotations; "
@@ -162,7 +170,8 @@ def plan(
         budget = None if memory_budget is None else float(parse_bytes(memory_budget))
         opts = pipeline_options("auto" if pipeline is None else pipeline, stage_config, optimizer, budget)
         inputs_ = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        return plan_pipeline(model, devices, inputs_, cluster=cluster_preset, options=opts, example_kwargs=example_kwargs).plan
+        return plan_pipeline(model, devices, inputs_, cluster=cluster_preset, options=opts, example_kwargs=example_kwargs,
+                             precision=precision).plan
     meshes = resolve_mesh(devices, mesh_shape, axis_names, cluster_preset.devices_per_node)
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
@@ -173,7 +182,8 @@ def plan(
         ),
     )
     phase(f"tracing {type(model).__name__}")
-    graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs)
+    graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs,
+                  precision=precision)
     return search_meshes(graph, meshes, cluster_preset, options, model_name=type(model).__name__)
 
 
@@ -264,14 +274,14 @@ def auto_parallelize(
         micro = plan.pipeline.microbatches
         if any(x.shape[0] % micro for x in example_inputs):
             raise ValueError(f"example inputs of batch {[x.shape[0] for x in example_inputs]} do not split into {micro} microbatches")
-        graph = trace(model, tuple(x[: x.shape[0] // micro] for x in example_inputs), example_kwargs)
+        graph = trace(model, tuple(x[: x.shape[0] // micro] for x in example_inputs), example_kwargs, precision=plan.precision)
         if source is not None or checkpoint_dir is not None:
             raise ValueError("weights= and init_fn= take plans without a pipeline for now; load a pipelined run's "
                              "weights with meshplan.load_checkpoint after auto_parallelize")
         return PipelineRunner(model, graph, plan, loss_fn, timeout=timeout)
     if plan.mesh.size != world:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the process group has {world} ranks")
-    graph = trace(model, example_inputs, example_kwargs)
+    graph = trace(model, example_inputs, example_kwargs, precision=plan.precision)
     eval_source = functools.partial(_eval_program, model, example_inputs, example_kwargs, graph, plan, group)
     pmodel = ParallelModule(model, graph, plan, group=group, timeout=timeout, eval_source=eval_source, weights=source)
     pmodel.loss_fn = loss_fn
@@ -305,7 +315,7 @@ def _eval_program(model: nn.Module, example_inputs: tuple, example_kwargs: dict 
     was_training = model.training
     model.eval()
     try:
-        eval_graph = trace(model, example_inputs, example_kwargs)
+        eval_graph = trace(model, example_inputs, example_kwargs, precision=plan.precision)
     finally:
         model.train(was_training)
     if eval_graph.fingerprint() == graph.fingerprint():

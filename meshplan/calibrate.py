@@ -141,13 +141,14 @@ def program_overhead(graph: Graph, timings: dict, device: torch.device) -> float
 
 def profile_model(
     model: nn.Module, example_inputs: tuple = (), devices: Sequence[int] = (2, 4), *, example_kwargs: dict | None = None,
-    cluster: str = "cpu", out: str | os.PathLike | None = None, budget_s: float = 0.05,
+    cluster: str = "cpu", out: str | os.PathLike | None = None, budget_s: float = 0.05, mixed_precision: str = "auto",
 ) -> Profile:
     """Profile `model`'s ops for every mesh of each device count in `devices` (as `meshplan.plan`
-    would search them). With `out` (a path, or "local" for this machine's database file), the
-    measurements are merged into that file."""
+    would search them, in the precision it would trace them in). With `out` (a path, or "local" for
+    this machine's database file), the measurements are merged into that file."""
     from meshplan.api import resolve_mesh
     from meshplan.cost_model.presets import get_cluster
+    from meshplan.ir.precision import resolve_precision
     from meshplan.ir.trace import trace
 
     preset = get_cluster(cluster)
@@ -156,7 +157,9 @@ def profile_model(
             raise ValueError(f"devices must be positive ints; got {d!r} in {tuple(devices)!r}")
     meshes = [m for d in devices for m in resolve_mesh(d, devices_per_node=preset.devices_per_node)]
     phase(f"tracing {type(model).__name__}")
-    graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs)
+    precision = resolve_precision(mixed_precision, auto=preset.device.default_precision)
+    graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs,
+                  precision=precision)
     profile = profile_graph(graph, meshes, cluster=preset.name, budget_s=budget_s)
     if out is not None:
         path = profile_path() if str(out) == "local" else out

@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="auto", help="auto, data_parallel, semi_auto or manual (default auto)")
     p.add_argument("--inputs", default="global", help="global or local (default global)")
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds each mesh's solve may take (default 60); a plan stopped by it is labelled not proven optimal")
+    p.add_argument("--mixed-precision", default="auto",
+                   help="bf16 (compute in bf16, fp32 master weights), fp32, or auto (default): bf16 where the cluster's device has a bf16 peak above its fp32 one")
     p.add_argument("--out", "-o", required=True, help="plan file to write (JSON)")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(handler=_plan)
@@ -228,6 +230,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.memory is not None:
         kwargs["memory_budget"] = args.memory
     kwargs["time_limit_s"] = args.time_limit
+    kwargs["mixed_precision"] = args.mixed_precision
     if args.profile is not None:
         kwargs["profile"] = args.profile
     if args.axis_names:

@@ -31,7 +31,7 @@ def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("page", ["quickstart.md", "plans.md", "modes.md", "planner.md", "runtime.md", "pipeline.md", "cost_model.md", "reliability.md"])
+@pytest.mark.parametrize("page", ["quickstart.md", "plans.md", "modes.md", "planner.md", "runtime.md", "pipeline.md", "cost_model.md", "reliability.md", "precision.md"])
 def test_python_blocks_run(page, tmp_path):
     code = blocks(page, "python")
     assert code, f"{page} has no python examples"

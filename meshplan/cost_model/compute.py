@@ -40,6 +40,7 @@ _SDPA_OPS = frozenset(
         "_scaled_dot_product_cudnn_attention",
     }
 )
+_DENSE_OPS = frozenset("mm addmm bmm baddbmm matmul linear convolution".split())
 _NORM_FLOPS_PER_ELEM = 8.0  # mean, var (sub, square, sum), rsqrt, normalise, scale, shift
 _SOFTMAX_FLOPS_PER_ELEM = 5.0  # max, sub, exp, sum, div
 
@@ -52,6 +53,11 @@ def _op_name(target: str) -> str:
 def is_view(target: str) -> bool:
     """True for ops that only reinterpret storage: free in FLOPs and in bytes."""
     return _op_name(target) in _VIEW_OPS
+
+
+def is_dense(target: str) -> bool:
+    """Matmuls, convolutions and attention: the ops "model FLOPs" (MFU) count."""
+    return _op_name(target) in _DENSE_OPS or _op_name(target) in _SDPA_OPS
 
 
 def _tensors(metas: list[TensorMeta | None]) -> list[TensorMeta]:

@@ -48,6 +48,11 @@ class DevicePreset:
             f"device {self.name!r} has no peak for dtype {dtype!r}; known: {', '.join(self.peak_flops)}"
         )
 
+    @property
+    def default_precision(self) -> str:
+        """'bf16' where this device's bf16 peak beats its fp32 peak (GPUs), else 'fp32' (`mixed_precision='auto'`)."""
+        return "bf16" if self.peak("bfloat16") > self.peak("float32") else "fp32"
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkPreset:

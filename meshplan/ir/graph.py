@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import torch
 
+from meshplan.ir.precision import MixedPrecision
+
 NodeKind = Literal["input", "param", "buffer", "constant", "op", "output"]
 
 
@@ -117,6 +119,8 @@ class Graph:
     """The torch.fx GraphModule (ATen level) the nodes were read from; not serialised."""
     input_names: tuple[str, ...] = ()
     """User-input nodes in call order (flattened)."""
+    precision: MixedPrecision | None = None
+    """The mixed-precision policy whose casts the program carries (ir/precision.py); None: the model's dtypes."""
     _index: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -27,6 +27,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from meshplan.ir import moe as _moe  # noqa: F401  (registers the moe region)
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
+from meshplan.ir.precision import MixedPrecision, cast_for_tracing
 from meshplan.ir.regions import regions_patched
 from meshplan.ir.verify import verify
 
@@ -265,10 +266,12 @@ def user_frame(error: BaseException) -> traceback.FrameSummary | None:
     return found
 
 
-def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> Graph:
+def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
+          precision: MixedPrecision | None = None) -> Graph:
     """Trace `model(*example_inputs, **example_kwargs)` into an `ir.Graph`.
 
-    The inputs may be real, meta or fake tensors; nothing is computed on real data.
+    The inputs may be real, meta or fake tensors; nothing is computed on real data. `precision`: the
+    mixed-precision policy whose casts the program carries (ir/precision.py); None: the model's dtypes.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -277,7 +280,8 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     if any(t.device.type == "meta" for t in itertools.chain(model.parameters(), model.buffers())):
         # a model built on the meta device traces with meta inputs (only shapes matter)
         example_inputs, example_kwargs = pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), (example_inputs, example_kwargs))
-    with regions_patched(model):  # blocks with data-dependent control flow trace as one op each
+    # blocks with data-dependent control flow trace as one op each
+    with regions_patched(model), cast_for_tracing(model, precision):
         ep = _export(model, example_inputs, example_kwargs or {})
     gm = ep.graph_module
 
@@ -335,7 +339,7 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     grads = _requires_grad(gm, {n.name: n.kind == "param" and tensor_of[n.target].requires_grad for n in nodes if n.kind == "param"})
     nodes = [replace(n, requires_grad=grads.get(n.name, ())) if n.kind != "output" else n for n in nodes]
     program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants, _buffer_mutations(ep))
-    graph = Graph(nodes, fx=program, input_names=tuple(input_names))
+    graph = Graph(nodes, fx=program, input_names=tuple(input_names), precision=precision)
     verify(graph)
     return graph
 

@@ -31,6 +31,7 @@ from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.schedules import SCHEDULES, check_schedule, chunks_per_device, in_flight, schedule_time
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.precision import MixedPrecision
 from meshplan.planner.pipeline_plan import PipelinePlan, PipelineStage
 from meshplan.planner.plan import Plan
 from meshplan.planner.planner import PlanOptions, make_plan
@@ -322,7 +323,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         mesh = tuple(x for x in (best.data, best.tensor) if x > 1) or (1,)
         plan = plan_of(mesh, best.data * best.micro)
         mesh_names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if best.tensor > 1 else ("dp",))
-        plan = replace(plan, mesh=MeshSpec(plan.mesh.shape, mesh_names), pipeline=best.pipe)
+        plan = replace(plan, mesh=MeshSpec(plan.mesh.shape, mesh_names), pipeline=best.pipe,
+                       model_flops=plan.model_flops * best.pipe.microbatches)  # the graph is one microbatch
         if options.layers is None:  # the runtime checkpoints the layers of recomputing stages (a stretched profile has no such layers)
             plan = with_stage_recompute(plan, graph_at(best.data * best.micro))
     log.info("pipeline search: %d candidates, %d solves, %.1f s", considered, solves, time.perf_counter() - t0)
@@ -361,8 +363,10 @@ def units_of(graph: Graph) -> list[str]:
 
 
 def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: ClusterPreset, options: PipelineOptions | None = None,
-                  example_kwargs: dict | None = None, fixed: tuple[int, int, int] | None = None) -> PipelineResult:
-    """Trace `model` at each microbatch size the search asks for (inputs sliced along dim 0) and search.
+                  example_kwargs: dict | None = None, fixed: tuple[int, int, int] | None = None,
+                  precision: MixedPrecision | None = None) -> PipelineResult:
+    """Trace `model` (with `precision`'s casts) at each microbatch size the search asks for (inputs sliced
+    along dim 0) and search.
 
     `stage_config` pins may also come from `pipeline_stage` attributes on submodules."""
     from meshplan.ir.trace import trace
@@ -380,7 +384,7 @@ def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: Cluste
         if n not in cache:
             if n > batch:
                 raise ValueError(f"a microbatch of {n} samples does not fit in the example batch of {batch}")
-            cache[n] = trace(model, tuple(x[:n] for x in example_inputs), example_kwargs)
+            cache[n] = trace(model, tuple(x[:n] for x in example_inputs), example_kwargs, precision=precision)
         return cache[n]
 
     return search(graph_at, devices, batch, cluster, options, model_name=type(model).__name__, fixed=fixed)

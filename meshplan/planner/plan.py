@@ -19,6 +19,7 @@ from meshplan.cost_model.memory import MemoryBreakdown
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, fmt, parse
+from meshplan.ir.precision import MixedPrecision
 from meshplan.ir.tensor_map import from_tensor_map, to_tensor_map
 from meshplan.planner.explain import Explanation, NodeAlternatives, explain
 from meshplan.planner.pipeline_plan import PipelinePlan, decode_pipeline
@@ -161,6 +162,12 @@ class Plan:
     pipeline: PipelinePlan | None = None
     """Pipeline stages, schedule and microbatches; None for a single stage. With a pipeline, `mesh` is
     one stage's sub-mesh and the world is `pipeline.degree * mesh.size` devices (planner/pipeline_plan.py)."""
+    precision: MixedPrecision | None = None
+    """The mixed-precision policy the traced program carries (ir/precision.py); None: the model's own dtypes."""
+    model_flops: float = 0.0
+    """Model FLOPs of one training step, whole batch (cost_model/model_flops.py); 0: not recorded."""
+    peak_flops: float = 0.0
+    """One device's peak FLOP/s in the dtype the model computes in (the cluster preset's)."""
     version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ queries
@@ -176,6 +183,17 @@ class Plan:
         if self.pipeline:
             return self.pipeline.step_s
         return self.compute_s + self.comm_s + self.host_s + self.optimizer_s
+
+    @property
+    def devices(self) -> int:
+        return self.mesh.size * (self.pipeline.degree if self.pipeline else 1)
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation of the predicted step: model FLOPs / (devices x peak x step time)."""
+        if not self.model_flops or not self.peak_flops or self.step_time_s <= 0:
+            return None
+        return self.model_flops / (self.devices * self.peak_flops * self.step_time_s)
 
     def strategy_of(self, node: str) -> Strategy:
         for n in self.nodes:
@@ -239,8 +257,10 @@ class Plan:
         """The strategy file: deterministic (no timing), so planning twice gives identical bytes."""
         d = _encode(self)
         d["memory"] = self.memory.to_dict()
+        if self.precision is None:
+            del d["precision"]  # plans in the model's own dtypes keep the bytes they always had
         if self.pipeline is None:
-            del d["pipeline"]  # plans without a pipeline keep the bytes they always had
+            del d["pipeline"]  # so do plans without a pipeline
         else:
             for entry, st in zip(d["pipeline"]["stages"], self.pipeline.stages):
                 entry["memory"] = st.memory.to_dict()
@@ -351,6 +371,9 @@ def _decode_plan(d: dict) -> Plan:
         alternatives=tuple(NodeAlternatives.from_dict(a) for a in seq(d["alternatives"])),
         recompute=seq(d.get("recompute", [])),
         pipeline=decode_pipeline(d.get("pipeline")),
+        precision=MixedPrecision.from_dict(d["precision"]) if "precision" in d else None,
+        model_flops=d.get("model_flops", 0.0),
+        peak_flops=d.get("peak_flops", 0.0),
         version=d["version"],
     )
 

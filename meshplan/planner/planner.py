@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, compute_time, grad_sync_axes, local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, parse_bytes
+from meshplan.cost_model.model_flops import model_flops
 from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
 from meshplan.cost_model.redistribution import backward_steps, redistribution_steps
 from meshplan.cost_model.regions import region_cost
@@ -240,6 +241,7 @@ def make_plan(
             peak = max((rematerialised.get(layer, 0.0) for layer in g.layers), default=0.0)
             memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=int(peak))
     buckets = _grad_buckets(graph, params, shape, cluster)
+    flops, flops_dtype = model_flops(graph)
     comm_s += sum(b.time_s for b in buckets)  # gradient sync as the runtime runs it, not per parameter
     assert abs(memory.total - solution.memory) <= 1e-6 * max(memory.total, 1.0) + 1, (
         f"plan memory {memory.total} differs from the solver's {solution.memory}"
@@ -248,6 +250,9 @@ def make_plan(
     return Plan(
         model=model_name,
         graph_fingerprint=graph.fingerprint(),
+        precision=graph.precision,
+        model_flops=flops,
+        peak_flops=cluster.device.peak(flops_dtype),
         mesh=mesh,
         mode=options.mode,
         inputs_mode=options.inputs,

@@ -183,6 +183,11 @@ def format_summary(plan: Plan, *, ops: bool = False) -> str:
         con.print(plan.pipeline.summary())
         con.print(f"one microbatch, whole model, on one stage's sub-mesh: compute {plan.compute_s * 1e3:.3f} ms + communication "
                   f"{plan.comm_s * 1e3:.3f} ms, memory {plan.memory}")
+    precision = plan.precision.describe() if plan.precision else "fp32: the model's own dtypes, no casts"
+    con.print(f"precision: {precision}")
+    if plan.mfu is not None:
+        con.print(f"MFU {plan.mfu:.1%}: model FLOPs {plan.model_flops:.3g} per step / ({plan.devices} devices x peak "
+                  f"{plan.peak_flops:.3g} FLOP/s x predicted step)")
     if plan.recompute:
         con.print(f"recomputed in backward: {', '.join(plan.recompute)}")
     offloaded = [p.fqns[0] for p in plan.params if p.offload]

@@ -95,6 +95,8 @@ class ParallelModule(nn.Module):
             raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the process group has "
                              f"{len(ranks)} ranks; pass a group of {plan.mesh.size} ranks or plan for {len(ranks)} devices")
         device = group_device(group)
+        if plan.precision is not None:
+            plan.precision.check_device(device)
         full = dict(model.named_parameters(remove_duplicate=False))
         full.update(dict(model.named_buffers(remove_duplicate=False)))
         weights = weights or default_weights(model, device)

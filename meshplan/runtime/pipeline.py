@@ -97,6 +97,8 @@ class PipelineRunner:
         self.stage_rank, self.local = divmod(rank, n)
         axis_sets = [tuple(range(plan.mesh.ndim))] + [(a,) for a in range(plan.mesh.ndim)] + [b.axes for b in plan.buckets]
         device = group_device()
+        if plan.precision is not None:
+            plan.precision.check_device(device)
         self.comm = MeshComm(plan.mesh, self.local, range(self.stage_rank * n, (self.stage_rank + 1) * n), timeout=timeout, device=device)
         self.comm.create_groups(axis_sets)  # each stage's groups, by its own ranks only
         check_same_plan(plan, self.comm, group=None, rank=rank)

@@ -49,7 +49,7 @@ def _one_gpu(rank, world):
     model, x, y = build("gpt")  # built on the CPU, run on the GPU: auto_parallelize moves the shards
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pmodel = meshplan.auto_parallelize(model, devices=1, example_inputs=(x,))
+        pmodel = meshplan.auto_parallelize(model, devices=1, example_inputs=(x,), mixed_precision="fp32")  # as the reference
     assert all(p.device.type == "cuda" for p in pmodel.parameters())
     losses, norms = _train(pmodel, x.cuda(), y.cuda())
     return losses, norms
@@ -67,7 +67,7 @@ def _nccl_worker(rank, world, kind):
     kw = {"mode": "data_parallel"} if kind == "dp" else dict(zip(("param_layouts", "input_layouts"), megatron_layouts("gpt", 1)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), mesh_shape=(world,), **kw)
+        pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), mesh_shape=(world,), mixed_precision="fp32", **kw)
     losses, norms = _train(pmodel, x.cuda(), y.cuda())
     layouts = {f: p.layout for p in pmodel.plan.params for f in p.fqns}
     return losses, norms, {k: v.detach().to_local().cpu() for k, v in pmodel.named_parameters()}, layouts, pmodel.plan.mesh

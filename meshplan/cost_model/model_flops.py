@@ -1,0 +1,29 @@
+"""Model FLOPs of one training step, the numerator of MFU (model FLOPs utilisation).
+
+MFU = model FLOPs / (devices x peak FLOP/s of the compute dtype x step time). Model FLOPs count the
+matmuls, convolutions and attention of the forward, three times where a gradient flows (the
+backward runs two matmuls of each forward one), as Megatron-LM does (Narayanan et al. 2021, which
+counts attention and the logits; the 6 N tokens rule of thumb leaves attention out). Recomputation
+and everything elementwise are left out: MFU measures useful work, not work done.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from meshplan.cost_model.compute import BACKWARD_FACTOR, is_dense, op_flops
+from meshplan.ir.graph import Graph
+
+
+def model_flops(graph: Graph) -> tuple[float, str]:
+    """(model FLOPs of one training step of `graph`, the dtype most of them run in)."""
+    total = 0.0
+    by_dtype: Counter = Counter()
+    for node in graph.nodes:
+        if node.kind != "op" or not is_dense(node.target):
+            continue
+        flops = op_flops(node.target, [graph.meta(r) for r in node.inputs], list(node.outputs))
+        flops *= 1.0 + (BACKWARD_FACTOR if any(node.requires_grad) else 0.0)
+        total += flops
+        by_dtype[node.outputs[0].dtype if node.outputs and node.outputs[0] is not None else "float32"] += flops
+    return total, (by_dtype.most_common(1)[0][0] if by_dtype else "float32")
