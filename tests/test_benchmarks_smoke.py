@@ -1,5 +1,5 @@
 """benchmarks/vs_baselines.py --quick runs end to end: every method trains with single-process parity;
-benchmarks/mesh_search.py --quick plans every mesh of the default search.
+benchmarks/mesh_search.py --quick plans every mesh of the default search; benchmarks/gpu_check.py runs on the CPU.
 
 Speed targets live in the benchmark's output, not here: this only checks that it runs, that every
 method's first losses match the single-process run, and that it prints its ratio lines.
@@ -7,6 +7,7 @@ method's first losses match the single-process run, and that it prints its ratio
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -47,3 +48,14 @@ def test_mesh_search_quick_plans_every_mesh_and_the_default_call_keeps_the_faste
     assert [mesh for mesh, _ in rows] == ["(8,)", "(2, 4)", "(4, 2)", "(2, 2, 2)"], out
     assert re.search(r"^mlp_small\s+8\s+\d+\.\d\d \(.*\)\s+\S+\s+\S+\s+True\s+0$", out, re.M), out
     assert "slowest single mesh:" in out
+
+
+def test_gpu_check_runs_its_steps_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.py --device cpu --quick: the GPU kit's three steps end to end, so it is ready when a GPU is lent."""
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--steps", "3", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    [report] = [json.loads(p.read_text()) for p in tmp_path.glob("gpu_check-*.json") if not p.name.endswith("-profile.json")]
+    assert report["bf16_parity"]["passed"] and report["profile"]["ops_timed"] > 0
+    assert report["step"]["measured_s"] > 0 and report["step"]["predicted_profile_s"] > 0
+    assert "bf16 parity (passed)" in proc.stdout and len(list(tmp_path.glob("gpu_check-*.md"))) == 1

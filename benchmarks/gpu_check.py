@@ -1,0 +1,219 @@
+"""The GPU kit: what a lent CUDA machine must tell us, in one run of at most 10 minutes (issue 15).
+
+    python benchmarks/gpu_check.py                    # on a CUDA machine: writes benchmarks/results/gpu_check-*.{json,md}
+    python benchmarks/gpu_check.py --device cpu --quick   # the same steps on this CPU, tiny (the smoke test runs this)
+
+Steps, on one device:
+1. **Compute profile**: every op of a GPT (traced in bf16 mixed precision on CUDA, fp32 on the CPU)
+   timed at its one-device shapes (`calibrate.profile_graph`), saved as a profile JSON.
+2. **bf16 parity**: 3 Adam steps of `auto_parallelize(..., mixed_precision="bf16")` on one device
+   against one process doing the same by hand (parameters cast with `functional_call`, logits to
+   fp32). Each gradient's error must stay within 3 times its own bf16 noise (the distance between
+   that reference and fp32 training), as in tests/test_mixed_precision.py.
+3. **Predicted against measured**: the one-device plan of the same model, priced with the presets
+   and with the profile of step 1, against the median measured step (forward, backward, Adam step;
+   `torch.cuda.synchronize` around each) and the measured peak (`max_memory_allocated`) against the
+   plan's memory figure.
+
+The report (JSON and markdown) goes to `--out` (default benchmarks/results/), named after the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, not an installed meshplan
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+import meshplan
+from meshplan.calibrate import profile_graph
+from meshplan.cost_model.presets import get_cluster
+from meshplan.cost_model.profile import device_name
+from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.precision import resolve_precision
+from meshplan.ir.trace import trace
+from meshplan.models import GPT, GPTConfig
+from meshplan.runtime.launch import run_local
+
+MODELS = {
+    # (config, batch): a GPT that keeps an H100 busy for a few ms per step, and a tiny one for --quick
+    "full": (GPTConfig(vocab_size=8192, seq_len=512, hidden=1024, heads=16, layers=8), 8),
+    "quick": (GPTConfig(vocab_size=128, seq_len=16, hidden=32, heads=2, layers=1), 4),
+}
+PARITY_STEPS = 3
+NOISE_FACTOR = 3.0
+
+
+def build(size: str):
+    cfg, batch = MODELS[size]
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+    return model, tokens
+
+
+def lm_loss(logits, tokens):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(model, tokens, steps, forward=None):
+    """Adam steps; the losses and the first step's gradients (local tensors, on the host)."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses, first = [], None
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = lm_loss(model(tokens) if forward is None else forward(model, tokens), tokens)
+        loss.backward()
+        if first is None:
+            first = {k: (v.grad.to_local() if hasattr(v.grad, "to_local") else v.grad).detach().cpu().clone()
+                     for k, v in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, first
+
+
+def bf16_parity(size: str, device: torch.device) -> dict:
+    """Step 2, in this process (a world-1 group is initialised by the caller)."""
+    model, tokens = build(size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pmodel = meshplan.auto_parallelize(model, devices=1, example_inputs=(tokens,), mixed_precision="bf16")
+    losses, grads = train(pmodel, tokens.to(device), PARITY_STEPS)
+    reference, ref32 = build(size)[0].to(device), build(size)[0].to(device)
+    cast = lambda m, x: functional_call(m, {n: p.to(torch.bfloat16) for n, p in m.named_parameters()}, (x,)).float()  # noqa: E731
+    ref_losses, ref_grads = train(reference, tokens.to(device), PARITY_STEPS, cast)
+    _, grads32 = train(ref32, tokens.to(device), PARITY_STEPS)
+    worst, worst_name = 0.0, ""
+    for fqn, g in grads.items():
+        err = float((g - ref_grads[fqn]).norm() / ref_grads[fqn].norm().clamp_min(1e-12))
+        noise = float((ref_grads[fqn] - grads32[fqn]).norm() / grads32[fqn].norm().clamp_min(1e-12))
+        ratio = err / (noise + 1e-3 / NOISE_FACTOR)
+        if ratio > worst:
+            worst, worst_name = ratio, fqn
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    return {"losses": losses, "reference_losses": ref_losses, "max_loss_rel_error": loss_err,
+            "worst_grad_error_over_bf16_noise": worst, "worst_grad": worst_name,
+            "passed": worst <= NOISE_FACTOR and loss_err <= 2.0**-8}
+
+
+def measure_plan(plan_json: str, size: str, device: torch.device, steps: int) -> dict:
+    """Step 3's measurement: median step time and peak bytes of the plan on this device."""
+    plan = meshplan.Plan.from_json(plan_json)
+    model, tokens = build(size)
+    pmodel = meshplan.auto_parallelize(model, example_inputs=(tokens,), plan=plan)
+    tokens = tokens.to(device)
+    opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
+    times = []
+    for i in range(steps + 3):  # 3 warm-up steps
+        if i == 3 and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        t0 = time.perf_counter()
+        lm_loss(pmodel(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"median_step_s": statistics.median(times), "steps": steps, "peak_bytes": peak}
+
+
+def _worker(rank, world, size, device_type, plans, steps):
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    parity = bf16_parity(size, device)
+    measured = {name: measure_plan(text, size, device, steps) for name, text in plans.items()}
+    return parity, measured
+
+
+def run(*, device_type: str, quick: bool, out: Path, steps: int) -> dict:
+    size = "quick" if quick else "full"
+    device = torch.device(device_type)
+    cluster = "h100" if device_type == "cuda" else "cpu"
+    model, tokens = build(size)
+    started = time.perf_counter()
+    precision = resolve_precision("auto", auto=get_cluster(cluster).device.default_precision)
+    graph = trace(model, (tokens,), precision=precision)
+    profile = profile_graph(graph, [MeshSpec((1,))], cluster=cluster, device=device)
+    profile_seconds = time.perf_counter() - started
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        presets = meshplan.plan(model, 1, (tokens,), cluster=cluster)
+        profiled = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=profile)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    [(parity, measured)] = run_local(1, _worker, size, device_type, {"profiled": profiled.to_json()}, steps,
+                                     backend=backend, timeout=540)
+    m = measured["profiled"]
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(device), "torch": torch.__version__, "model": str(MODELS[size][0]), "batch": MODELS[size][1],
+        "precision": profiled.precision.name if profiled.precision else "fp32",
+        "profile": {"ops_timed": len(profile.ops), "seconds": profile_seconds},
+        "bf16_parity": parity,
+        "step": {
+            "measured_s": m["median_step_s"], "predicted_presets_s": presets.step_time_s, "predicted_profile_s": profiled.step_time_s,
+            "error_presets": presets.step_time_s / m["median_step_s"] - 1, "error_profile": profiled.step_time_s / m["median_step_s"] - 1,
+            "mfu_measured": profiled.model_flops / (profiled.peak_flops * m["median_step_s"]),
+        },
+        "memory": {"measured_peak_bytes": m["peak_bytes"], "plan_bytes": profiled.memory.total},
+        "seconds": time.perf_counter() - started,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"gpu_check-{device_name(device).replace(' ', '_').replace('/', '_')}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    profile_path = stem.parent / (stem.name + "-profile.json")
+    profile_path.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(report))
+    return report
+
+
+def markdown(r: dict) -> str:
+    s, p, mem = r["step"], r["bf16_parity"], r["memory"]
+    peak = "n/a (CPU)" if mem["measured_peak_bytes"] is None else f"{mem['measured_peak_bytes'] / 2**20:.1f} MiB"
+    return "\n".join([
+        f"# gpu_check on {r['device']} ({r['date']}, torch {r['torch']})", "",
+        f"Model {r['model']}, batch {r['batch']}, precision {r['precision']}; whole run {r['seconds']:.0f} s.", "",
+        f"- compute profile: {r['profile']['ops_timed']} op shapes in {r['profile']['seconds']:.0f} s",
+        f"- bf16 parity ({'passed' if p['passed'] else 'FAILED'}): worst gradient error {p['worst_grad_error_over_bf16_noise']:.2f} x its "
+        f"bf16 noise ({p['worst_grad']}), losses within {p['max_loss_rel_error']:.1e}",
+        f"- step: measured {s['measured_s'] * 1e3:.2f} ms; predicted {s['predicted_profile_s'] * 1e3:.2f} ms with the profile "
+        f"({s['error_profile']:+.0%}), {s['predicted_presets_s'] * 1e3:.2f} ms with the presets ({s['error_presets']:+.0%}); "
+        f"measured MFU {s['mfu_measured']:.1%}",
+        f"- memory: measured peak {peak}, plan {mem['plan_bytes'] / 2**20:.1f} MiB", "",
+    ])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--quick", action="store_true", help="a tiny model (the CPU smoke test)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps (after 3 warm-up steps)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: run with --device cpu for the smoke test")
+    report = run(device_type=args.device, quick=args.quick, out=args.out, steps=args.steps)
+    print(markdown(report))
+    if not report["bf16_parity"]["passed"]:
+        raise SystemExit("bf16 parity FAILED")
+
+
+if __name__ == "__main__":
+    main()
