@@ -53,6 +53,7 @@ from meshplan.runtime.parallel_module import shard_tensor
 SIZES = {
     "small": GPTConfig(vocab_size=512, seq_len=64, hidden=128, heads=4, layers=4),
     "medium": GPTConfig(vocab_size=512, seq_len=64, hidden=256, heads=4, layers=4),
+    "large": GPTConfig(vocab_size=512, seq_len=64, hidden=512, heads=8, layers=4),
 }
 BATCH = 16
 LR = 1e-3
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: small model, world 2, 3 timed steps")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=list(SIZES))
+    ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["small", "medium"])
     ap.add_argument("--steps", type=int, default=20, help="timed steps per method (>= 10 for reported figures)")
     ap.add_argument("--rounds", type=int, default=4, help="timed steps are split into this many interleaved rounds")
     ap.add_argument("--warmup", type=int, default=3)

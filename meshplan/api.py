@@ -275,10 +275,10 @@ def auto_parallelize(
         if any(x.shape[0] % micro for x in example_inputs):
             raise ValueError(f"example inputs of batch {[x.shape[0] for x in example_inputs]} do not split into {micro} microbatches")
         graph = trace(model, tuple(x[: x.shape[0] // micro] for x in example_inputs), example_kwargs, precision=plan.precision)
-        if source is not None or checkpoint_dir is not None:
-            raise ValueError("weights= and init_fn= take plans without a pipeline for now; load a pipelined run's "
-                             "weights with meshplan.load_checkpoint after auto_parallelize")
-        return PipelineRunner(model, graph, plan, loss_fn, timeout=timeout)
+        runner = PipelineRunner(model, graph, plan, loss_fn, timeout=timeout, weights=source)
+        if checkpoint_dir is not None:
+            load_checkpoint(checkpoint_dir, runner)
+        return runner
     if plan.mesh.size != world:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the process group has {world} ranks")
     graph = trace(model, example_inputs, example_kwargs, precision=plan.precision)

@@ -203,3 +203,62 @@ def _checkpoint_worker(rank, world, path):
 @pytest.mark.multiprocess
 def test_meta_model_loads_a_meshplan_checkpoint_saved_under_another_plan(tmp_path):
     assert run_local(2, _checkpoint_worker, str(tmp_path / "ckpt"), timeout=600) == [(True, True)] * 2
+
+
+# ---------------------------------------------------------------- pipelined plans: each rank materialises its stages' shards
+
+
+def _pipeline_plan():
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    options = meshplan.PipelineOptions(degrees=(2,), microbatch_sizes=(4,), schedules=("gpipe",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return meshplan.plan(model, 2, (TOKENS,), cluster="cpu", pipeline=options)
+
+
+def _pipeline_worker(rank, world, plan, path):
+    warnings.simplefilter("ignore")
+    out = {}
+    for source in ("init", "file"):
+        with torch.device("meta"):
+            model = GPT(GPTConfig())
+        torch.manual_seed(SEED)
+        runner = meshplan.auto_parallelize(model, example_inputs=(TOKENS,), plan=plan, weights=path if source == "file" else None,
+                                           loss_fn=lambda out, y: loss_fn("gpt", out, y))
+        shards = {k: v.detach().to_local().clone() for k, v in runner.state_dict().items()}
+        opt = torch.optim.SGD(runner.parameters(), lr=0.1)
+        losses = []
+        for _ in range(STEPS):
+            losses.append(runner.step(TOKENS, target=TOKENS))
+            opt.step()
+            opt.zero_grad()
+        out[source] = (shards, [None if x is None else float(x) for x in losses])
+    return out
+
+
+@pytest.mark.multiprocess
+def test_meta_model_on_a_pipelined_plan_materialises_only_its_stages(tmp_path):
+    from safetensors.torch import save_model
+
+    plan = _pipeline_plan()
+    assert plan.pipeline is not None and plan.pipeline.degree == 2
+    saved = GPT(GPTConfig())  # the file holds weights unlike the initialisation's: the file must win
+    save_model(saved, str(tmp_path / "model.safetensors"))
+    results = run_local(2, _pipeline_worker, plan, str(tmp_path), timeout=600)
+    layouts = {f: p.layout for p in plan.params for f in p.fqns}
+    for source, reference in (("init", _gpt_reference()), ("file", saved)):
+        whole = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+        ref_losses = _sgd(reference, _gpt_step)
+        held, compared = set(), 0
+        for rank, result in enumerate(results):
+            shards, losses = result[source]
+            assert set(shards) < set(whole), f"{source}, rank {rank} holds every tensor: {len(shards)} of {len(whole)}"
+            for fqn, value in shards.items():
+                assert torch.equal(value, shard_tensor(whole[fqn], layouts[fqn], plan.mesh, 0)), f"{source}, rank {rank}: {fqn}"
+            held |= set(shards)
+            if losses[0] is not None:  # the last stage's rank returns the losses
+                torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+                compared += 1
+        assert held == set(whole), set(whole) - held
+        assert compared == 1, f"{source}: {compared} ranks returned losses"

@@ -110,7 +110,9 @@ class FromInit:
                 if callable(getattr(module, "reset_parameters", None)):
                     module.reset_parameters()
 
-    def blocks(self, params: tuple[ParamChoice, ...], comm: MeshComm) -> dict[str, torch.Tensor]:
+    def blocks(self, params: tuple[ParamChoice, ...], comm: MeshComm, wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """Every parameter is initialised (so the generator's draws stay in one process's order); the blocks of
+        `wanted` ones are kept."""
         full = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers(remove_duplicate=False))
         meta = {p.node: full[p.fqns[0]] for p in params}
         tracked = {_storage_key(t): p for p in params if (t := meta[p.node]).device.type == "meta"}
@@ -121,13 +123,15 @@ class FromInit:
         out: dict[str, torch.Tensor] = {}
 
         def keep(p: ParamChoice, whole: torch.Tensor) -> None:
+            if wanted is not None and p.node not in wanted:
+                return
             out[p.node] = whole[block_slices(p.shape, p.layout, comm.mesh, comm.rank)].to(comm.device, copy=True).contiguous()
 
         mode = _Materialise(tracked, meta, keep)
         with torch.no_grad(), mode:
             self._initialise()
         mode.close()
-        missing = [p.fqns[0] for p in params if p.node not in out]
+        missing = [p.fqns[0] for p in params if p.node not in mode.done]
         if missing:
             how = "init_fn" if self.init_fn is not None else ("init_weights()" if hasattr(self.model, "init_weights") else "reset_parameters()")
             raise ValueError(f"{how} does not initialise {missing[:5]}{' ...' if len(missing) > 5 else ''} of the model on the meta "

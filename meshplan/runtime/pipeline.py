@@ -38,11 +38,12 @@ from meshplan.planner.rules.random import is_random
 from meshplan.runtime.local_view import local_of, local_view
 from meshplan.runtime.offload import make_optimizer
 from meshplan.runtime.parallel_module import (
-    ParallelModule, check_model_device, _owner, check_same_plan, distribute, group_device, shard_tensor,
+    ParallelModule, _owner, as_dtensor, check_same_plan, default_weights, group_device, shard_tensor,
 )
 from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.stage_split import StageProgram, example_values, node_stages, split_program, unit_stages
+from meshplan.runtime.weights import FromModel, WeightSource
 
 
 def stage_device(k: int, p: int, schedule: str) -> int:
@@ -82,7 +83,8 @@ class PipelineRunner:
     """This rank's stages of a pipelined plan. `step(x, y)` runs one training step (forward, backward, gradient sync)
     over the whole batch; the user's optimizer steps `parameters()` afterwards, as with any module."""
 
-    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, loss_fn: Callable, *, timeout: timedelta | float | None = None) -> None:
+    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, loss_fn: Callable, *, timeout: timedelta | float | None = None,
+                 weights: WeightSource | None = None) -> None:
         pipe = plan.pipeline
         if pipe is None:
             raise ValueError("PipelineRunner needs a plan with a pipeline (plan.pipeline is None); use ParallelModule for single-stage plans")
@@ -117,23 +119,20 @@ class PipelineRunner:
         self.owner = {k: stage_device(k, p, pipe.schedule) for k in range(n_stages)}
         self.mine = [k for k in range(n_stages) if self.owner[k] == self.stage_rank]
 
-        # parameters: every rank starts from rank 0's weights and keeps the shards its stages read, as
-        # DTensors on its stage's sub-mesh
+        # parameters: this rank's blocks of those its stages read, as DTensors on its stage's sub-mesh (the
+        # model's own tensors are rank 0's, as one job; a meta model's come from its initialisation or `weights`)
         needed = {name for k in self.mine for name in programs[k].locals_in}
         full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-        check_model_device(full, device)
-        on_meta = [fqn for fqn, t in full.items() if t.device.type == "meta"]
-        if on_meta:
-            raise ValueError(f"{on_meta[0]} is on the meta device; a pipelined plan takes a real model for now (materialise "
-                             "it, or plan without a pipeline)")
+        if weights is None:
+            weights = default_weights(model, device)
+            if isinstance(weights, FromModel):
+                weights = FromModel(full, whole_job=True)
         self.device_mesh = self.comm.device_mesh
         self.leaves: dict[str, torch.Tensor] = {}
+        blocks = weights.blocks(plan.params, self.comm, wanted=needed)
         for prm in plan.params:
-            whole = full[prm.fqns[0]].detach().to(device, copy=True)
-            with self.comm.guard(f"broadcasting {prm.fqns[0]} from rank 0"):
-                dist.broadcast(whole, src=0)
             if prm.node in needed:
-                local = distribute(whole, prm.layout, self.comm)
+                local = as_dtensor(blocks.pop(prm.node), prm.layout, prm.shape, self.comm)
                 self.leaves[prm.node] = local if prm.is_buffer else nn.Parameter(local, requires_grad=full[prm.fqns[0]].requires_grad)
         self.leaves.update({k: v for k, v in traced.constants.items() if k in needed})
         fqns = {prm.node: prm.fqns for prm in plan.params}

@@ -29,8 +29,9 @@ from meshplan.runtime.collectives import MeshComm
 
 
 class WeightSource(Protocol):
-    def blocks(self, params: tuple[ParamChoice, ...], comm: MeshComm) -> dict[str, torch.Tensor]:
-        """node -> this rank's contiguous block of that parameter or buffer, on `comm.device`."""
+    def blocks(self, params: tuple[ParamChoice, ...], comm: MeshComm, wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """node -> this rank's contiguous block of that parameter or buffer, on `comm.device`, for the nodes in
+        `wanted` (default: all of `params`; a pipeline stage wants only the parameters its stages read)."""
 
 
 def block_slices(shape: tuple[int, ...], layout: Placements, mesh: MeshSpec, rank: int) -> tuple[slice, ...]:
@@ -49,28 +50,33 @@ def block_slices(shape: tuple[int, ...], layout: Placements, mesh: MeshSpec, ran
 
 
 class FromModel:
-    """The model's real tensors; the group's first rank's values win."""
+    """The model's real tensors; the group's first rank's values win (`whole_job`: rank 0 of the job's, for a
+    pipeline, whose stages each have their own group but must agree on the weights they share)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self._tensors = tensors
+    def __init__(self, tensors: dict[str, torch.Tensor], *, whole_job: bool = False) -> None:
+        self._tensors, self._whole_job = tensors, whole_job
 
-    def blocks(self, params: tuple[ParamChoice, ...], comm: MeshComm) -> dict[str, torch.Tensor]:
+    def blocks(self, params: tuple[ParamChoice, ...], comm: MeshComm, wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
+        src, group = (0, None) if self._whole_job else (comm.ranks[0], comm.world)
         out = {}
-        for p in params:
+        for p in params:  # every rank takes part in every broadcast
             whole = self._tensors[p.fqns[0]].detach().to(comm.device, copy=True)
-            with comm.guard(f"broadcasting {p.fqns[0]} from rank {comm.ranks[0]}"):
-                dist.broadcast(whole, src=comm.ranks[0], group=comm.world)
-            # a copy, not a view: a chunk view would keep the whole tensor alive
-            out[p.node] = whole[block_slices(p.shape, p.layout, comm.mesh, comm.rank)].clone(memory_format=torch.contiguous_format)
+            with comm.guard(f"broadcasting {p.fqns[0]} from rank {src}"):
+                dist.broadcast(whole, src=src, group=group)
+            if wanted is None or p.node in wanted:
+                # a copy, not a view: a chunk view would keep the whole tensor alive
+                out[p.node] = whole[block_slices(p.shape, p.layout, comm.mesh, comm.rank)].clone(memory_format=torch.contiguous_format)
         return out
 
 
 class Empty:
     """Uninitialised blocks, for a checkpoint to load into (meshplan.load_checkpoint)."""
 
-    def blocks(self, params: tuple[ParamChoice, ...], comm: MeshComm) -> dict[str, torch.Tensor]:
+    def blocks(self, params: tuple[ParamChoice, ...], comm: MeshComm, wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
         out = {}
         for p in params:
+            if wanted is not None and p.node not in wanted:
+                continue
             shape = tuple(s.stop - s.start for s in block_slices(p.shape, p.layout, comm.mesh, comm.rank))
             out[p.node] = torch.empty(shape, dtype=getattr(torch, p.dtype), device=comm.device)
         return out
@@ -150,16 +156,16 @@ class FromSafetensors:
                         raise ValueError(f"{self._name(p)} in {file} is {sl.get_dtype()} but the model's is {p.dtype}; "
                                          "cast the model (or the file) so they agree")
 
-    def blocks(self, params: tuple[ParamChoice, ...], comm: MeshComm) -> dict[str, torch.Tensor]:
+    def blocks(self, params: tuple[ParamChoice, ...], comm: MeshComm, wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
 
         self.check(params)
+        wanted = {p.node for p in params} if wanted is None else wanted
         out = {}
-        unsaved = self._unsaved(params)
+        unsaved = {p.node for p in self._unsaved(params)}
         if unsaved:  # the model's own initialisation makes them (it runs over every tensor: its draws stay in order)
-            wanted = {p.node for p in unsaved}
-            out = {k: v for k, v in self._rest.blocks(params, comm).items() if k in wanted}
-            params = tuple(p for p in params if p.node not in wanted)
+            out = self._rest.blocks(params, comm, wanted=unsaved & wanted)
+        params = tuple(p for p in params if p.node not in unsaved and p.node in wanted)
         for file, ps in self._by_file(params).items():
             with safe_open(file, framework="pt") as f:
                 for p in ps:  # only this rank's block is read
