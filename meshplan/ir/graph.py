@@ -122,9 +122,16 @@ class Graph:
     precision: MixedPrecision | None = None
     """The mixed-precision policy whose casts the program carries (ir/precision.py); None: the model's dtypes."""
     _index: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
+    weight_casts: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    """Op nodes that cast a parameter (mixed precision): their output is a working copy of the weight,
+    made once per step and kept for backward, counted with the parameters (not per microbatch)."""
 
     def __post_init__(self) -> None:
         self._index = {n.name: n for n in self.nodes}
+        self.weight_casts = frozenset(
+            n.name for n in self.nodes
+            if n.kind == "op" and n.target == "aten._to_copy.default" and len(n.inputs) == 1 and self[n.inputs[0].node].kind == "param"
+        )
 
     def __getitem__(self, name: str) -> Node:
         try:

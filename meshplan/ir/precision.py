@@ -114,12 +114,9 @@ def cast_for_tracing(model: nn.Module, policy: MixedPrecision | None) -> Iterato
 
     @functools.wraps(forward)  # torch.export reads the forward's signature for the input names
     def casting_forward(*args, **kwargs):
-        by_id: dict[int, torch.Tensor] = {}  # a tied parameter is cast once
-        params = {}
-        for fqn, p in model.named_parameters(remove_duplicate=False):
-            if id(p) not in by_id:
-                by_id[id(p)] = cast(p, compute)
-            params[fqn] = by_id[id(p)]
+        # one cast per name: a tied weight's two users (embedding, head) each cast it where they run, so a
+        # pipeline stage holds the copy it uses rather than receiving another stage's
+        params = {fqn: cast(p, compute) for fqn, p in model.named_parameters(remove_duplicate=False)}
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: cast(t, compute), (args, kwargs))
         with _reparametrize_module(model, params):
             out = forward(*args, **kwargs)

@@ -284,6 +284,8 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     with regions_patched(model), cast_for_tracing(model, precision):
         ep = _export(model, example_inputs, example_kwargs or {})
     gm = ep.graph_module
+    if precision is not None:
+        _place_weight_casts(gm, {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.PARAMETER})
 
     # FQNs of every tensor, so tied parameters collapse to the first placeholder naming them.
     tensor_of = dict(model.named_parameters(remove_duplicate=False))
@@ -342,6 +344,21 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     graph = Graph(nodes, fx=program, input_names=tuple(input_names), precision=precision)
     verify(graph)
     return graph
+
+
+def _place_weight_casts(gm: fx.GraphModule, params: set[str]) -> None:
+    """Move each parameter's cast (ir/precision.py casts them all as the forward starts) to just before its first
+    user, in that user's module: the cast then belongs to the user's layer and pipeline stage."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in list(gm.graph.nodes):
+        if (n.op == "call_function" and n.target is aten._to_copy.default and isinstance(n.args[0], fx.Node)
+                and n.args[0].name in params and n.users):
+            first = min(n.users, key=order.__getitem__)
+            first.prepend(n)
+            if "nn_module_stack" in first.meta:
+                n.meta["nn_module_stack"] = first.meta["nn_module_stack"]
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _requires_grad(gm: fx.GraphModule, param_grad: dict[str, bool]) -> dict[str, tuple[bool, ...]]:

@@ -179,7 +179,7 @@ def make_plan(
     for node in graph.nodes:
         s = chosen[node.name]
         cost = tables.unit_costs[rep[node.name]][raw[node.name]]
-        node_mem = node_memory(node, s, shape, options.optimizer)
+        node_mem = node_memory(node, s, shape, options.optimizer, weight_cast=node.name in graph.weight_casts)
         if node.name in offloaded:
             node_mem = dataclasses.replace(node_mem, optimizer=0)
             host_s += offload_from.host_s[rep[node.name]][choice[node.name]]
@@ -277,7 +277,7 @@ def make_plan(
             {n: by_node[n] + [s for s in ss if s not in cands.by_node[n]] for n, ss in before_constraints.items()}, choice, constraints,
             own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
             move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
-            memory=lambda node, s: node_memory(node, s, shape, options.optimizer).total,
+            memory=lambda node, s: node_memory(node, s, shape, options.optimizer, weight_cast=node.name in graph.weight_casts).total,
             memory_budget=budget,
         ),
     )

@@ -63,9 +63,12 @@ def gradient_paths(graph: Graph) -> tuple[frozenset, frozenset]:
     return outputs, result
 
 
-def node_memory(node: Node, strategy: Strategy, mesh_shape: tuple[int, ...], optimizer: str) -> MemoryBreakdown:
+def node_memory(node: Node, strategy: Strategy, mesh_shape: tuple[int, ...], optimizer: str, *, weight_cast: bool = False) -> MemoryBreakdown:
     """Bytes one device holds for this node at the peak of a step (the end of forward, with every
-    gradient and optimizer state resident: a conservative sum until liveness is modelled)."""
+    gradient and optimizer state resident: a conservative sum until liveness is modelled).
+    `weight_cast`: the node casts a parameter (`Graph.weight_casts`); its copy counts with the parameters."""
+    if weight_cast:
+        return MemoryBreakdown(params=local_bytes(node.out, strategy.outputs[0], mesh_shape), grads=0, optimizer=0, activations=0)
     if node.kind in ("param", "buffer"):
         nbytes = local_bytes(node.out, strategy.outputs[0], mesh_shape)
         if node.kind == "param" and node.grad(0):
@@ -184,12 +187,13 @@ def build_tables(
         else:
             costs = [0.0] * len(strategies)
         unit_costs[node.name] = costs
-        node_mem[node.name] = [float(node_memory(node, s, shape, optimizer).total * count[node.name]) for s in strategies]
+        cast = node.name in graph.weight_casts
+        node_mem[node.name] = [float(node_memory(node, s, shape, optimizer, weight_cast=cast).total * count[node.name]) for s in strategies]
         if terms.unit_of(node.name) is not None:
             terms.add_node(
                 node.name,
                 [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False, in_layouts=s.inputs) for s in strategies],
-                [float(node_memory(node, s, shape, optimizer).activations) for s in strategies],
+                [float(node_memory(node, s, shape, optimizer, weight_cast=cast).activations) for s in strategies],
             )
     node_costs = {name: [c * count[name] for c in costs] for name, costs in unit_costs.items()}
     tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget), tying, unit_costs, shape, cluster, optimizer_s)

@@ -87,7 +87,10 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
         a = acc[unit[n.name]]
         a["time"] += n.time_s
         a["fwd"] += n.time_s / 3.0 if any(graph[n.name].requires_grad) else n.time_s
-        a["act"] += node_memory(graph[n.name], n.strategy, shape, optimizer).activations
+        mem = node_memory(graph[n.name], n.strategy, shape, optimizer, weight_cast=n.name in graph.weight_casts)
+        a["act"] += mem.activations
+        a["static"] += mem.params  # a weight's working copy (mixed precision): once per step, not per microbatch
+        a["param"] += mem.params
         top = n.module_path.split(".", 1)[0] if unit[n.name] in (PRE, POST) else unit[n.name]
         if top and top not in a["modules"]:
             a["modules"].append(top)

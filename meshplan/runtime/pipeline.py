@@ -23,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage
@@ -52,7 +53,12 @@ def stage_device(k: int, p: int, schedule: str) -> int:
 
 
 class StageModule(nn.Module):
-    """One stage's program with the local parameter shards it reads (registered under the model's FQNs)."""
+    """One stage's program with the local parameter shards it reads (registered under the model's FQNs).
+
+    Mixed precision: the program casts parameters to the compute dtype (ir/precision.py). Cast per
+    microbatch, every microbatch in flight would keep its own copy of the stage's weights for its
+    backward; so each cast of a parameter becomes an input of the program, computed once per step
+    (`new_step()`) and shared by the step's microbatches, as Megatron keeps one bf16 copy of the weights."""
 
     def __init__(self, program: StageProgram, leaves: dict[str, torch.Tensor], fqns: dict[str, tuple[str, ...]],
                  localise: Callable[[str, torch.Tensor], torch.Tensor] | None, out_spec) -> None:
@@ -60,6 +66,8 @@ class StageModule(nn.Module):
         self.program, self.index = program.gm, program.index
         self._carried, self._locals = program.carried_in, program.locals_in
         self._leaves = [leaves[name] for name in program.locals_in]
+        self._cast_of = _hoist_weight_casts(self.program, program.locals_in)
+        self._casts: list[torch.Tensor] | None = None
         self._localise, self._out_spec = localise, out_spec
         for name in program.locals_in:
             for fqn in fqns.get(name, ()):
@@ -73,10 +81,40 @@ class StageModule(nn.Module):
         if self._localise is not None:  # stage 0: the user's (global) microbatch, sharded as the plan says
             carried = tuple(self._localise(n, x) for n, x in zip(self._carried, carried))
         # DTensor parameters and buffers run as their local tensors; the gradient arrives as a DTensor
-        out = self.program(*carried, *(local_view(t) for t in self._leaves))
+        leaves = [local_view(t) for t in self._leaves]
+        if self._casts is None:
+            self._casts = [leaves[i].to(dtype) for i, dtype in self._cast_of]
+        out = self.program(*carried, *leaves, *self._casts)
         if self._out_spec is not None:
             return pytree.tree_unflatten(list(out), self._out_spec)
         return out if len(out) != 1 else out[0]
+
+    def new_step(self) -> None:
+        """The parameters may have changed since the last step: cast them again on first use."""
+        self._casts = None
+
+
+def _hoist_weight_casts(gm: fx.GraphModule, locals_in: tuple[str, ...]) -> list[tuple[int, torch.dtype]]:
+    """Turn every cast of a local (a parameter) in `gm` into a new trailing placeholder; returns, per new
+    placeholder, the local's index and the dtype to cast it to."""
+    index = {name: i for i, name in enumerate(locals_in)}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out: list[tuple[int, torch.dtype]] = []
+    for n in list(gm.graph.nodes):
+        if not (n.op == "call_function" and n.target is torch.ops.aten._to_copy.default and len(n.args) == 1
+                and isinstance(n.args[0], fx.Node) and n.args[0].name in index and set(n.kwargs) <= {"dtype"}):
+            continue
+        out.append((index[n.args[0].name], n.kwargs["dtype"]))
+        with gm.graph.inserting_after(placeholders[-1]):
+            cast = gm.graph.placeholder(f"{n.name}_once")
+        cast.meta.update(n.meta)
+        placeholders.append(cast)
+        n.replace_all_uses_with(cast)
+        gm.graph.erase_node(n)
+    if out:
+        gm.graph.lint()
+        gm.recompile()
+    return out
 
 
 class PipelineRunner:
@@ -260,8 +298,12 @@ class PipelineRunner:
         earlier = {}
         for name, prm in self._params().items():
             earlier[name], prm.grad = prm.grad, None
+        for module in self.modules.values():
+            module.new_step()
         with self._rng.active() if self._rng is not None else contextlib.nullcontext():
             self.schedule.step(*args, **kwargs)
+        for module in self.modules.values():
+            module.new_step()  # the step's weight copies are not kept until the next one
         self._finish_grads()
         for name, prm in self._params().items():
             if earlier[name] is not None:
