@@ -77,6 +77,9 @@ def run(case: str) -> None:
     print(f"{title}: {params / 1e9:.1f}B parameters, {devices} H100s, batch {batch} x {seq} tokens")
     print(f"  plan: {shape}; precision {plan.precision.name if plan.precision else 'fp32'}; planned in {seconds:.1f} s")
     print(f"  predicted step {step:.2f} s, peak memory per device {plan.pipeline.peak_memory / 2**30 if pipe else plan.memory.total / 2**30:.1f} GiB")
+    if pipe:
+        print(f"  bubble {pipe.bubble_fraction:.1%} of the step; one microbatch of the whole model on a stage's sub-mesh: compute "
+              f"{plan.compute_s * 1e3:.0f} ms + communication {plan.comm_s * 1e3:.0f} ms ({plan.comm_s / (plan.compute_s + plan.comm_s):.0%})")
     print(f"  MFU (6 N T) {mfu_6nt:.1%}; plan MFU (model FLOPs incl. attention) {plan.mfu:.1%} = {per_gpu:.0f} TFLOP/s per GPU")
     print(f"  Megatron-LM on H100 (README, nearest configurations): {MEGATRON:.0%} MFU; ours / theirs = {plan.mfu / MEGATRON:.2f}")
 
