@@ -64,9 +64,6 @@ class MixedPrecision:
         return (f"{self.name} mixed precision: compute in {self.param_dtype} (parameters cast from their own dtype, "
                 f"which the optimizer steps), gradients reduced in {self.reduce_dtype}, outputs in {self.output_dtype}")
 
-    def to_dict(self) -> dict[str, str]:
-        return {"param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype, "output_dtype": self.output_dtype}
-
     @staticmethod
     def from_dict(data: dict) -> MixedPrecision:
         return MixedPrecision(**data)
