@@ -25,7 +25,6 @@ from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.init_on_meta import FromInit
-from meshplan.runtime.local_view import local_view
 from meshplan.runtime.offload import make_optimizer
 from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.rng import ProgramRng
@@ -170,7 +169,7 @@ class ParallelModule(nn.Module):
         call = []
         for name in program.placeholders:
             if name in program.leaf_of:
-                call.append(local_view(self._leaf[program.leaf_of[name]]))  # differentiable: the gradient arrives as a DTensor
+                call.append(self._leaf[program.leaf_of[name]])  # the program takes its local view where it is used
             elif name in program.traced.constants:
                 call.append(program.traced.constants[name])
             else:

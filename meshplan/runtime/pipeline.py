@@ -80,11 +80,10 @@ class StageModule(nn.Module):
     def forward(self, *carried):
         if self._localise is not None:  # stage 0: the user's (global) microbatch, sharded as the plan says
             carried = tuple(self._localise(n, x) for n, x in zip(self._carried, carried))
-        # DTensor parameters and buffers run as their local tensors; the gradient arrives as a DTensor
-        leaves = [local_view(t) for t in self._leaves]
+        # DTensor parameters and buffers: the program takes their local views where it uses them
         if self._casts is None:
-            self._casts = [leaves[i].to(dtype) for i, dtype in self._cast_of]
-        out = self.program(*carried, *leaves, *self._casts)
+            self._casts = [local_view(self._leaves[i]).to(dtype) for i, dtype in self._cast_of]
+        out = self.program(*carried, *self._leaves, *self._casts)
         if self._out_spec is not None:
             return pytree.tree_unflatten(list(out), self._out_spec)
         return out if len(out) != 1 else out[0]
@@ -95,22 +94,25 @@ class StageModule(nn.Module):
 
 
 def _hoist_weight_casts(gm: fx.GraphModule, locals_in: tuple[str, ...]) -> list[tuple[int, torch.dtype]]:
-    """Turn every cast of a local (a parameter) in `gm` into a new trailing placeholder; returns, per new
-    placeholder, the local's index and the dtype to cast it to."""
+    """Turn every cast of a local's view (a parameter's) in `gm` into a new trailing placeholder; returns, per
+    new placeholder, the local's index and the dtype to cast it to."""
     index = {name: i for i, name in enumerate(locals_in)}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out: list[tuple[int, torch.dtype]] = []
     for n in list(gm.graph.nodes):
-        if not (n.op == "call_function" and n.target is torch.ops.aten._to_copy.default and len(n.args) == 1
-                and isinstance(n.args[0], fx.Node) and n.args[0].name in index and set(n.kwargs) <= {"dtype"}):
+        view = n.args[0] if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) else None
+        if not (n.target is torch.ops.aten._to_copy.default and len(n.args) == 1 and set(n.kwargs) <= {"dtype"}
+                and view is not None and view.target is local_view and view.args[0].name in index):
             continue
-        out.append((index[n.args[0].name], n.kwargs["dtype"]))
+        out.append((index[view.args[0].name], n.kwargs["dtype"]))
         with gm.graph.inserting_after(placeholders[-1]):
             cast = gm.graph.placeholder(f"{n.name}_once")
         cast.meta.update(n.meta)
         placeholders.append(cast)
         n.replace_all_uses_with(cast)
         gm.graph.erase_node(n)
+        if not view.users:
+            gm.graph.erase_node(view)
     if out:
         gm.graph.lint()
         gm.recompile()

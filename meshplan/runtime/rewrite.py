@@ -25,6 +25,7 @@ from meshplan.planner.plan import Plan, Transfer
 from meshplan.runtime import batch_norm as _batch_norm, moe as _moe  # noqa: F401  (register region runtimes)
 from meshplan.runtime.collectives import MeshComm, StepFunction, scale_grad
 from meshplan.runtime.kernels import local_kernel
+from meshplan.runtime.local_view import local_view
 from meshplan.runtime.regions import REGION_RUNTIMES
 
 SOURCE = "meshplan_source"
@@ -53,7 +54,14 @@ class Redistribute(nn.Module):
 
 
 def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.GraphModule:
-    """The per-rank program: same placeholders as the traced graph, local tensors throughout."""
+    """The per-rank program: same placeholders as the traced graph, local tensors throughout.
+
+    Parameters and buffers come in as the module's DTensors; each op that reads one first takes its
+    local view (`local_view`, differentiable into a DTensor gradient) right where it runs. Taken
+    there rather than before the program starts, the view's backward node is as recent as its user,
+    so autograd, which runs the most recently created ready node first, accumulates each gradient as
+    soon as it is complete and its bucket's all-reduce overlaps the rest of backward."""
+    leaves = {p.node for p in plan.params}
     transfers: dict[tuple[str, int], Transfer] = {(t.consumer, t.position): t for t in plan.transfers}
     out_layout = {n.name: n.strategy.outputs for n in plan.nodes}
     strategy = {n.name: n.strategy for n in plan.nodes}
@@ -75,6 +83,9 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
 
         def move(arg: fx.Node) -> fx.Node:
             new = env[arg]
+            if arg.op == "placeholder" and arg.name in leaves:
+                new = tag(graph.call_function(local_view, (new,)), layer.get(consumer))
+                new.meta[SOURCE] = consumer  # in its user's pipeline stage: a tied weight's second user takes its own
             t = transfers.get((consumer, next(position)))
             if t is None or not t.forward:
                 return new
