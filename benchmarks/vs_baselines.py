@@ -1,6 +1,6 @@
 """Training step time of meshplan's own plan against DDP, FSDP2 and Megatron-style TP (issue 5).
 
-    python benchmarks/vs_baselines.py [--quick] [--worlds 2 4] [--sizes small medium] [--steps 12]
+    python benchmarks/vs_baselines.py [--quick] [--worlds 2 4] [--sizes small medium large] [--steps 12] [--methods ...]
 
 For each (world, model size) one `run_local` group of gloo processes trains a GPT with every
 method in turn (Adam, same data, same initial weights) and times forward + backward + optimizer
@@ -299,19 +299,19 @@ def run_setting(setting: Setting) -> bool:
 
     rank0 = {n: statistics.median(results[0][n][1]) for n in setting.methods}
     worst = {n: max(statistics.median(r[n][1]) for r in results) for n in setting.methods}
-    best_name = min(BASELINES, key=lambda n: worst[n])
+    best_name = min((n for n in BASELINES if n in setting.methods), key=lambda n: worst[n])
     best = worst[best_name]
     print(f"{'method':<22}{'median ms (rank 0)':>20}{'max over ranks':>16}{'/ best baseline':>17}")
     for n in setting.methods:
         print(f"{n:<22}{rank0[n] * 1e3:>20.1f}{worst[n] * 1e3:>16.1f}{worst[n] / best:>17.2f}")
-    print(f"(median of {len(results[0][METHODS[0]][1])} timed steps per method after {setting.warmup} warm-up steps; "
+    print(f"(median of {len(results[0][setting.methods[0]][1])} timed steps per method after {setting.warmup} warm-up steps; "
           f"best baseline: {best_name})")
-    for n in MESHPLAN:
+    for n in (m for m in MESHPLAN if m in setting.methods):
         ratio = worst[n] / best
         print(f"world {setting.world} {setting.size}: {n} / best baseline = {ratio:.2f} (target <= {TARGET}): "
               f"{'met' if ratio <= TARGET else 'NOT met'}")
     for n, baseline in LIKE_FOR_LIKE.items():  # the runtime's overhead, like for like
-        if n in setting.methods:
+        if n in setting.methods and baseline in setting.methods:
             ratio = worst[n] / worst[baseline]
             print(f"world {setting.world} {setting.size}: {n} / {baseline} = {ratio:.2f} (same layouts; target <= {TARGET}): "
                   f"{'met' if ratio <= TARGET else 'NOT met'}")
@@ -328,11 +328,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--foreach", action="store_true",
                     help="Adam(foreach=True) for every method (torch's default on GPUs; on CPU it defaults to per-parameter loops)")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                    help="methods to run (default all; at least one baseline)")
     ap.add_argument("--profile", default="measure",
                     help="costs the planner uses: 'measure' (profile this machine first, the default), a profile path, or 'none' (cpu presets)")
     args = ap.parse_args(argv)
     if args.quick:
         args.worlds, args.sizes, args.steps, args.rounds = [2], ["small"], 3, 1
+    if not set(args.methods) & set(BASELINES):
+        raise ValueError(f"--methods {args.methods} names no baseline; add one of {', '.join(BASELINES)}")
     if args.steps < 1 or args.rounds < 1 or args.warmup < 1:
         raise ValueError(f"--steps, --rounds and --warmup must be >= 1; got {args.steps}, {args.rounds}, {args.warmup}")
     torch.set_num_threads(1)
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     for world in args.worlds:
         for size in args.sizes:
             ok &= run_setting(Setting(world=world, size=size, warmup=args.warmup, steps=args.steps,
-                                      rounds=min(args.rounds, args.steps), methods=METHODS,
+                                      rounds=min(args.rounds, args.steps), methods=tuple(m for m in METHODS if m in args.methods),
                                       profile=args.profile, foreach=args.foreach or None))
     if not ok:
         print("parity FAILED in at least one setting: the timings above are not comparable", file=sys.stderr)

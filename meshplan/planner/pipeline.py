@@ -36,7 +36,7 @@ from meshplan.planner.pipeline_plan import PipelinePlan, PipelineStage
 from meshplan.planner.plan import Plan
 from meshplan.planner.planner import PlanOptions, make_plan
 from meshplan.planner.stage_profile import (
-    PRE, POST, Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, tied_grad_bytes, unit_names,
+    PRE, POST, Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, tied_grad_bytes,
 )
 
 log = logging.getLogger("meshplan")
@@ -355,11 +355,6 @@ def pipeline_options(pipeline: int | str | PipelineOptions, stage_config: dict |
         raise ValueError(f"pipeline={pipeline!r} is not supported; give 'auto', a pipeline degree >= 1, or a PipelineOptions")
     pins = dict(options.stage_config) | dict(stage_config or {})
     return replace(options, stage_config=pins, optimizer=optimizer, memory_budget=options.memory_budget if memory_budget is None else memory_budget)
-
-
-def units_of(graph: Graph) -> list[str]:
-    """Unit names of a traced graph in pipeline order (what `stage_config` may name)."""
-    return unit_names(graph)
 
 
 def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: ClusterPreset, options: PipelineOptions | None = None,

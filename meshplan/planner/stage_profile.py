@@ -10,7 +10,6 @@ cost is a sum over its units and a 128-layer model needs no more solves than a 2
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from meshplan.cost_model.estimate import local_bytes
@@ -189,8 +188,3 @@ def stage_memory(units: list[Unit], activations: float) -> MemoryBreakdown:
 def tied_grad_bytes(units: list[Unit]) -> int:
     """Gradient bytes of parameters the first and the last unit share (the tied embedding)."""
     return sum(g for k, (_, g) in units[0].shared.items() if k in units[-1].shared)
-
-
-def check_profile(units: list[Unit]) -> None:
-    assert units and units[0].name == PRE and units[-1].name == POST, [u.name for u in units]
-    assert all(math.isfinite(u.time_s) and u.time_s >= 0 for u in units)

@@ -6,9 +6,6 @@ from dataclasses import dataclass
 
 from meshplan.ir.placement import Placements, fmt, parse
 
-SOURCES = ("dtensor", "meshplan", "fallback", "leaf")
-
-
 @dataclass(frozen=True, slots=True)
 class Strategy:
     """Layouts (one placement per mesh axis) of a node's tensor inputs and outputs."""
