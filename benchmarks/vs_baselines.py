@@ -84,6 +84,8 @@ class Setting:
     """'measure' (this machine, now), a profile path, or 'none' (cpu presets)."""
     foreach: bool | None = None
     """Adam's `foreach` for every method (None: torch's default, per-parameter loops on CPU)."""
+    fused: bool | None = None
+    """Adam's `fused` for every method (one kernel per parameter group; torchtitan's default)."""
 
 
 def build(cfg: GPTConfig) -> tuple[GPT, torch.Tensor]:
@@ -192,7 +194,7 @@ def worker(rank: int, world: int, setting: Setting, plans: dict, out_layouts: di
         module, x, y, split = make_method(name, rank, world, cfg, plans, out_layouts)
         # a DTensor and a plain tensor may not meet in one foreach op (TP keeps the unsharded parameters plain)
         kinds = [[p for p in module.parameters() if isinstance(p, DTensor) == dt] for dt in (True, False)]
-        opt = torch.optim.Adam([{"params": ps} for ps in kinds if ps], lr=LR, foreach=setting.foreach)
+        opt = torch.optim.Adam([{"params": ps} for ps in kinds if ps], lr=LR, foreach=setting.foreach, fused=setting.fused)
 
         def step(module=module, x=x, y=y, opt=opt) -> torch.Tensor:
             opt.zero_grad(set_to_none=True)
@@ -267,7 +269,8 @@ def run_setting(setting: Setting) -> bool:
     cfg = SIZES[setting.size]
     params = sum(p.numel() for p in build(cfg)[0].parameters())
     print(f"\n=== world {setting.world}, {setting.size}: GPT hidden {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads, "
-          f"vocab {cfg.vocab_size}, seq {cfg.seq_len}, batch {BATCH} (global), {params / 1e6:.2f} M params, Adam ===")
+          f"vocab {cfg.vocab_size}, seq {cfg.seq_len}, batch {BATCH} (global), {params / 1e6:.2f} M params, "
+          f"Adam{' (foreach)' if setting.foreach else ' (fused)' if setting.fused else ''} ===")
     profile = measured_profile(cfg, setting.world, setting.profile)
     t0 = time.perf_counter()
     plans, out_layouts = plan_meshplan(cfg, setting.world, setting.methods, profile)
@@ -328,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--foreach", action="store_true",
                     help="Adam(foreach=True) for every method (torch's default on GPUs; on CPU it defaults to per-parameter loops)")
+    ap.add_argument("--fused", action="store_true", help="Adam(fused=True) for every method (torchtitan's default)")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                     help="methods to run (default all; at least one baseline)")
     ap.add_argument("--profile", default="measure",
@@ -335,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.worlds, args.sizes, args.steps, args.rounds = [2], ["small"], 3, 1
+    if args.foreach and args.fused:
+        raise ValueError("give --foreach or --fused, not both")
     if not set(args.methods) & set(BASELINES):
         raise ValueError(f"--methods {args.methods} names no baseline; add one of {', '.join(BASELINES)}")
     if args.steps < 1 or args.rounds < 1 or args.warmup < 1:
@@ -345,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes:
             ok &= run_setting(Setting(world=world, size=size, warmup=args.warmup, steps=args.steps,
                                       rounds=min(args.rounds, args.steps), methods=tuple(m for m in METHODS if m in args.methods),
-                                      profile=args.profile, foreach=args.foreach or None))
+                                      profile=args.profile, foreach=args.foreach or None, fused=args.fused or None))
     if not ok:
         print("parity FAILED in at least one setting: the timings above are not comparable", file=sys.stderr)
     return 0 if ok else 1
