@@ -19,7 +19,9 @@ def _plan(**kw):
     model, x, _ = build("gpt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return meshplan.plan(model, devices=2, example_inputs=(x,), mesh_shape=(2,), mode="data_parallel", cluster="h100", **kw)
+        # fp32 (the h100 default is bf16): the parity test compares with one fp32 process
+        return meshplan.plan(model, devices=2, example_inputs=(x,), mesh_shape=(2,), mode="data_parallel", cluster="h100",
+                             mixed_precision="fp32", **kw)
 
 
 def test_offload_moves_optimizer_state_to_the_host_and_charges_the_round_trip():

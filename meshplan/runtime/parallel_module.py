@@ -45,13 +45,14 @@ def as_dtensor(local: torch.Tensor, layout: Placements, shape: tuple[int, ...], 
                               shape=torch.Size(shape), stride=stride)
 
 
-def default_weights(model: nn.Module, device: torch.device) -> WeightSource:
-    """The model's own tensors, or its own initialisation when it is on the meta device."""
+def default_weights(model: nn.Module, device: torch.device, *, whole_job: bool = False) -> WeightSource:
+    """The model's own tensors (see `FromModel` for `whole_job`), or its own initialisation when it is on the
+    meta device."""
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     if any(t.device.type == "meta" for t in tensors.values()):
         return FromInit(model)
     check_model_device(tensors, device)
-    return FromModel(tensors)
+    return FromModel(tensors, whole_job=whole_job)
 
 
 def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int) -> torch.Tensor:

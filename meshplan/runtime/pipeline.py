@@ -44,7 +44,7 @@ from meshplan.runtime.parallel_module import (
 from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.stage_split import StageProgram, example_values, node_stages, split_program, unit_stages
-from meshplan.runtime.weights import FromModel, WeightSource
+from meshplan.runtime.weights import WeightSource
 
 
 def stage_device(k: int, p: int, schedule: str) -> int:
@@ -163,10 +163,7 @@ class PipelineRunner:
         # model's own tensors are rank 0's, as one job; a meta model's come from its initialisation or `weights`)
         needed = {name for k in self.mine for name in programs[k].locals_in}
         full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-        if weights is None:
-            weights = default_weights(model, device)
-            if isinstance(weights, FromModel):
-                weights = FromModel(full, whole_job=True)
+        weights = weights or default_weights(model, device, whole_job=True)
         self.device_mesh = self.comm.device_mesh
         self.leaves: dict[str, torch.Tensor] = {}
         blocks = weights.blocks(plan.params, self.comm, wanted=needed)
