@@ -122,7 +122,7 @@ class Graph:
     precision: MixedPrecision | None = None
     """The mixed-precision policy whose casts the program carries (ir/precision.py); None: the model's dtypes."""
     _index: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
-    weight_casts: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    weight_casts: frozenset[str] = field(init=False, repr=False, compare=False)
     """Op nodes that cast a parameter (mixed precision): their output is a working copy of the weight,
     made once per step and kept for backward, counted with the parameters (not per microbatch)."""
 

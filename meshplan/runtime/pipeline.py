@@ -89,7 +89,7 @@ class StageModule(nn.Module):
         return out if len(out) != 1 else out[0]
 
     def new_step(self) -> None:
-        """The parameters may have changed since the last step: cast them again on first use."""
+        """Drop this step's weight copies; the next forward casts the (updated) parameters again."""
         self._casts = None
 
 
@@ -297,12 +297,12 @@ class PipelineRunner:
         earlier = {}
         for name, prm in self._params().items():
             earlier[name], prm.grad = prm.grad, None
-        for module in self.modules.values():
-            module.new_step()
-        with self._rng.active() if self._rng is not None else contextlib.nullcontext():
-            self.schedule.step(*args, **kwargs)
-        for module in self.modules.values():
-            module.new_step()  # the step's weight copies are not kept until the next one
+        try:
+            with self._rng.active() if self._rng is not None else contextlib.nullcontext():
+                self.schedule.step(*args, **kwargs)
+        finally:
+            for module in self.modules.values():
+                module.new_step()  # the step's weight copies are not kept: the next step casts the updated weights
         self._finish_grads()
         for name, prm in self._params().items():
             if earlier[name] is not None:
