@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import operator
 import os
 import sysconfig
@@ -23,15 +24,17 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind, InputSpec, OutputKind
 
 from meshplan.ir import moe as _moe  # noqa: F401  (registers the moe region)
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
 from meshplan.ir.precision import MixedPrecision, cast_for_tracing
 from meshplan.ir.regions import regions_patched
+from meshplan.ir.repeat import replicate, repeated_stacks, truncated
 from meshplan.ir.verify import verify
 
 aten = torch.ops.aten
+log = logging.getLogger("meshplan")
 
 KEEP_WHOLE = (aten.scaled_dot_product_attention.default, aten.detach.default)
 """Ops kept from decomposition: meshplan has its own sharding rules for attention, and `detach`
@@ -267,11 +270,13 @@ def user_frame(error: BaseException) -> traceback.FrameSummary | None:
 
 
 def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
-          precision: MixedPrecision | None = None) -> Graph:
+          precision: MixedPrecision | None = None, copy_repeated: bool = True) -> Graph:
     """Trace `model(*example_inputs, **example_kwargs)` into an `ir.Graph`.
 
     The inputs may be real, meta or fake tensors; nothing is computed on real data. `precision`: the
     mixed-precision policy whose casts the program carries (ir/precision.py); None: the model's dtypes.
+    `copy_repeated`: trace a few blocks of each stack of identical layers and copy one block's program for
+    the rest (ir/repeat.py); False exports every block.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -280,12 +285,12 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     if any(t.device.type == "meta" for t in itertools.chain(model.parameters(), model.buffers())):
         # a model built on the meta device traces with meta inputs (only shapes matter)
         example_inputs, example_kwargs = pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), (example_inputs, example_kwargs))
-    # blocks with data-dependent control flow trace as one op each
-    with regions_patched(model), cast_for_tracing(model, precision):
-        ep = _export(model, example_inputs, example_kwargs or {})
+    stacks = repeated_stacks(model) if copy_repeated else []
+    ep, specs, grads = _exported(model, example_inputs, example_kwargs or {}, precision, stacks)
+    if ep is None:
+        log.info("the blocks of %s did not trace as copies of one block; tracing every block", ", ".join(s.path for s in stacks))
+        ep, specs, grads = _exported(model, example_inputs, example_kwargs or {}, precision, [])
     gm = ep.graph_module
-    if precision is not None:
-        _place_weight_casts(gm, {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.PARAMETER})
 
     # FQNs of every tensor, so tied parameters collapse to the first placeholder naming them.
     tensor_of = dict(model.named_parameters(remove_duplicate=False))
@@ -294,7 +299,7 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     for fqn, t in tensor_of.items():
         aliases.setdefault(id(t), []).append(fqn)
 
-    kinds = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    kinds = {s.arg.name: s for s in specs}
     nodes: list[Node] = []
     first_placeholder_of: dict[int, fx.Node] = {}
     refs: dict[fx.Node, TensorRef] = {}
@@ -338,12 +343,34 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
             raise TraceError(f"unexpected fx node {n.format_node()} in the exported graph")
     gm.graph.lint()
     gm.recompile()
-    grads = _requires_grad(gm, {n.name: n.kind == "param" and tensor_of[n.target].requires_grad for n in nodes if n.kind == "param"})
     nodes = [replace(n, requires_grad=grads.get(n.name, ())) if n.kind != "output" else n for n in nodes]
     program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants, _buffer_mutations(ep))
     graph = Graph(nodes, fx=program, input_names=tuple(input_names), precision=precision)
     verify(graph)
     return graph
+
+
+def _exported(model: nn.Module, args: tuple, kwargs: dict, precision: MixedPrecision | None, stacks: list,
+              ) -> tuple[torch.export.ExportedProgram | None, list[InputSpec], dict[str, tuple[bool, ...]]]:
+    """The exported program (weight casts placed, `stacks` traced in part and copied), its input specs and
+    which outputs of each node carry gradients; (None, [], {}) when a stack's copy cannot reproduce it."""
+    # blocks with data-dependent control flow trace as one op each
+    with truncated(model, stacks), regions_patched(model), cast_for_tracing(model, precision):
+        ep = _export(model, args, kwargs)
+    gm, specs = ep.graph_module, list(ep.graph_signature.input_specs)
+    if precision is not None:
+        _place_weight_casts(gm, {s.arg.name for s in specs if s.kind == InputKind.PARAMETER})
+    if stacks and _buffer_mutations(ep):
+        return None, [], {}  # the copies would have to extend the program's outputs too
+    trainable = dict(model.named_parameters(remove_duplicate=False))
+    grads = _requires_grad(gm, {s.arg.name: trainable[s.target].requires_grad for s in specs if s.target in trainable})
+    for stack in stacks:  # a copy carries gradients where the block it copies does (blocks 1 and 2 agree)
+        copied = replicate(gm, specs, stack, _module_path, grads)
+        if copied is None:
+            return None, [], {}
+        specs = copied.specs
+        grads.update((name, grads[src]) for name, src in copied.source.items() if src in grads)
+    return ep, specs, grads
 
 
 def _place_weight_casts(gm: fx.GraphModule, params: set[str]) -> None:

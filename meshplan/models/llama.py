@@ -118,8 +118,9 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
-        cos, sin = self.cos[:s], self.sin[:s]
         x = self.embed(tokens)
+        # the tables in the compute dtype, as Hugging Face's Llama does (fp32 buffers under a bf16 policy)
+        cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
