@@ -1,10 +1,17 @@
-"""Planning time (trace + solve) for large models on simulated meshes: issue 5's targets.
+"""Planning time of the default calls users make on big models (issue 16's targets).
 
-    python benchmarks/planning_time.py [--runs 3] [--only llama|gpt3]
+    python benchmarks/planning_time.py [--runs 3] [--only gpt3 llama70b ...]
 
-Prints, per case, the median over runs of trace seconds, planning seconds (candidates, costs,
-solve) and their sum, next to the target, plus the plan's headline figures. Models are built on
-the meta device: nothing is allocated and no process group is needed.
+Every case is `meshplan.plan(model, devices, (tokens,), cluster="h100")` with nothing else: mixed
+precision, the mesh search and the pipeline rule (stages searched when the devices span more than
+one node) at their defaults. The models are Hugging Face classes (and meshplan's own Llama and GPT for
+the cases of the older fixed-mesh table) built on the meta device at a real batch: nothing is
+allocated and no process group is needed.
+
+Printed per case, medians over `--runs`: total seconds next to the target, then the seconds of each
+part of planning (`meshplan.progress.collect`): trace, candidates (strategy generation), tables
+(costing), solve, and the rest ("search": the pipeline and mesh searches' own work and the plans'
+bookkeeping); then the plan's mesh, pipeline and predicted step.
 """
 
 from __future__ import annotations
@@ -15,65 +22,81 @@ import time
 import warnings
 
 import torch
+import transformers as tf
 
-from meshplan.cost_model.presets import get_cluster
-from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.trace import trace
+import meshplan
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
-from meshplan.planner.planner import PlanOptions, make_plan
+from meshplan.progress import collect
+
+PARTS = ("trace", "candidates", "tables", "solve")
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False, use_cache=False)
+LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False, use_cache=False)
+GPT3_175B = dict(vocab_size=51200, n_positions=2048, n_embd=12288, n_layer=96, n_head=96, tie_word_embeddings=True, use_cache=False)
 
 
-def llama3_8b():
-    cfg = LlamaConfig(vocab_size=128256, seq_len=2048, hidden=4096, heads=32, kv_heads=8, intermediate=14336, layers=32)
-    with torch.device("meta"):
-        model = Llama(cfg).to(torch.bfloat16)
-    return model, (torch.zeros(8, 2048, dtype=torch.long, device="meta"),)
+def hf(model_cls, config_cls, config: dict, batch: int, seq: int):
+    def build():
+        with torch.device("meta"):
+            model = model_cls(config_cls(**config))
+        return model, torch.zeros(batch, seq, dtype=torch.long, device="meta")
+
+    return build
 
 
-def gpt3_175b():
-    cfg = GPTConfig(vocab_size=51200, seq_len=2048, hidden=12288, heads=96, layers=96)
-    with torch.device("meta"):
-        model = GPT(cfg).to(torch.bfloat16)
-    return model, (torch.zeros(128, 2048, dtype=torch.long, device="meta"),)
+def own(model_cls, config, batch: int):
+    def build():
+        with torch.device("meta"):
+            model = model_cls(config)
+        return model, torch.zeros(batch, config.seq_len, dtype=torch.long, device="meta")
+
+    return build
 
 
 CASES = {
-    # name: (builder, mesh shape, cluster, target seconds)
-    "llama": ("Llama-3-8B shape, 32 layers, mesh (8, 8)", llama3_8b, (8, 8), "h100", 15.0),
-    "gpt3": ("GPT-3 175B shape, 96 layers, 1,024 devices, mesh (128, 8)", gpt3_175b, (128, 8), "h100", 60.0),
+    # name: (title, builder, devices, target seconds)
+    "gpt3": ("GPT-3 175B (GPT2LMHeadModel), batch 1536 x 2048", hf(tf.GPT2LMHeadModel, tf.GPT2Config, GPT3_175B, 1536, 2048), 1024, 30.0),
+    "llama70b": ("Llama-3-70B (LlamaForCausalLM), batch 256 x 8192", hf(tf.LlamaForCausalLM, tf.LlamaConfig, LLAMA3_70B, 256, 8192), 256, 20.0),
+    "llama8b": ("Llama-3-8B (LlamaForCausalLM), batch 16 x 2048", hf(tf.LlamaForCausalLM, tf.LlamaConfig, LLAMA3_8B, 16, 2048), (8, 8), 5.0),
+    "llama8b_64": ("Llama-3-8B (LlamaForCausalLM), batch 64 x 8192", hf(tf.LlamaForCausalLM, tf.LlamaConfig, LLAMA3_8B, 64, 8192), 64, 60.0),
+    "own_llama8b": ("meshplan Llama, Llama-3-8B shape, batch 8 x 2048", own(Llama, LlamaConfig(
+        vocab_size=128256, seq_len=2048, hidden=4096, heads=32, kv_heads=8, intermediate=14336, layers=32), 8), (8, 8), 60.0),
+    "own_gpt3": ("meshplan GPT, GPT-3 175B shape, batch 128 x 2048", own(GPT, GPTConfig(
+        vocab_size=51200, seq_len=2048, hidden=12288, heads=96, layers=96), 128), 1024, 60.0),
 }
 
 
 def run(case: str, runs: int) -> None:
-    title, build, shape, cluster, target = CASES[case]
-    traces, plans = [], []
-    plan = None
+    title, build, devices, target = CASES[case]
+    totals, parts, plan = [], [], None
     for _ in range(runs):
-        model, inputs = build()
-        t0 = time.perf_counter()
-        graph = trace(model, inputs)
-        t1 = time.perf_counter()
-        with warnings.catch_warnings():
+        model, tokens = build()
+        with collect() as seconds, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = make_plan(graph, MeshSpec(shape), get_cluster(cluster), PlanOptions(), model_name=type(model).__name__)
-        t2 = time.perf_counter()
-        traces.append(t1 - t0)
-        plans.append(t2 - t1)
-    tr, pl = statistics.median(traces), statistics.median(plans)
-    total = tr + pl
-    print(f"{title}: {len(graph.nodes)} nodes")
-    print(f"  trace {tr:.1f} s + plan {pl:.1f} s (solver {plan.solver.seconds:.1f} s, {plan.solver.variables} variables, "
-          f"{plan.solver.status}) = {total:.1f} s; target {target:.0f} s -> ratio {total / target:.2f} "
-          f"({'met' if total <= target else 'NOT met'}); median of {runs}")
-    print(f"  predicted step {plan.step_time_s * 1e3:.1f} ms, peak memory/device {plan.memory}")
+            t0 = time.perf_counter()
+            plan = meshplan.plan(model, devices, (tokens,), cluster="h100")
+            totals.append(time.perf_counter() - t0)
+        parts.append(seconds)
+    total = statistics.median(totals)
+    split = {p: statistics.median(s.get(p, 0.0) for s in parts) for p in PARTS}
+    search = statistics.median(t - sum(s.get(p, 0.0) for p in PARTS) for t, s in zip(totals, parts))
+    pipe = plan.pipeline
+    shape = f"mesh {plan.mesh}" + (f" x pp {pipe.degree} ({pipe.schedule}, {pipe.microbatches} microbatches)" if pipe else "")
+    print(f"{title}, devices={devices}: {total:.1f} s (median of {runs}: {', '.join(f'{t:.1f}' for t in totals)}); "
+          f"target {target:.0f} s -> {total / target:.2f}x ({'met' if total <= target else 'NOT met'})")
+    print("  " + ", ".join(f"{p} {split[p]:.1f} s" for p in PARTS) + f", search {search:.1f} s")
+    print(f"  plan: {shape}, {plan.precision.name if plan.precision else 'fp32'}, predicted step {plan.step_time_s:.3f} s, "
+          f"solver {plan.solver.status}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=sorted(CASES))
+    ap.add_argument("--only", nargs="+", choices=sorted(CASES))
     args = ap.parse_args()
-    for case in [args.only] if args.only else list(CASES):
+    for case in args.only or list(CASES):
         run(case, args.runs)
 
 

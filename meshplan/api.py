@@ -116,7 +116,7 @@ def plan(
     recompute: str = "auto",
     offload: str = "never",
     profile: Profile | str | os.PathLike | None = None,
-    pipeline: int | str | PipelineOptions | None = None,
+    pipeline: int | str | PipelineOptions | None = "multi_node",
     stage_config: dict[str, int] | None = None,
     time_limit_s: float = 60.0,
     mixed_precision: str | MixedPrecision = "auto",
@@ -141,9 +141,11 @@ def plan(
     Modes (`mode=`), `search=` and the annotations (`meshplan.shard` on submodules,
     `parameter_plan`, `parallelize_plan`, `input_layouts`) are described in docs/modes.md.
 
-    `pipeline='auto'` (or a degree, or a `PipelineOptions`) also searches pipeline stages, schedule and
-    microbatches (docs/pipeline.md); `stage_config` pins units to stages. The plan's `mesh` is then one
-    stage's sub-mesh and `plan.pipeline` holds the rest.
+    `pipeline`: 'multi_node' (default) searches pipeline stages, schedule and microbatches (docs/pipeline.md)
+    when an int `devices` spans more than one node of the cluster in mode 'auto' without layout
+    annotations, and plans without a pipeline otherwise; 'auto' searches them for any device count, an int
+    fixes the degree, a `PipelineOptions` says everything, None turns pipelines off. `stage_config` pins
+    units to stages. A pipelined plan's `mesh` is one stage's sub-mesh and `plan.pipeline` holds the rest.
 
     `profile`: measured costs (a `Profile`, a profile JSON path, or "local" for this machine's
     database entry; see docs/cost_model.md). Without one the cluster's presets price everything,
@@ -163,10 +165,14 @@ def plan(
         measured = resolve_profile(profile, cluster if isinstance(cluster, str) or cluster is None else cluster.name, default)
         cluster_preset = get_cluster(cluster or (measured.cluster if measured is not None else default)).with_profile(measured)
     precision = resolve_precision(mixed_precision, auto=cluster_preset.device.default_precision)
+    annotated = bool(param_layouts or input_layouts or parameter_plan or parallelize_plan)
+    if pipeline == MULTI_NODE:
+        pipeline = multi_node_pipeline(devices, mesh_shape, mode, annotated, cluster_preset)
     if pipeline is not None or stage_config:
-        if not isinstance(devices, int) or mode != "auto" or param_layouts or input_layouts or parameter_plan or parallelize_plan:
-            raise ValueError("pipeline search takes an int `devices` and mode='auto' without layout annotations; "
-                             f"got devices={devices!r}, mode={mode!r}")
+        if not isinstance(devices, int) or mesh_shape is not None or mode != "auto" or annotated:
+            raise ValueError("pipeline search takes an int `devices` and mode='auto' without mesh_shape or layout annotations; "
+                             f"got devices={devices!r}, mesh_shape={mesh_shape!r}, mode={mode!r}"
+                             f"{', layout annotations' if annotated else ''}; pass pipeline=None to plan without one")
         budget = None if memory_budget is None else float(parse_bytes(memory_budget))
         opts = pipeline_options("auto" if pipeline is None else pipeline, stage_config, optimizer, budget)
         inputs_ = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -185,6 +191,24 @@ def plan(
     graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs,
                   precision=precision)
     return search_meshes(graph, meshes, cluster_preset, options, model_name=type(model).__name__)
+
+
+MULTI_NODE = "multi_node"
+"""`plan(pipeline=)`'s default: search pipeline stages when the devices span more than one node."""
+
+
+def multi_node_pipeline(devices: Devices, mesh_shape: Sequence[int] | None, mode: str, annotated: bool,
+                        cluster: ClusterPreset) -> str | None:
+    """`pipeline='multi_node'` resolved: 'auto' (search) when an int `devices` spans more than one node of
+    `cluster` and the search is free to choose the mesh, else None. Crossing nodes puts the slow link inside
+    any mesh axis it splits, where a pipeline's point-to-point sends cost least."""
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices <= cluster.devices_per_node:
+        return None
+    if mesh_shape is not None or mode != "auto" or annotated:
+        log.info("%d devices span %d-device nodes of %r, but pipeline stages are searched only in mode='auto' without "
+                 "mesh_shape or layout annotations; planning without a pipeline", devices, cluster.devices_per_node, cluster.name)
+        return None
+    return "auto"
 
 
 def search_meshes(graph: Graph, meshes: list[MeshSpec], cluster: ClusterPreset, options: PlanOptions, *, model_name: str) -> Plan:

@@ -9,13 +9,50 @@ and logs each phase with its duration at INFO level through `logging` (shown by 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 log = logging.getLogger("meshplan.progress")
 
 _state: dict = {"progress": None, "task": None, "phase": None, "since": 0.0}
+_seconds: list[dict[str, float]] = []
+"""Open `collect()` blocks, innermost last."""
+
+F = TypeVar("F", bound=Callable)
+
+
+def timed(part: str) -> Callable[[F], F]:
+    """Count the decorated function's seconds as `part` of planning in every open `collect()` block."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            if not _seconds:
+                return fn(*args, **kwargs)
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                for seconds in _seconds:
+                    seconds[part] = seconds.get(part, 0.0) + time.perf_counter() - began
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
+@contextlib.contextmanager
+def collect() -> Iterator[dict[str, float]]:
+    """Seconds spent in each `timed` part of planning while the block runs (benchmarks/planning_time.py)."""
+    seconds: dict[str, float] = {}
+    _seconds.append(seconds)
+    try:
+        yield seconds
+    finally:
+        _seconds.remove(seconds)
 
 
 def phase(description: str) -> None:

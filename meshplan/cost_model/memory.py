@@ -119,13 +119,13 @@ class MemoryBreakdown:
     """Bytes of activations saved for backward at the peak (after recomputation)."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name, value in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer), ("activations", self.activations)):
             if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"MemoryBreakdown.{f.name} must be a non-negative number of bytes; got {value!r}")
+                raise ValueError(f"MemoryBreakdown.{name} must be a non-negative number of bytes; got {value!r}")
 
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
-        return MemoryBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        return MemoryBreakdown(params=self.params + other.params, grads=self.grads + other.grads,
+                               optimizer=self.optimizer + other.optimizer, activations=self.activations + other.activations)
 
     @property
     def total(self) -> int:

@@ -104,6 +104,7 @@ class Node:
         return layer_of(self.module_path or (self.fqns[0] if self.fqns else ""))
 
 
+@functools.lru_cache(maxsize=None)  # called per node many times per solve; paths repeat across solves
 def layer_of(path: str) -> str | None:
     """`layers.3.attn.q_proj` -> `layers.3`: the outermost numbered module on a module path."""
     m = re.match(r"^(.*?\.\d+)(\.|$)", path)
@@ -122,6 +123,7 @@ class Graph:
     precision: MixedPrecision | None = None
     """The mixed-precision policy whose casts the program carries (ir/precision.py); None: the model's dtypes."""
     _index: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
+    _consumers: dict[str, list[tuple[str, int]]] | None = field(default=None, init=False, repr=False, compare=False)
     weight_casts: frozenset[str] = field(init=False, repr=False, compare=False)
     """Op nodes that cast a parameter (mixed precision): their output is a working copy of the weight,
     made once per step and kept for backward, counted with the parameters (not per microbatch)."""
@@ -154,12 +156,14 @@ class Graph:
         return meta
 
     def consumers(self) -> dict[str, list[tuple[str, int]]]:
-        """node name -> [(consumer name, input position)]."""
-        users: dict[str, list[tuple[str, int]]] = {n.name: [] for n in self.nodes}
-        for n in self.nodes:
-            for i, ref in enumerate(n.inputs):
-                users[ref.node].append((n.name, i))
-        return users
+        """node name -> [(consumer name, input position)]. Computed once: the caller must not change it."""
+        if self._consumers is None:
+            users: dict[str, list[tuple[str, int]]] = {n.name: [] for n in self.nodes}
+            for n in self.nodes:
+                for i, ref in enumerate(n.inputs):
+                    users[ref.node].append((n.name, i))
+            self._consumers = users
+        return self._consumers
 
     @property
     def output(self) -> Node:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import re
 from collections.abc import Callable, Iterator
@@ -257,6 +258,7 @@ def _shapes(n: fx.Node) -> tuple:
     return tuple((tuple(v.shape), v.dtype, tuple(v.stride())) if hasattr(v, "shape") else repr(v) for v in vals)
 
 
+@functools.lru_cache(maxsize=65536)  # the same module paths recur in every node's meta
 def _renamed(text: str, stack: Stack, k: int) -> str:
     """`text` (a placeholder name or a module path) with block `KEPT - 1` of `stack` renamed block k."""
     dotted = re.escape(stack.block(KEPT - 1)) + r"(?=\.|$)"

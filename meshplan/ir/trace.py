@@ -32,6 +32,7 @@ from meshplan.ir.precision import MixedPrecision, cast_for_tracing
 from meshplan.ir.regions import regions_patched
 from meshplan.ir.repeat import replicate, repeated_stacks, truncated
 from meshplan.ir.verify import verify
+from meshplan.progress import timed
 
 aten = torch.ops.aten
 log = logging.getLogger("meshplan")
@@ -269,6 +270,7 @@ def user_frame(error: BaseException) -> traceback.FrameSummary | None:
     return found
 
 
+@timed("trace")
 def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
           precision: MixedPrecision | None = None, copy_repeated: bool = True) -> Graph:
     """Trace `model(*example_inputs, **example_kwargs)` into an `ir.Graph`.

@@ -258,22 +258,28 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
     profiles: dict[tuple, list[Unit]] = cache.setdefault("profiles", {})
     plans: dict[tuple, Plan] = cache.setdefault("plans", {})
 
-    def profile(mesh: tuple[int, ...], n: int) -> list[Unit]:
+    def solve_at(mesh: tuple[int, ...], n: int, explain: bool) -> Plan:
         nonlocal solves
+        solves += 1
+        plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, alternatives=explain)
+        return make_plan(graph_at(n), MeshSpec(mesh), cluster, plan_options, model_name=model_name)
+
+    def profile(mesh: tuple[int, ...], n: int) -> list[Unit]:
         key = (mesh, n, options.layers, options.optimizer)
         if key not in profiles:
-            g = graph_at(n)
-            plan = make_plan(g, MeshSpec(mesh), cluster, PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer), model_name=model_name)
-            solves += 1
-            units = profile_units(g, plan, options.optimizer)
+            plan = solve_at(mesh, n, explain=False)  # pricing only: nobody asks this plan to explain itself
+            units = profile_units(graph_at(n), plan, options.optimizer)
             if options.layers is not None:
                 units = repeat_layers(units, options.layers)
             profiles[key], plans[key] = units, plan
         return profiles[key]
 
     def plan_of(mesh: tuple[int, ...], n: int) -> Plan:
-        profile(mesh, n)
-        return plans[(mesh, n, options.layers, options.optimizer)]
+        """The plan handed to the user, with its alternatives recorded."""
+        key = (mesh, n, options.layers, options.optimizer)
+        if key not in plans or not plans[key].alternatives:
+            plans[key] = solve_at(mesh, n, explain=True)
+        return plans[key]
 
     tensors = options.tensor_degrees or tuple(x for x in divisors(devices) if x <= cluster.devices_per_node)
     if fixed is not None:

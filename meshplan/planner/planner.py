@@ -88,6 +88,8 @@ class PlanOptions:
     recompute: str = "auto"
     """Activation recomputation of repeated-layer groups: 'auto' (the solve decides when the memory budget
     binds), 'never', or 'always' (see planner/recompute.py)."""
+    alternatives: bool = True
+    """Record every node's priced alternatives for `Plan.explain` (the pipeline search's per-stage solves do not)."""
     offload: str = "never"
     """Optimizer state (with fp32 master weights) in host memory: 'never', 'auto' (the solve decides per
     parameter) or 'always'. Needs the optimizer from `ParallelModule.make_optimizer` (see planner/offload.py)."""
@@ -123,12 +125,14 @@ def make_plan(
     check_offload(options.offload, cluster)
     groups = recompute_groups(graph) if options.recompute != "never" and search == "ilp" else []
 
+    tying = tie_repeated_layers(graph, cands.by_node, enabled=tie)
+
     def solve_subset(subset: Subset | None) -> Solved[_Searched]:
         """Tables and solve over the candidates `subset` keeps (all of them when None)."""
         by_node = _restrict(cands.by_node, subset)
         tables = build_tables(
             graph, mesh, cluster, by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie,
-            recompute=groups, force_recompute=options.recompute == "always",
+            recompute=groups, force_recompute=options.recompute == "always", tying=tying if subset is None else None,
         )
         offload_from = add_offload_options(tables, graph, by_node, cluster, optimizer=options.optimizer, mode=options.offload)
         solution = propagate(tables.problem) if search == "propagation" else _solve_with_recompute(tables.problem, options)
@@ -140,7 +144,7 @@ def make_plan(
 
     began = time.perf_counter()
     phase(f"{search} search on mesh {mesh} (costing and solving {len(graph.nodes)} nodes)")
-    pairs = layout_pairs(graph, cands.by_node, tie_repeated_layers(graph, cands.by_node, enabled=tie).rep) if search == "ilp" else 0
+    pairs = layout_pairs(graph, cands.by_node, tying.rep) if search == "ilp" else 0
     log.info("mesh %s: %d strategies, %d layout pairs", mesh, sum(map(len, cands.by_node.values())), pairs)
     try:
         if pairs > PAIR_LIMIT:
@@ -271,7 +275,7 @@ def make_plan(
         fallbacks=tuple(cands.fallbacks),
         buckets=tuple(buckets),
         recompute=tuple(layer for g in groups if g.name in solution.recompute for layer in g.layers),
-        alternatives=record_alternatives(
+        alternatives=() if not options.alternatives else record_alternatives(
             # a neighbourhood search prices the candidates of its last neighbourhood; those the annotations removed stay listed
             graph, dataclasses.replace(cands, by_node=by_node),
             {n: by_node[n] + [s for s in ss if s not in cands.by_node[n]] for n, ss in before_constraints.items()}, choice, constraints,

@@ -24,6 +24,7 @@ from meshplan.planner.recompute import RecomputeGroup, RecomputeTerms
 from meshplan.planner.solver import Edge, Problem
 from meshplan.planner.strategy import Strategy
 from meshplan.planner.tying import Tying, tie_repeated_layers
+from meshplan.progress import timed
 
 INFEASIBLE_S = 1e9
 """Cost that marks a strategy the solver must not pick (a tied class that cannot feed itself)."""
@@ -147,6 +148,7 @@ class Tables:
 _UNKNOWN = object()
 
 
+@timed("tables")
 def build_tables(
     graph: Graph,
     mesh: MeshSpec,
@@ -158,9 +160,11 @@ def build_tables(
     tie_layers: bool = True,
     recompute: list[RecomputeGroup] = (),
     force_recompute: bool = False,
+    tying: Tying | None = None,
 ) -> Tables:
+    """`tying`: `tie_repeated_layers(graph, by_node, enabled=tie_layers)` when the caller has it already."""
     shape = mesh.shape
-    tying = tie_repeated_layers(graph, by_node, enabled=tie_layers)
+    tying = tying or tie_repeated_layers(graph, by_node, enabled=tie_layers)
     rep, count = tying.rep, tying.count
     terms = RecomputeTerms(graph, recompute, rep, count, force=force_recompute)
     unit_costs: dict[str, list[float]] = {}

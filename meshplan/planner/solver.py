@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 from ortools.linear_solver import pywraplp
 
+from meshplan.progress import timed
+
 BACKENDS = ("HIGHS", "SCIP", "CBC")
 LP_BACKEND = "GLOP"
 """Solves the LP relaxation (deterministic, single-threaded, like the MIP back-ends)."""
@@ -135,6 +137,7 @@ def trivial_bound(problem: Problem) -> float:
     return sum(min(c) for c in problem.node_costs.values() if c)
 
 
+@timed("solve")
 def solve(
     problem: Problem,
     *,

@@ -33,6 +33,7 @@ from meshplan.ir.placement import Partial, Placements, Replicate, Shard, from_dt
 from meshplan.planner.masked import from_mask_partial, is_mask_partial
 from meshplan.planner.rules import KEEP, RULES
 from meshplan.planner.strategy import Strategy
+from meshplan.progress import timed
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,12 @@ class Candidates:
     """Per node, strategies dropped because a tensor does not split evenly, with the reason."""
 
 
+@timed("candidates")
 def generate(graph: Graph, mesh: MeshSpec, *, inputs: str = "global", strict: bool = False) -> Candidates:
     """Candidate strategies for every node of `graph` on `mesh`."""
+    if mesh.size == 1:  # one device: every layout is the whole tensor, so one strategy per node says it all
+        leaf = Strategy((), ((Replicate(),) * mesh.ndim,), "leaf")
+        return Candidates({n.name: [leaf if n.kind in LEAF_KINDS else _replicated(n, graph, mesh, "dtensor")] for n in graph.nodes})
     fx_nodes = {n.name: n for n in graph.fx.gm.graph.nodes} if graph.fx is not None else {}
     dmesh = _device_mesh(mesh.shape)
     by_node: dict[str, list[Strategy]] = {}
