@@ -25,6 +25,11 @@ def _itemsize(dtype: str) -> int:
     return getattr(torch, dtype).itemsize
 
 
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
     """Global shape and dtype of one tensor."""
@@ -34,7 +39,7 @@ class TensorMeta:
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
-        return TensorMeta(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."))
+        return TensorMeta(tuple(map(int, t.shape)), _dtype_name(t.dtype))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -102,6 +107,12 @@ class Node:
     def layer(self) -> str | None:
         """The repeated layer this node belongs to (`layers.3`), if any."""
         return layer_of(self.module_path or (self.fqns[0] if self.fqns else ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _group_of(layer: str) -> str:
+    """`layers.3` -> `layers.*`."""
+    return re.sub(r"\.\d+$", ".*", layer)
 
 
 @functools.lru_cache(maxsize=None)  # called per node many times per solve; paths repeat across solves
@@ -178,7 +189,7 @@ class Graph:
             layer = n.layer
             if layer is None:
                 continue
-            key = re.sub(r"\.\d+$", ".*", layer)
+            key = _group_of(layer)
             if layer not in groups.setdefault(key, []):
                 groups[key].append(layer)
         return groups

@@ -241,8 +241,7 @@ def replicate(gm: fx.GraphModule, specs: list[InputSpec], stack: Stack, path_of:
         for user in list(n.users):
             if user in tail:
                 user.replace_input_with(n, previous[at2[n]])
-    gm.graph.lint()
-    gm.recompile()
+    gm.graph.lint()  # the caller recompiles once it is done with the graph
     return Copied(new_specs, source)
 
 

@@ -20,7 +20,6 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import placement_types as dt
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._dtensor_spec import TensorMeta as DTMeta
 from torch.distributed.tensor._ops import utils as dt_utils
@@ -155,11 +154,11 @@ def _op_strategies(
     """The node's even strategies, and the uneven ones with their reason."""
     if not node.inputs:  # factory ops (arange, zeros, ...) are computed whole on every device
         return [_replicated(node, graph, mesh, "meshplan")], []
-    args_and_kwargs = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: n.meta["val"])
     # repeated layers ask the same question many times: key on op, shapes and static args
     static = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: TensorMeta.of(n.meta["val"]))
     key = (node.target, node.outputs, repr(static), mesh.shape)
     if key not in _CACHE:
+        args_and_kwargs = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: n.meta["val"])
         rejected: list[tuple[Strategy, str]] = []
         _CACHE[key] = (_compute_op_strategies(fxn.target, args_and_kwargs, node, mesh, dmesh, rejected), rejected)
     kept, rejected = _CACHE[key]
