@@ -3,10 +3,9 @@
     python benchmarks/big_models.py [--only gpt3|llama70b|llama8b]
 
 Each model is a Hugging Face class built in fp32 on the meta device (nothing is allocated) and
-planned with `meshplan.plan(model, devices=N, example_inputs, cluster="h100", pipeline="auto")`:
-mixed precision is left at its default, which is bf16 on the H100 preset. `pipeline="auto"` is
-passed because the default call does not search pipelines yet (issue 16 makes that the default
-when the devices span more than one node).
+planned with the default call `meshplan.plan(model, devices=N, example_inputs, cluster="h100")`:
+mixed precision is left at its default, which is bf16 on the H100 preset, and pipeline stages are
+searched because the devices span more than one 8-GPU node (`pipeline="multi_node"`, the default).
 
 Printed per model: the plan's mesh and pipeline, predicted step time, peak memory, the two MFU
 figures and the per-GPU throughput, next to Megatron-LM's published figure:
@@ -67,7 +66,7 @@ def run(case: str) -> None:
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = meshplan.plan(model, devices=devices, example_inputs=(tokens,), cluster="h100", pipeline="auto")
+        plan = meshplan.plan(model, devices=devices, example_inputs=(tokens,), cluster="h100")
     seconds = time.perf_counter() - t0
     step = plan.step_time_s
     mfu_6nt = 6 * params * batch * seq / (devices * H100_BF16_PEAK * step)

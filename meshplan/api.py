@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -80,7 +81,8 @@ def mesh_shapes(devices: int, devices_per_node: int | None = None, max_axes: int
 
     With `devices_per_node`, the innermost axis must fit in one node (the fast link): an inner
     axis that crosses nodes is never better than the same shape with axes swapped, since every
-    axis can carry any parallelism.
+    axis can carry any parallelism. For the same reason two orders of the same axes whose sizes
+    meet the same links ((2, 4) and (4, 2) inside one node) are one candidate: the first is kept.
     """
 
     def split(n: int, axes: int) -> list[tuple[int, ...]]:
@@ -91,7 +93,15 @@ def mesh_shapes(devices: int, devices_per_node: int | None = None, max_axes: int
     shapes = [s for k in range(1, max_axes + 1) for s in split(devices, k) if devices > 1 or k == 1]
     if devices_per_node:
         shapes = [s for s in shapes if s[-1] <= devices_per_node or len(s) == 1]
-    return shapes
+
+    def links(shape: tuple[int, ...]) -> tuple:
+        """Each axis's size with whether its groups fit in one node (`ClusterPreset.link_for_axis`)."""
+        return tuple(sorted((n, not devices_per_node or math.prod(shape[a:]) <= devices_per_node) for a, n in enumerate(shape)))
+
+    kept: dict[tuple, tuple[int, ...]] = {}
+    for shape in shapes:
+        kept.setdefault(links(shape), shape)
+    return list(kept.values())
 
 
 def plan(

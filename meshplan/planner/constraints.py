@@ -168,7 +168,7 @@ def apply(graph: Graph, mesh: MeshSpec, by_node: dict[str, list[Strategy]], merg
         per_node.setdefault(node, []).append((slot, index, s))
         _check_even(graph, mesh, node, slot, index, s)
     for name, slots in per_node.items():
-        keep = [st for st in by_node[name] if all(_matches(st, slot, i, s.layout) for slot, i, s in slots)]
+        keep = [st for st in by_node[name] if all(_matches(st, slot, i, s.layout, mesh.shape) for slot, i, s in slots)]
         if keep:
             by_node[name] = keep
             continue
@@ -184,9 +184,10 @@ def apply(graph: Graph, mesh: MeshSpec, by_node: dict[str, list[Strategy]], merg
         )
 
 
-def _matches(st: Strategy, slot: str, index: int, layout: list[Placement | None]) -> bool:
+def _matches(st: Strategy, slot: str, index: int, layout: list[Placement | None], mesh_shape: tuple[int, ...]) -> bool:
+    """Does `st` give the slot `layout`? On an axis of one device every placement is the whole tensor."""
     have = st.outputs[index] if slot == "out" else st.inputs[index]
-    return have is not None and all(p is None or p == q for p, q in zip(layout, have))
+    return have is not None and all(p is None or p == q or n == 1 for p, q, n in zip(layout, have, mesh_shape))
 
 
 def _check_even(graph: Graph, mesh: MeshSpec, node: str, slot: str, index: int, s: _Slot) -> None:

@@ -240,7 +240,8 @@ def divisors(n: int) -> list[int]:
 
 
 def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: ClusterPreset, options: PipelineOptions,
-           *, model_name: str = "model", fixed: tuple[int, int, int] | None = None, cache: dict | None = None) -> PipelineResult:
+           *, model_name: str = "model", fixed: tuple[int, int, int] | None = None, cache: dict | None = None,
+           short: tuple[Callable[[int], Graph], str, int] | None = None) -> PipelineResult:
     """Search (t, p, d), b, m, schedule and cuts for `devices` devices and global batch `batch`.
 
     Every candidate is priced by one function (`evaluate` on the (t,) profile at b, data parallelism over d
@@ -250,7 +251,10 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
 
     `graph_at(n)` traces the model at batch n. `fixed=(t, p, d)` restricts the degrees (to price a
     given configuration, e.g. a paper's, under the same model). `cache` (a dict) keeps intra-op solves
-    between calls for the same model and cluster."""
+    between calls for the same model and cluster. `short=(graph_at, stack, layers)`: the model traced with
+    its stack of identical layers `stack` cut to a few blocks; the stage profiles are solved on it and
+    stretched to `layers` blocks (tied layers make a block's cost the same in both), and only the returned
+    plan is solved on the whole model."""
     t0 = time.perf_counter()
     budget = float(options.memory_budget or cluster.device.memory_bytes)
     solves = 0
@@ -258,27 +262,39 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
     profiles: dict[tuple, list[Unit]] = cache.setdefault("profiles", {})
     plans: dict[tuple, Plan] = cache.setdefault("plans", {})
 
-    def solve_at(mesh: tuple[int, ...], n: int, explain: bool) -> Plan:
+    def solve_at(graph: Graph, mesh: tuple[int, ...], explain: bool) -> Plan:
         nonlocal solves
         solves += 1
         plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, alternatives=explain)
-        return make_plan(graph_at(n), MeshSpec(mesh), cluster, plan_options, model_name=model_name)
+        return make_plan(graph, MeshSpec(mesh), cluster, plan_options, model_name=model_name)
+
+    def short_profile(mesh: tuple[int, ...], n: int) -> list[Unit] | None:
+        """The stage profile from the cut model, or None when its units are not its blocks (then the whole model's)."""
+        short_at, stack, layers = short
+        g = short_at(n)
+        units = profile_units(g, solve_at(g, mesh, explain=False), options.optimizer)
+        if [u.name for u in units[1:-1]] != [f"{stack}.{k}" for k in range(len(units) - 2)] or len(units) < 3:
+            return None
+        return repeat_layers(units, layers)
 
     def profile(mesh: tuple[int, ...], n: int) -> list[Unit]:
         key = (mesh, n, options.layers, options.optimizer)
         if key not in profiles:
-            plan = solve_at(mesh, n, explain=False)  # pricing only: nobody asks this plan to explain itself
-            units = profile_units(graph_at(n), plan, options.optimizer)
-            if options.layers is not None:
-                units = repeat_layers(units, options.layers)
-            profiles[key], plans[key] = units, plan
+            units = short_profile(mesh, n) if short is not None else None
+            if units is None:
+                plan = solve_at(graph_at(n), mesh, explain=False)  # pricing only: nobody asks this plan to explain itself
+                units = profile_units(graph_at(n), plan, options.optimizer)
+                if options.layers is not None:
+                    units = repeat_layers(units, options.layers)
+                plans[key] = plan
+            profiles[key] = units
         return profiles[key]
 
     def plan_of(mesh: tuple[int, ...], n: int) -> Plan:
         """The plan handed to the user, with its alternatives recorded."""
         key = (mesh, n, options.layers, options.optimizer)
         if key not in plans or not plans[key].alternatives:
-            plans[key] = solve_at(mesh, n, explain=True)
+            plans[key] = solve_at(graph_at(n), mesh, explain=True)
         return plans[key]
 
     tensors = options.tensor_degrees or tuple(x for x in divisors(devices) if x <= cluster.devices_per_node)
@@ -370,6 +386,7 @@ def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: Cluste
     along dim 0) and search.
 
     `stage_config` pins may also come from `pipeline_stage` attributes on submodules."""
+    from meshplan.ir.repeat import repeated_stacks, truncated
     from meshplan.ir.trace import trace
 
     options = options or PipelineOptions()
@@ -379,16 +396,21 @@ def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: Cluste
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise ValueError(f"devices must be a positive int for a pipeline search; got {devices!r}")
     batch = int(example_inputs[0].shape[0])
-    cache: dict[int, Graph] = {}
+    cache: dict[tuple[int, bool], Graph] = {}
+    stacks = repeated_stacks(model) if options.layers is None else []
 
-    def graph_at(n: int) -> Graph:
-        if n not in cache:
+    def traced(n: int, cut: bool) -> Graph:
+        if (n, cut) not in cache:
             if n > batch:
                 raise ValueError(f"a microbatch of {n} samples does not fit in the example batch of {batch}")
-            cache[n] = trace(model, tuple(x[:n] for x in example_inputs), example_kwargs, precision=precision)
-        return cache[n]
+            with truncated(model, stacks if cut else []):
+                cache[n, cut] = trace(model, tuple(x[:n] for x in example_inputs), example_kwargs, precision=precision,
+                                      copy_repeated=not cut)
+        return cache[n, cut]
 
-    return search(graph_at, devices, batch, cluster, options, model_name=type(model).__name__, fixed=fixed)
+    short = (lambda n: traced(n, True), stacks[0].path, stacks[0].length) if len(stacks) == 1 else None
+    return search(lambda n: traced(n, False), devices, batch, cluster, options, model_name=type(model).__name__, fixed=fixed,
+                  short=short)
 
 
 def module_stage_pins(model) -> dict[str, int]:

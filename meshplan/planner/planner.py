@@ -26,7 +26,7 @@ from meshplan.planner.plan import GradBucket, InputChoice, NodeChoice, ParamChoi
 from meshplan.planner.problem import INFEASIBLE_S, Tables, build_tables, grad_flows, node_memory, transfer_memory
 from meshplan.planner.propagation import propagate
 from meshplan.planner.recompute import check_recompute, internal_outputs, recompute_groups
-from meshplan.planner.solver import InfeasiblePlan, Solution, solve
+from meshplan.planner.solver import InfeasiblePlan, Solution, SolveTimeout, evaluate, solve
 from meshplan.planner.strategies import generate
 from meshplan.planner.strategy import Strategy
 from meshplan.planner.tying import tie_repeated_layers
@@ -325,13 +325,22 @@ def _starts(by_node: dict[str, list[Strategy]], mesh: MeshSpec, earlier: Sequenc
 def _solve_with_recompute(problem, options: PlanOptions):
     """Recomputation only adds time, so it can pay only when the fastest plan overall exceeds the
     budget: solve without it and without the budget first (the common case ends there, exactly),
-    and only otherwise solve the full problem. The propagation plan is the solver's fallback start."""
+    and only otherwise solve the full problem. The propagation plan is the solver's fallback start; when
+    it breaks the budget, the plan of least memory is, if it fits (without a start inside the budget, a
+    solve that runs out of time has nothing to return)."""
     start = _propagation_start(problem)
     if not problem.recompute or options.recompute == "always":
         return solve(problem, time_limit_s=options.time_limit_s, start=start)
     fastest = solve(dataclasses.replace(problem, recompute=[], memory_budget=None), time_limit_s=options.time_limit_s, start=start)
     if problem.memory_budget is None or fastest.memory <= problem.memory_budget:
         return fastest
+    if start is None or evaluate(problem, start)[1] > problem.memory_budget:
+        try:
+            smallest = solve(dataclasses.replace(problem, recompute=[]), time_limit_s=options.time_limit_s, minimize="memory")
+        except SolveTimeout:
+            smallest = None
+        if smallest is not None and smallest.memory <= problem.memory_budget:
+            start = smallest.choice
     return solve(problem, time_limit_s=options.time_limit_s, start=start)
 
 
