@@ -8,6 +8,9 @@ one node) at their defaults. The models are Hugging Face classes (and meshplan's
 the cases of the older fixed-mesh table) built on the meta device at a real batch: nothing is
 allocated and no process group is needed.
 
+`--zoo` instead times the default call on the small models of benchmarks/mesh_search.py at 8 and 64
+devices, next to the same call without pipelines.
+
 Printed per case, medians over `--runs`: total seconds next to the target, then the seconds of each
 part of planning (`meshplan.progress.collect`): trace, candidates (strategy generation), tables
 (costing), solve, and the rest ("search": the pipeline and mesh searches' own work and the plans'
@@ -91,11 +94,41 @@ def run(case: str, runs: int) -> None:
           f"solver {plan.solver.status}")
 
 
+def zoo(devices: list[int]) -> None:
+    """The default call on every model of benchmarks/mesh_search.py (cluster 'cpu', as there), next to the
+    same call with `pipeline=None`: seconds and predicted step of each, and which is faster."""
+    from mesh_search import MODELS, _unpack
+
+    print(f"{'model':13s} {'dev':>3s} {'default s':>9s} {'plan':34s} {'step ms':>9s} | {'pipeline=None s':>15s} {'mesh':12s} {'step ms':>9s}")
+    slowest = 0.0
+    for n in devices:
+        for name, build in MODELS.items():
+            row = []
+            for pipeline in ("multi_node", None):
+                model, inputs, kwargs = _unpack(build())
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    t0 = time.perf_counter()
+                    plan = meshplan.plan(model, n, inputs, example_kwargs=kwargs, cluster="cpu", pipeline=pipeline)
+                    row.append((time.perf_counter() - t0, plan))
+            (s1, p1), (s2, p2) = row
+            slowest = max(slowest, s1)
+            shape = f"{p1.mesh.shape}" + (f" pp {p1.pipeline.degree} {p1.pipeline.schedule}" if p1.pipeline else "")
+            print(f"{name:13s} {n:3d} {s1:9.1f} {shape:34s} {p1.step_time_s * 1e3:9.3f} | {s2:15.1f} {str(p2.mesh.shape):12s} "
+                  f"{p2.step_time_s * 1e3:9.3f}", flush=True)
+    print(f"slowest default call: {slowest:.1f} s (target <= 60 s): {'met' if slowest <= 60 else 'NOT met'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", nargs="+", choices=sorted(CASES))
+    ap.add_argument("--zoo", type=int, nargs="*", metavar="DEVICES",
+                    help="instead: the default call on benchmarks/mesh_search.py's models at these device counts (default 8 64)")
     args = ap.parse_args()
+    if args.zoo is not None:
+        zoo(args.zoo or [8, 64])
+        return
     for case in args.only or list(CASES):
         run(case, args.runs)
 

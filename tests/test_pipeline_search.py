@@ -121,3 +121,45 @@ def test_search_is_exact_over_its_space():
     assert all(f.solves == 0 for f in fixed)
     assert min(f.step_s for f in (r.best for r in fixed)) == free.best.step_s
     assert all(f.best.step_s >= free.best.step_s for f in fixed)
+
+
+def test_profiles_of_the_cut_model_price_like_the_whole_model():
+    """plan_pipeline solves stage profiles on the model cut to three blocks and stretches them: the search
+    picks the configuration and predicts the step that profiles of the whole model give."""
+    from meshplan.ir.trace import trace
+    from meshplan.planner.pipeline import search
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=8, hidden=64, heads=4, vocab_size=128, seq_len=32))
+    x = torch.randint(0, 128, (16, 32))
+    opts = PipelineOptions(tensor_degrees=(1, 2, 4), microbatch_sizes=(1, 2), stage_plan=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cut = plan_pipeline(model, 16, (x,), cluster=get_cluster("h100"), options=opts)
+        whole = search(lambda n: trace(model, (x[:n],)), 16, 16, get_cluster("h100"), opts)
+    assert (cut.best.tensor, cut.best.pipeline, cut.best.data, cut.best.micro) == (
+        whole.best.tensor, whole.best.pipeline, whole.best.data, whole.best.micro)
+    assert cut.best.pipe.schedule == whole.best.pipe.schedule
+    assert cut.best.step_s == pytest.approx(whole.best.step_s, rel=1e-3)
+
+
+def test_default_call_searches_pipelines_only_across_nodes():
+    from meshplan import plan
+    from meshplan.api import multi_node_pipeline
+
+    h100 = get_cluster("h100")
+    assert multi_node_pipeline(16, None, "auto", False, h100) == "auto"
+    assert multi_node_pipeline(8, None, "auto", False, h100) is None  # one node
+    assert multi_node_pipeline((2, 8), None, "auto", False, h100) is None  # a mesh given
+    assert multi_node_pipeline(16, (2, 8), "auto", False, h100) is None
+    assert multi_node_pipeline(16, None, "semi_auto", True, h100) is None
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=4, hidden=32, vocab_size=64))
+    x = torch.randint(0, 64, (16, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert plan(model, 16, (x,), cluster="h100").pipeline is not None
+        assert plan(model, 16, (x,), cluster="h100", pipeline=None).pipeline is None
+        assert plan(model, 8, (x,), cluster="h100").pipeline is None
+        with pytest.raises(ValueError, match=r"cluster 'h100' \(80 GiB per device\).*cluster="):
+            plan(model, 16, (x,), cluster="h100", memory_budget="64KiB")

@@ -23,11 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
+from torch.utils import _pytree as pytree
 
 from meshplan.cost_model.collectives import collective_time
 from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES
 from meshplan.cost_model.memory import MemoryBreakdown
-from meshplan.cost_model.presets import ClusterPreset
+from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
 from meshplan.cost_model.schedules import SCHEDULES, check_schedule, chunks_per_device, in_flight, schedule_time
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
@@ -335,7 +337,9 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
     if not cands:
         raise ValueError(
             f"no pipeline configuration of {devices} devices fits the memory budget of {budget / 2**30:.1f} GiB per device "
-            f"for batch {batch}" + (f" with (tensor, pipeline, data) = {fixed}" if fixed else "")
+            f"for batch {batch}" + (f" with (tensor, pipeline, data) = {fixed}" if fixed else "") +
+            f"; planned for cluster {cluster.name!r} ({cluster.device.memory_bytes / 2**30:.0f} GiB per device): plan for the "
+            f"hardware you run on with cluster= ({', '.join(sorted(CLUSTERS))}), or give memory_budget=, more devices or a smaller batch"
         )
     best = min(cands, key=lambda c: (c.step_s, c.pipe.peak_memory))
     best = replace(best, pipe=replace(best.pipe, pinned=tuple(sorted(options.stage_config.items()))))
@@ -382,8 +386,8 @@ def pipeline_options(pipeline: int | str | PipelineOptions, stage_config: dict |
 def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: ClusterPreset, options: PipelineOptions | None = None,
                   example_kwargs: dict | None = None, fixed: tuple[int, int, int] | None = None,
                   precision: MixedPrecision | None = None) -> PipelineResult:
-    """Trace `model` (with `precision`'s casts) at each microbatch size the search asks for (inputs sliced
-    along dim 0) and search.
+    """Trace `model` (with `precision`'s casts) at each microbatch size the search asks for (inputs, and
+    keyword tensors of the same batch, sliced along dim 0) and search.
 
     `stage_config` pins may also come from `pipeline_stage` attributes on submodules."""
     from meshplan.ir.repeat import repeated_stacks, truncated
@@ -403,9 +407,11 @@ def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: Cluste
         if (n, cut) not in cache:
             if n > batch:
                 raise ValueError(f"a microbatch of {n} samples does not fit in the example batch of {batch}")
+            # every tensor with the batch as its first dim is a microbatch's slice (inputs, and labels among the kwargs)
+            inputs, kwargs = pytree.tree_map_only(torch.Tensor, lambda x: x[:n] if x.dim() and x.shape[0] == batch else x,
+                                                  (example_inputs, example_kwargs or {}))
             with truncated(model, stacks if cut else []):
-                cache[n, cut] = trace(model, tuple(x[:n] for x in example_inputs), example_kwargs, precision=precision,
-                                      copy_repeated=not cut)
+                cache[n, cut] = trace(model, inputs, kwargs, precision=precision, copy_repeated=not cut)
         return cache[n, cut]
 
     short = (lambda n: traced(n, True), stacks[0].path, stacks[0].length) if len(stacks) == 1 else None

@@ -98,9 +98,16 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
         a = acc[unit.get(t.consumer, POST)]
         a["time"] += t.time_s
         a["act"] += transfer_memory(graph.meta(_ref(t.tensor)), t.src, t.dst, consumer, shape)
+    # gradient sync as the plan prices it, in buckets (a bucket's all-reduce latency included), shared among
+    # the bucket's parameters by bytes; a parameter's own `time_s` prices it alone, without that latency
+    sync = {p.node: p.time_s for p in plan.params}
+    sizes = {p.node: local_bytes(graph[p.node].out, p.layout, shape) for p in plan.params}
+    for b in plan.buckets:
+        for name in b.params:
+            sync[name] = b.time_s * sizes[name] / b.nbytes if b.nbytes else b.time_s / len(b.params)
     for p in plan.params:
         node = graph[p.node]
-        nbytes = local_bytes(node.out, p.layout, shape)
+        nbytes = sizes[p.node]
         static, grad = nbytes, 0
         if not p.is_buffer and node.grad(0):
             grad = nbytes
@@ -110,7 +117,7 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
             acc[u]["static"] += static
             acc[u]["grad"] += grad
             acc[u]["param"] += nbytes
-            acc[u]["sync"] += p.time_s + p.optimizer_s
+            acc[u]["sync"] += sync[p.node] + p.optimizer_s
             if len(users) > 1:
                 acc[u]["shared"][p.node] = (static, grad)
     # the activation crossing from one unit to the next: outputs consumed in a later unit
