@@ -184,7 +184,7 @@ def plan(
                              f"got devices={devices!r}, mesh_shape={mesh_shape!r}, mode={mode!r}"
                              f"{', layout annotations' if annotated else ''}; pass pipeline=None to plan without one")
         budget = None if memory_budget is None else float(parse_bytes(memory_budget))
-        opts = pipeline_options("auto" if pipeline is None else pipeline, stage_config, optimizer, budget)
+        opts = pipeline_options("auto" if pipeline is None else pipeline, stage_config, optimizer, budget, float(time_limit_s))
         inputs_ = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         return plan_pipeline(model, devices, inputs_, cluster=cluster_preset, options=opts, example_kwargs=example_kwargs,
                              precision=precision).plan

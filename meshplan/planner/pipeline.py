@@ -71,6 +71,8 @@ class PipelineOptions:
     """Bytes per device; None: the cluster device's memory."""
     recompute: bool | None = None
     """Force recomputation on (True) or off (False) in every stage; None: only where memory needs it."""
+    time_limit_s: float = 60.0
+    """Seconds each intra-op solve may take (`meshplan.plan(time_limit_s=)`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -267,7 +269,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
     def solve_at(graph: Graph, mesh: tuple[int, ...], explain: bool) -> Plan:
         nonlocal solves
         solves += 1
-        plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, alternatives=explain)
+        plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, alternatives=explain,
+                                   time_limit_s=options.time_limit_s)
         return make_plan(graph, MeshSpec(mesh), cluster, plan_options, model_name=model_name)
 
     def short_profile(mesh: tuple[int, ...], n: int) -> list[Unit] | None:
@@ -348,6 +351,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         # the runtime's plan: the stage sub-mesh (d, t) at the data-parallel microbatch d b
         mesh = tuple(x for x in (best.data, best.tensor) if x > 1) or (1,)
         plan = plan_of(mesh, best.data * best.micro)
+        if options.layers is None:
+            best = _priced_by(best, plan, graph_at(best.data * best.micro), cluster, budget, options)
         mesh_names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if best.tensor > 1 else ("dp",))
         plan = replace(plan, mesh=MeshSpec(plan.mesh.shape, mesh_names), pipeline=best.pipe,
                        model_flops=plan.model_flops * best.pipe.microbatches)  # the graph is one microbatch
@@ -355,6 +360,20 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             plan = with_stage_recompute(plan, graph_at(best.data * best.micro))
     log.info("pipeline search: %d candidates, %d solves, %.1f s", considered, solves, time.perf_counter() - t0)
     return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves)
+
+
+def _priced_by(best: Candidate, plan: Plan, graph: Graph, cluster: ClusterPreset, budget: float, options: PipelineOptions) -> Candidate:
+    """`best` priced from `plan`, the runtime's plan of its stage sub-mesh (d, t): that plan's own layouts,
+    gradient buckets over both axes and memory, where the search priced a (t,) profile plus a data-parallel
+    all-reduce. The cuts are chosen again on those units; if none fits the budget the search's pricing stays."""
+    units = profile_units(graph, plan, options.optimizer)
+    real = evaluate(units, p=best.pipeline, d=best.data, t=best.tensor, m=best.pipe.microbatches, schedule=best.pipe.schedule,
+                    cluster=cluster, budget=budget, virtual=options.virtual, pins=_pins(units, options.stage_config), dp_in_profile=True,
+                    recompute=options.recompute)
+    if real is None:
+        log.warning("the stage plan of %s does not fit the budget with the searched cuts; its step is the search's estimate", best)
+        return best
+    return replace(best, pipe=replace(real, pinned=best.pipe.pinned))
 
 
 def with_stage_recompute(plan: Plan, graph: Graph) -> Plan:
@@ -369,7 +388,8 @@ def with_stage_recompute(plan: Plan, graph: Graph) -> Plan:
     return replace(plan, recompute=tuple(dict.fromkeys(plan.recompute + layers)), transfers=transfers)
 
 
-def pipeline_options(pipeline: int | str | PipelineOptions, stage_config: dict | None, optimizer: str, memory_budget: float | None) -> PipelineOptions:
+def pipeline_options(pipeline: int | str | PipelineOptions, stage_config: dict | None, optimizer: str, memory_budget: float | None,
+                     time_limit_s: float = 60.0) -> PipelineOptions:
     """`meshplan.plan(..., pipeline=)`: 'auto' searches every degree, an int fixes it, PipelineOptions says everything."""
     if isinstance(pipeline, PipelineOptions):
         options = pipeline
@@ -380,7 +400,8 @@ def pipeline_options(pipeline: int | str | PipelineOptions, stage_config: dict |
     else:
         raise ValueError(f"pipeline={pipeline!r} is not supported; give 'auto', a pipeline degree >= 1, or a PipelineOptions")
     pins = dict(options.stage_config) | dict(stage_config or {})
-    return replace(options, stage_config=pins, optimizer=optimizer, memory_budget=options.memory_budget if memory_budget is None else memory_budget)
+    return replace(options, stage_config=pins, optimizer=optimizer, memory_budget=options.memory_budget if memory_budget is None else memory_budget,
+                   time_limit_s=time_limit_s)
 
 
 def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: ClusterPreset, options: PipelineOptions | None = None,
