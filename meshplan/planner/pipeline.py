@@ -351,8 +351,6 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         # the runtime's plan: the stage sub-mesh (d, t) at the data-parallel microbatch d b
         mesh = tuple(x for x in (best.data, best.tensor) if x > 1) or (1,)
         plan = plan_of(mesh, best.data * best.micro)
-        if options.layers is None:
-            best = _priced_by(best, plan, graph_at(best.data * best.micro), cluster, budget, options)
         mesh_names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if best.tensor > 1 else ("dp",))
         plan = replace(plan, mesh=MeshSpec(plan.mesh.shape, mesh_names), pipeline=best.pipe,
                        model_flops=plan.model_flops * best.pipe.microbatches)  # the graph is one microbatch
@@ -360,20 +358,6 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             plan = with_stage_recompute(plan, graph_at(best.data * best.micro))
     log.info("pipeline search: %d candidates, %d solves, %.1f s", considered, solves, time.perf_counter() - t0)
     return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves)
-
-
-def _priced_by(best: Candidate, plan: Plan, graph: Graph, cluster: ClusterPreset, budget: float, options: PipelineOptions) -> Candidate:
-    """`best` priced from `plan`, the runtime's plan of its stage sub-mesh (d, t): that plan's own layouts,
-    gradient buckets over both axes and memory, where the search priced a (t,) profile plus a data-parallel
-    all-reduce. The cuts are chosen again on those units; if none fits the budget the search's pricing stays."""
-    units = profile_units(graph, plan, options.optimizer)
-    real = evaluate(units, p=best.pipeline, d=best.data, t=best.tensor, m=best.pipe.microbatches, schedule=best.pipe.schedule,
-                    cluster=cluster, budget=budget, virtual=options.virtual, pins=_pins(units, options.stage_config), dp_in_profile=True,
-                    recompute=options.recompute)
-    if real is None:
-        log.warning("the stage plan of %s does not fit the budget with the searched cuts; its step is the search's estimate", best)
-        return best
-    return replace(best, pipe=replace(real, pinned=best.pipe.pinned))
 
 
 def with_stage_recompute(plan: Plan, graph: Graph) -> Plan:
