@@ -125,3 +125,17 @@ def test_plan_file_for_another_world_and_checkpoint_of_another_model(tmp_path):
                            "shape (layers.0.bias: [64] in the checkpoint, [32] here; layers.0.weight: [64, 32] in the checkpoint, "
                            "[32, 32] here; layers.1.bias: [64] in the checkpoint, [32] here; ...)")
     assert messages[2] == f"checkpoint {tmp_path / 'ckpt'} holds Adam state but the optimizer is SGD"
+
+
+def test_model_on_another_device_than_the_ranks_is_refused():
+    """auto_parallelize checks this before planning: a CUDA model (a fake one here) on a gloo (CPU) rank."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from meshplan.runtime.parallel_module import check_model_device
+
+    with FakeTensorMode():
+        tensors = {"fc.weight": torch.empty(4, 4, device="cuda"), "fc.bias": torch.empty(4, device="cuda")}
+    with pytest.raises(ValueError, match=r"weight is on cuda:0 but this rank runs on cpu .*move the model to the CPU first"):
+        check_model_device(tensors, torch.device("cpu"))
+    with torch.device("meta"):
+        check_model_device(dict(torch.nn.Linear(4, 4).named_parameters()), torch.device("cpu"))  # meta: materialised per rank

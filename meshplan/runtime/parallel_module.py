@@ -288,8 +288,9 @@ def check_model_device(tensors: dict[str, torch.Tensor], device: torch.device) -
     """The model's real tensors must be on the host or on this rank's device (they are copied there)."""
     for fqn, t in tensors.items():
         if t.device.type not in ("cpu", "meta") and t.device != device:
+            where = "the CPU" if device.type == "cpu" else f"the CPU or to {device}"
             raise ValueError(f"{fqn} is on {t.device} but this rank runs on {device} (from the process group's backend "
-                             f"and the current device); move the model to the CPU or to {device} first")
+                             f"and the current device); move the model to {where} first")
 
 
 def group_device(group=None) -> torch.device:
