@@ -7,9 +7,10 @@ device count, plans every mesh of up to 3 axes that `meshplan.plan(model, device
 in the same order and with the same starts (the coarser meshes' plans), and prints per mesh:
 strategies, layout pairs, the MIP's variables and rows (of the last solve, for a search one axis
 at a time), how it was searched (exact MIP, or one axis at a time), solver status,
-gap, seconds and the predicted step. Then the default call itself (`meshplan.plan(model,
-devices=N)`, trace included) with its chosen mesh, and whether that plan is the fastest of the
-per-mesh solves. Targets: no mesh over 30 s; llama_small on 8 devices <= 15 s (the default call,
+gap, seconds and the predicted step. Then the mesh search as a call (`meshplan.plan(model,
+devices=N, pipeline=None)`, trace included: across nodes the default call searches pipelines
+instead, which `benchmarks/planning_time.py --zoo` times) with its chosen mesh, and whether that
+plan is the fastest of the per-mesh solves. Targets: no mesh over 30 s; llama_small on 8 devices <= 15 s (the default call,
 here without the CLI's import time).
 """
 
@@ -124,7 +125,7 @@ def per_mesh(name: str, devices: int, cluster) -> list[dict]:
 def default_call(name: str, devices: int) -> tuple[float, object]:
     model, inputs, kwargs = _unpack(MODELS[name]())
     began = time.perf_counter()
-    plan = meshplan.plan(model, devices, inputs, example_kwargs=kwargs, cluster="cpu")
+    plan = meshplan.plan(model, devices, inputs, example_kwargs=kwargs, cluster="cpu", pipeline=None)
     return time.perf_counter() - began, plan
 
 
@@ -155,7 +156,7 @@ def main() -> None:
             best = min((r["step_ms"] for r in rows if r["step_ms"] == r["step_ms"]), default=float("nan"))
             same = abs(plan.step_time_s * 1e3 - best) <= 1e-9 * max(best, 1.0)
             summary.append((name, n, seconds, plan.mesh.shape, plan.step_time_s * 1e3, best, same, len(plan.solver.skipped)))
-    print("\ndefault call meshplan.plan(model, devices=N), trace included:")
+    print("\nthe mesh search as a call, meshplan.plan(model, devices=N, pipeline=None), trace included:")
     print(f"{'model':13s} {'dev':>3s} {'seconds':>8s} {'mesh':12s} {'step ms':>10s} {'best mesh ms':>12s} {'same':>5s} {'skipped':>7s}")
     for name, n, seconds, shape, step, best, same, skipped in summary:
         print(f"{name:13s} {n:3d} {seconds:8.2f} {str(shape):12s} {step:10.4f} {best:12.4f} {str(same):>5s} {skipped:7d}")
