@@ -1,5 +1,6 @@
 """benchmarks/vs_baselines.py --quick runs end to end: every method trains with single-process parity;
-benchmarks/mesh_search.py --quick plans every mesh of the default search; benchmarks/gpu_check.py runs on the CPU.
+benchmarks/mesh_search.py --quick plans every mesh of the default search; benchmarks/planning_time.py times a default
+call by part; benchmarks/gpu_check.py runs on the CPU.
 
 Speed targets live in the benchmark's output, not here: this only checks that it runs, that every
 method's first losses match the single-process run, and that it prints its ratio lines.
@@ -39,15 +40,27 @@ def test_vs_baselines_quick_runs_with_parity():
 
 
 def test_mesh_search_quick_plans_every_mesh_and_the_default_call_keeps_the_fastest():
-    """benchmarks/mesh_search.py --quick: the MLP on every mesh of 8 devices, one row each, and the default call's plan
-    is the fastest of them (the script exits non-zero otherwise)."""
+    """benchmarks/mesh_search.py --quick: the MLP on every mesh of 8 devices, one row each ((4, 2) is (2, 4) reordered
+    inside a node), and the mesh search's plan is the fastest of them (the script exits non-zero otherwise)."""
     proc = subprocess.run([sys.executable, "benchmarks/mesh_search.py", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
     rows = re.findall(r"^mlp_small\s+8 (\([0-9, ]+\))\s.*\b(optimal|feasible|local)\b", out, re.M)
-    assert [mesh for mesh, _ in rows] == ["(8,)", "(2, 4)", "(4, 2)", "(2, 2, 2)"], out
+    assert [mesh for mesh, _ in rows] == ["(8,)", "(2, 4)", "(2, 2, 2)"], out
     assert re.search(r"^mlp_small\s+8\s+\d+\.\d\d \(.*\)\s+\S+\s+\S+\s+True\s+0$", out, re.M), out
     assert "slowest single mesh:" in out
+
+
+def test_planning_time_prints_the_parts_of_a_default_call():
+    """benchmarks/planning_time.py on meshplan's Llama-3-8B shape (meta tensors) on (8, 8) H100s, one run."""
+    proc = subprocess.run([sys.executable, "benchmarks/planning_time.py", "--only", "own_llama8b", "--runs", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    assert re.search(r"devices=\(8, 8\): \d+\.\d s .* target 60 s -> \d+\.\d\dx \((met|NOT met)\)", out), out
+    parts = re.search(r"trace (\d+\.\d) s, candidates (\d+\.\d) s, tables (\d+\.\d) s, solve (\d+\.\d) s, search (-?\d+\.\d) s", out)
+    assert parts and float(parts.group(1)) > 0 and float(parts.group(4)) > 0, out
+    assert "plan: mesh dp=8 x tp=8, bf16" in out, out
 
 
 def test_gpu_check_runs_its_steps_on_the_cpu(tmp_path):
