@@ -168,6 +168,10 @@ def _inline_regions(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+_DECOMPOSITIONS: dict[tuple, fx.GraphModule] = {}
+"""(op, static args, argument structure, tensor shapes/strides/dtypes/devices) -> its traced decomposition."""
+
+
 @functools.lru_cache(maxsize=1)
 def _decomposition_table() -> dict:
     table = dict(torch.export.default_decompositions().items())
@@ -181,13 +185,18 @@ def _decompose_in_place(gm: fx.GraphModule) -> bool:
     each distinct (op, shapes, static args) once and splice copies of it in: repeated layers ask
     for the same decompositions, and retracing the whole program was over half of the trace time.
 
+    The templates are kept between traces: the pipeline search traces one model at several
+    microbatch sizes, whose weight-only ops (casts, transposes) decompose alike.
+
     Returns False, changing nothing, when the graph mutates tensors (functionalisation needs the
     whole-program pass)."""
     table = _decomposition_table()
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
     if any(n.target._schema.is_mutable for n in calls):
         return False
-    templates: dict[tuple, fx.GraphModule] = {}
+    templates = _DECOMPOSITIONS
+    if len(templates) > 4096:
+        templates.clear()
     for node in calls:
         if node.target in KEEP_WHOLE or (node.target not in table and not _composite(node.target)):
             continue
@@ -195,7 +204,7 @@ def _decompose_in_place(gm: fx.GraphModule) -> bool:
         tensor_at = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
         metas = [flat[i].meta["val"] for i in tensor_at]
         static = [a if not isinstance(a, fx.Node) else None for a in flat]
-        key = (node.target, repr(static), spec, tuple((tuple(m.shape), tuple(m.stride()), m.dtype) for m in metas))
+        key = (node.target, repr(static), spec, tuple((tuple(m.shape), tuple(m.stride()), m.dtype, m.device) for m in metas))
         if key not in templates:
             def call(*tensors, _flat=flat, _spec=spec, _op=node.target):
                 values = list(_flat)
