@@ -13,6 +13,7 @@ from meshplan.api import auto_parallelize, plan
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
 from meshplan.planner.plan import Plan
 from meshplan.runtime.launch import run_local
+from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
 
 MODELS = {"gpt": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}
@@ -45,7 +46,7 @@ def _rank(rank: int, world: int, model: str, batch: int, steps: int, the_plan: P
     pmodel = auto_parallelize(net, devices=world, example_inputs=(tokens,), plan=the_plan)
     pmodel.reset_collective_counts()
     losses = _train(pmodel, tokens, steps)
-    return losses, pmodel.collective_counts(), {k: v.detach().to_local() for k, v in pmodel.named_parameters()}
+    return losses, pmodel.collective_counts(), {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}
 
 
 def run_demo(devices: int = 4, steps: int = 3, model: str = "gpt", batch: int = 8) -> bool:

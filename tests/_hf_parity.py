@@ -12,6 +12,7 @@ import torch
 import meshplan
 from meshplan.models.hf import hf_model
 from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.local_view import local_of
 
 STEPS = 2
 
@@ -45,7 +46,7 @@ def hf_rank_worker(rank: int, world: int, jobs: list[tuple[str, object]]):
             pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=args, example_kwargs=kwargs, plan=plan)
         pmodel.reset_collective_counts()
         losses = hf_train(pmodel, args, kwargs)
-        params = {k: v.detach().to_local() for k, v in pmodel.named_parameters()}
+        params = {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}
         out.append((losses, pmodel.collective_counts(), params, pmodel.plan.hash()))
     return out
 

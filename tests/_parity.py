@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import meshplan
 from meshplan.models import MLP, GPT, GPTConfig, Llama, LlamaConfig
 from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.local_view import local_of
 
 BATCH = 8
 STEPS = 3
@@ -86,7 +87,7 @@ def rank_worker(rank: int, world: int, name: str, plan):
     pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan)
     pmodel.reset_collective_counts()
     losses = train(pmodel, x, y, name)
-    return losses, pmodel.collective_counts(), {k: v.detach().to_local() for k, v in pmodel.named_parameters()}, pmodel.plan.hash()
+    return losses, pmodel.collective_counts(), {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}, pmodel.plan.hash()
 
 
 def check_parity(name: str, plan, results, *, rtol: float = 1e-4, atol: float = 1e-6) -> None:

@@ -19,7 +19,8 @@ import meshplan
 import meshplan.models
 from meshplan.runtime import checkpoint
 from meshplan.runtime.launch import run_local
-from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import replicated_everywhere, shard_tensor
 
 NAME = "gpt"  # tied embedding: one tensor under two FQNs
 SAVE_AT, MORE = 2, 2
@@ -55,7 +56,7 @@ def _save_worker(rank, world, plan, path):
     before = _steps(pmodel, opt, x, y, SAVE_AT)
     meshplan.save_checkpoint(path, pmodel, opt, step=SAVE_AT, extra={"data": "epoch 0"})
     # the whole tensors as saved, gathered through the DTensor views
-    whole = {k: v.full_tensor().detach().clone() for k, v in checkpoint.model_state_dict(pmodel).items()}
+    whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in checkpoint.model_state_dict(pmodel).items()}
     osd = checkpoint.optimizer_state_dict(pmodel, opt)["state"]
     whole_state = {k: {s: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for s, v in d.items()} for k, d in osd.items()}
     after = _steps(pmodel, opt, x, y, MORE)
@@ -64,8 +65,9 @@ def _save_worker(rank, world, plan, path):
     again = _steps(pmodel, opt, x, y, MORE)
     # whole tensors in, this rank's blocks out
     checkpoint.load_model_state_dict(pmodel, whole)
-    reloaded = {k: v.detach().to_local().clone() for k, v in pmodel.state_dict().items()}
-    return before, after, again, info, whole, whole_state, reloaded
+    reloaded = {k: local_of(v.detach()).clone() for k, v in pmodel.state_dict().items()}
+    dtensors = {isinstance(v, DTensor) for v in pmodel.parameters()} | {isinstance(v, DTensor) for d in opt.state.values() for v in d.values()}
+    return before, after, again, info, whole, whole_state, reloaded, dtensors
 
 
 def _load_worker(rank, world, plan, path):
@@ -76,14 +78,10 @@ def _load_worker(rank, world, plan, path):
     pmodel = meshplan.auto_parallelize(model, example_inputs=(x,), plan=plan)
     opt = torch.optim.Adam(pmodel.parameters(), lr=1e-2)
     info = meshplan.load_checkpoint(path, pmodel, opt)
-    params = {k: v.detach().to_local().clone() for k, v in pmodel.named_parameters()}
-    state = {k: {s: _local(v).clone() for s, v in opt.state[p].items()} for k, p in pmodel.named_parameters()}
+    params = {k: local_of(v.detach()).clone() for k, v in pmodel.named_parameters()}
+    state = {k: {s: local_of(v).clone() for s, v in opt.state[p].items()} for k, p in pmodel.named_parameters()}
     losses = _steps(pmodel, opt, x, y, MORE)
     return info, params, state, losses
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _reference():
@@ -100,7 +98,7 @@ def test_checkpoint_reshards_across_plans_and_world_sizes(tmp_path):
     saved = run_local(4, _save_worker, tp4, path, timeout=600)
     ref_losses = _reference()
     tp4_layouts = {f: p.layout for p in tp4.params for f in p.fqns}
-    for rank, (before, after, again, info, whole, _, reloaded) in enumerate(saved):
+    for rank, (before, after, again, info, whole, _, reloaded, _) in enumerate(saved):
         torch.testing.assert_close(torch.tensor(before + after), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
         assert again == after, "reloading under the same plan must repeat the continuation exactly"
         assert info == checkpoint.CheckpointInfo(step=SAVE_AT, plan_hash=tp4.hash(), mesh_shape=(4,), extra={"data": "epoch 0"})
@@ -135,6 +133,35 @@ def test_checkpoint_reshards_across_plans_and_world_sizes(tmp_path):
         assert torch.equal(plain[fqn], value), fqn
     info = json.loads((tmp_path / "ckpt" / checkpoint.INFO_FILE).read_text())
     assert info["optimizer"]["class"] == "Adam" and info["optimizer"]["param_groups"][0]["lr"] == 1e-2
+
+
+@pytest.mark.multiprocess
+def test_a_data_parallel_plan_keeps_plain_tensors_and_its_checkpoint_loads_under_tensor_parallelism(tmp_path):
+    """A plan that replicates every parameter keeps parameters and optimizer state plain, as DDP does;
+    its checkpoint stores the state as replicated DTensors, so a sharding plan loads it like any other."""
+    model, x, _ = build(NAME)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dp2 = meshplan.plan(model, devices=2, example_inputs=(x,), mesh_shape=(2,), mode="data_parallel")
+    tp2 = _plan((2,), megatron=True)
+    assert replicated_everywhere(dp2) and not replicated_everywhere(tp2)
+    path = str(tmp_path / "ckpt")
+    saved = run_local(2, _save_worker, dp2, path, timeout=600)
+    for before, after, again, info, whole, whole_state, reloaded, dtensors in saved:
+        torch.testing.assert_close(torch.tensor(before + after), torch.tensor(_reference()), rtol=1e-4, atol=1e-6)
+        assert again == after and dtensors == {False}
+        assert all(torch.equal(reloaded[k], whole[k]) for k in whole)
+    saved_params, saved_state = saved[0][4], saved[0][5]
+    assert all(set(d) == {"step", "exp_avg", "exp_avg_sq"} for d in saved_state.values())
+    layouts = {f: p.layout for p in tp2.params for f in p.fqns}
+    assert any(layout != (meshplan.Replicate(),) for layout in layouts.values())
+    for rank, (info, params, state, losses) in enumerate(run_local(2, _load_worker, tp2, path, timeout=600)):
+        for fqn, local in params.items():
+            assert torch.equal(local, shard_tensor(saved_params[fqn], layouts[fqn], tp2.mesh, rank)), (rank, fqn)
+            for key, value in saved_state[fqn].items():
+                want = value if value.dim() == 0 else shard_tensor(value, layouts[fqn], tp2.mesh, rank)
+                assert torch.equal(state[fqn][key], want), (rank, fqn, key)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(saved[0][1]), rtol=1e-4, atol=1e-6)
 
 
 def test_checkpoint_metadata_is_unpickled_safely(tmp_path):

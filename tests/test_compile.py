@@ -16,6 +16,7 @@ from _parity import build, plan_kwargs, run_steps, train
 import meshplan
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.local_view import local_of
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,7 +43,7 @@ def _compiled_worker(rank: int, world: int, plan):
     losses = run_steps(compiled, torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9), x, y, "gpt", STEPS)
     counts = pmodel.collective_counts()
     module_breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # anywhere in the compiled pmodel
-    params = {k: v.detach().to_local() for k, v in pmodel.named_parameters()}
+    params = {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}
 
     # the per-rank program on its own: the arguments ParallelModule passes it, then Dynamo's account of it
     captured = []

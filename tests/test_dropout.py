@@ -15,6 +15,7 @@ from meshplan.models import GPT, GPTConfig
 from meshplan.planner.rules.random import is_random
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
+from meshplan.runtime.local_view import local_of
 
 
 def build():
@@ -58,7 +59,7 @@ def _worker(rank, world, graph, plans):
             torch.manual_seed(1234 + rank)  # ranks start apart; ParallelModule makes them agree
         pmodel = ParallelModule(model, graph, plan)
         losses = train(pmodel, tokens)
-        out[name] = (losses, {k: v.detach().to_local() for k, v in pmodel.named_parameters()})
+        out[name] = (losses, {k: local_of(v.detach()) for k, v in pmodel.named_parameters()})
     return out
 
 

@@ -16,6 +16,7 @@ import meshplan
 from meshplan.ir.trace import trace
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.local_view import local_of
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,11 +44,11 @@ def _accumulating_worker(rank, world, plans):
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan)
         for xb, yb in _batches():  # no zero_grad between the two micro-steps
             loss_fn("gpt", pmodel(xb), yb).backward()
-        accumulated = {k: v.grad.to_local().clone() for k, v in pmodel.named_parameters()}
+        accumulated = {k: local_of(v.grad).clone() for k, v in pmodel.named_parameters()}
         pmodel.zero_grad()
         xb, yb = _batches()[1]
         loss_fn("gpt", pmodel(xb), yb).backward()  # and a single backward after zero_grad is unchanged
-        single = {k: v.grad.to_local().clone() for k, v in pmodel.named_parameters()}
+        single = {k: local_of(v.grad).clone() for k, v in pmodel.named_parameters()}
         out.append((accumulated, single))
     return out
 
@@ -82,7 +83,7 @@ def _pipeline_worker(rank, world, plan):
     x2 = torch.randint(0, 64, x.shape, generator=torch.Generator().manual_seed(7))
     runner.step(x, target=x)
     runner.step(x2, target=x2)
-    return {n: p.grad.to_local().clone() for n, p in runner.named_parameters()}, runner.local
+    return {n: local_of(p.grad).clone() for n, p in runner.named_parameters()}, runner.local
 
 
 def test_two_pipeline_steps_accumulate_like_one_process():

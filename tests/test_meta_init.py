@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from _parity import loss_fn, megatron_layouts
 
 import meshplan
@@ -18,6 +19,7 @@ from meshplan.models import GPT, GPTConfig
 from meshplan.models.hf import hf_llama
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.local_view import local_of
 
 SEED = 5
 STEPS = 3
@@ -25,6 +27,11 @@ TOKENS = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(
 LLAMA_TP = {"*.q_proj.weight": "S(0)", "*.k_proj.weight": "S(0)", "*.v_proj.weight": "S(0)", "*.gate_proj.weight": "S(0)",
             "*.up_proj.weight": "S(0)", "*.o_proj.weight": "S(1)", "*.down_proj.weight": "S(1)"}
 FSDP = {"*": "S(0)"}  # every parameter and buffer stored sharded, gathered where it is used
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a parameter (a DTensor, or a plain tensor under a data-parallel plan)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _gpt_reference():
@@ -89,7 +96,7 @@ def _worker(rank, world, jobs, path):
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=args, example_kwargs=kwargs, weights=weights,
                                            **_plan_kwargs(kind, name))
         assert all(p.device.type == "cpu" for p in pmodel.parameters())
-        shards = {k: v.detach().to_local().clone() for k, v in pmodel.state_dict().items()}
+        shards = {k: local_of(v.detach()).clone() for k, v in pmodel.state_dict().items()}
         layouts = {f: p.layout for p in pmodel.plan.params for f in p.fqns}
         losses = _sgd(pmodel, _gpt_step if name == "gpt" else _llama_step)
         out[(name, kind, source)] = (shards, layouts, pmodel.plan.mesh, losses)
@@ -150,7 +157,7 @@ def _bad_worker(rank, world, path, other):
     # an init_fn that covers it
     pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), mode="data_parallel",
                                        init_fn=lambda m: (m.lin.reset_parameters(), torch.nn.init.ones_(m.scale)))
-    assert torch.equal(pmodel.scale.full_tensor(), torch.ones(8))
+    assert torch.equal(_whole(pmodel.scale), torch.ones(8))
     torch.manual_seed(rank)  # different seeds: replicas would differ
     with torch.device("meta"):
         model = GPT(GPTConfig())
@@ -193,11 +200,11 @@ def _checkpoint_worker(rank, world, path):
     pmodel = meshplan.auto_parallelize(GPT(GPTConfig()), devices=world, example_inputs=(TOKENS,), **_plan_kwargs("tp", "gpt"))
     _sgd(pmodel, _gpt_step)
     meshplan.save_checkpoint(path, pmodel)
-    saved = {k: v.full_tensor() for k, v in pmodel.state_dict().items()}
+    saved = {k: _whole(v) for k, v in pmodel.state_dict().items()}
     with torch.device("meta"):
         model = GPT(GPTConfig())
     loaded = meshplan.auto_parallelize(model, devices=world, example_inputs=(TOKENS,), weights=path, **_plan_kwargs("fsdp", "gpt"))
-    return all(torch.equal(v.full_tensor(), saved[k]) for k, v in loaded.state_dict().items()), set(saved) == set(loaded.state_dict())
+    return all(torch.equal(_whole(v), saved[k]) for k, v in loaded.state_dict().items()), set(saved) == set(loaded.state_dict())
 
 
 @pytest.mark.multiprocess
@@ -226,7 +233,7 @@ def _pipeline_worker(rank, world, plan, path):
         torch.manual_seed(SEED)
         runner = meshplan.auto_parallelize(model, example_inputs=(TOKENS,), plan=plan, weights=path if source == "file" else None,
                                            loss_fn=lambda out, y: loss_fn("gpt", out, y))
-        shards = {k: v.detach().to_local().clone() for k, v in runner.state_dict().items()}
+        shards = {k: local_of(v.detach()).clone() for k, v in runner.state_dict().items()}
         opt = torch.optim.SGD(runner.parameters(), lr=0.1)
         losses = []
         for _ in range(STEPS):

@@ -34,6 +34,7 @@ from meshplan.ir.precision import MixedPrecision
 from meshplan.ir.trace import trace
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.local_view import local_of
 
 STEPS = 3
 CURVE_STEPS = 20
@@ -103,7 +104,7 @@ def _worker(rank, world, plans):
             pmodel(tokens)
         losses, grads = train(pmodel, batches(steps), steps)
         dtypes = {k: v.dtype for k, v in pmodel.named_parameters()}
-        out[name] = (losses, grads, {k: v.detach().to_local() for k, v in pmodel.named_parameters()}, dtypes, matmuls.seen)
+        out[name] = (losses, grads, {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}, dtypes, matmuls.seen)
     return out
 
 
@@ -228,7 +229,7 @@ def _pipeline_worker(rank, world, plans):
             opt.step()
             opt.zero_grad()
         out[schedule] = ([None if x is None else float(x) for x in losses], hoisted,
-                         {k: v.detach().to_local() for k, v in runner.named_parameters()})
+                         {k: local_of(v.detach()) for k, v in runner.named_parameters()})
     return out
 
 

@@ -20,6 +20,7 @@ from meshplan.ir.trace import trace
 from meshplan.planner.plan import Plan
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
+from meshplan.runtime.local_view import local_of
 
 @functools.lru_cache(maxsize=1)
 def _traced():
@@ -117,7 +118,7 @@ def _worker(rank, world, graph, plans):
         pmodel = ParallelModule(model, graph, plan)
         pmodel.reset_collective_counts()
         losses = train(pmodel, tokens)
-        out[name] = (losses, pmodel.collective_counts(), {k: v.detach().to_local() for k, v in pmodel.named_parameters()})
+        out[name] = (losses, pmodel.collective_counts(), {k: local_of(v.detach()) for k, v in pmodel.named_parameters()})
     return out
 
 

@@ -13,6 +13,7 @@ from meshplan.cost_model.estimate import optimizer_step_time
 from meshplan.cost_model.offload import offload_step_time
 from meshplan.cost_model.presets import get_cluster
 from meshplan.runtime.launch import run_local
+from meshplan.runtime.local_view import local_of
 
 
 def _plan(**kw):
@@ -69,15 +70,15 @@ def _worker(rank, world, plans, path):
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         losses = run_steps(pmodel, opt, x, y, "gpt", STEPS)
         schedule.step()
-        state = {k: {s: v.to_local().clone() for s, v in opt.state[t].items() if s != "step"}
+        state = {k: {s: local_of(v).clone() for s, v in opt.state[t].items() if s != "step"}
                  for k, t in (dict(pmodel.named_parameters()) | pmodel.offload_copies).items()}
         if i == 0:  # the offloading run saves its checkpoint ...
             meshplan.save_checkpoint(path, pmodel, opt, step=STEPS)
         else:  # ... which loads into the plan that keeps its state on the device
             meshplan.load_checkpoint(path, pmodel, opt)
-            state = {k: {s: v.to_local().clone() for s, v in opt.state[t].items() if s != "step"}
+            state = {k: {s: local_of(v).clone() for s, v in opt.state[t].items() if s != "step"}
                      for k, t in pmodel.named_parameters()}
-        out.append((losses, {k: v.detach().to_local() for k, v in pmodel.named_parameters()}, state))
+        out.append((losses, {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}, state))
     return out
 
 

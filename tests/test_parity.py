@@ -12,6 +12,7 @@ from _parity import build, check_parity, plan_kwargs, rank_worker, train
 
 import meshplan
 from meshplan.runtime.launch import run_local
+from meshplan.runtime.local_view import local_of
 
 pytestmark = pytest.mark.multiprocess
 
@@ -71,7 +72,7 @@ def _local_inputs_worker(rank, world, plan):
     rows = slice(rank * x.shape[0] // world, (rank + 1) * x.shape[0] // world)
     pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan)
     losses = train(pmodel, x[rows], y[rows], "mlp")  # each rank loads only its slice
-    return losses, {k: v.detach().to_local() for k, v in pmodel.named_parameters()}
+    return losses, {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}
 
 
 def test_local_inputs_train_like_the_whole_batch():

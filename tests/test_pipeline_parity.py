@@ -24,6 +24,7 @@ from meshplan.models import GPT, GPTConfig
 from meshplan.planner.pipeline_plan import PipelinePlan, PipelineStage
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.local_view import local_of
 
 from _parity import megatron_layouts
 
@@ -90,17 +91,25 @@ def worker(rank, world, plans, searched=None):
             norms.append(float(runner.clip_grad_norm_(MAX_NORM)))  # over both pipeline ranks' gradients
             opt.step()
             losses.append(None if loss is None else float(loss))
-        params = {n: p.detach().to_local().clone() for n, p in runner.named_parameters()}
+        params = {n: local_of(p.detach()).clone() for n, p in runner.named_parameters()}
         checkpointed = sum(isinstance(m, Recomputed) for st in runner.modules.values() for m in st.modules())
-        out.append((losses, params, runner.local, runner.collective_counts(), runner.expected_collectives(), checkpointed, norms))
+        out.append((losses, params, runner.local, runner.collective_counts(), runner.expected_collectives(), checkpointed, norms,
+                    _overlap(runner, searched, params)))
     for plan in plans:
         model, x = data()
         runner = PipelineRunner(model, trace(model, (x[: BATCH // plan.pipeline.microbatches],)), plan, loss_fn)
         runner.reset_collective_counts()
         loss = runner.step(x, target=x)
-        grads = {n: p.grad.to_local().clone() for n, p in runner.named_parameters()}
-        out.append((None if loss is None else float(loss), grads, runner.local, runner.collective_counts(), runner.expected_collectives()))
+        grads = {n: local_of(p.grad).clone() for n, p in runner.named_parameters()}
+        out.append((None if loss is None else float(loss), grads, runner.local, runner.collective_counts(), runner.expected_collectives(),
+                    _overlap(runner, plan, grads)))
     return out
+
+
+def _overlap(runner, plan, held_fqns) -> tuple[int, int]:
+    """(buckets whose all-reduce started while the schedule still ran, buckets this rank holds): all of them should."""
+    held = {prm.node for prm in plan.params if prm.fqns[0] in held_fqns}
+    return runner.overlapped_buckets, sum(1 for b in plan.buckets if held & set(b.params))
 
 
 def check(plans, results):
@@ -117,7 +126,8 @@ def check(plans, results):
             assert abs(got - ref_loss.item()) < 1e-5, (what, got, ref_loss.item())
         seen = set()
         for rank, r in enumerate(results):
-            _, grads, local, counts, expected = r[i]
+            _, grads, local, counts, expected, (overlapped, buckets) = r[i]
+            assert overlapped == buckets, f"{what} rank {rank}: {overlapped} of {buckets} buckets overlapped the schedule"
             for name, g in grads.items():
                 want = shard_tensor(ref[name], layouts[name], plan.mesh, local)
                 torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what} rank {rank} {name}: {m}")
@@ -154,7 +164,8 @@ def check_searched(plan, results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     seen = set()
     for rank, r in enumerate(results):
-        _, params, local, counts, expected, _, norms = r[0]
+        _, params, local, counts, expected, _, norms, (overlapped, buckets) = r[0]
+        assert overlapped == buckets, f"searched plan rank {rank}: {overlapped} of {buckets} buckets overlapped the schedule"
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"searched plan rank {rank} clip norms: {m}")
         for name, v in params.items():
@@ -167,6 +178,7 @@ def check_searched(plan, results):
         want = len([u for u in stage.units if u in plan.recompute]) if stage.recompute else 0
         assert r[0][5] == want, (rank, r[0][5], plan.recompute)
     assert seen == set(ref), set(ref) ^ seen
+    assert any(r[0][7][1] for r in results), "no rank holds a bucket to overlap: the overlap check would be vacuous"
 
 
 @pytest.mark.multiprocess

@@ -16,6 +16,7 @@ from meshplan.ir.trace import trace
 from meshplan.models.resnet import ResNet
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
+from meshplan.runtime.local_view import local_of
 
 STEPS = 3
 BN = "aten._native_batch_norm_legit_functional.default"
@@ -93,7 +94,7 @@ def _worker(rank, world, graph, plans):
         pmodel = ParallelModule(model, graph, plan)
         pmodel.reset_collective_counts()
         losses = train(pmodel, x, y)
-        out[name] = (losses, pmodel.collective_counts(), {k: v.detach().to_local().clone() for k, v in pmodel.state_dict().items()})
+        out[name] = (losses, pmodel.collective_counts(), {k: local_of(v.detach()).clone() for k, v in pmodel.state_dict().items()})
     return out
 
 

@@ -24,6 +24,7 @@ from meshplan.models import GPT, GPTConfig
 from meshplan.models.resnet import ResNet
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
+from meshplan.runtime.local_view import local_of
 
 MICRO = 2
 STEPS = 2
@@ -94,7 +95,7 @@ def _worker(rank, world, graph, plans):
         pmodel = ParallelModule(model, graph, plan)
         counts = _Counts(pmodel)
         losses, norms, grads, inferred = train(pmodel, data, no_sync=pmodel.no_sync, counts=counts)
-        params = {k: v.detach().to_local() for k, v in pmodel.named_parameters()}
+        params = {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}
         out[name] = (losses, norms, grads, params, inferred, counts.log)
     return out
 
@@ -178,7 +179,7 @@ def _eval_worker(rank, world, kinds):
             warnings.simplefilter("ignore")
             pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), mesh_shape=(world,), **kw)
         losses, evaluated = _eval_loop(name, pmodel, x)
-        out[(name, kind)] = (losses, evaluated, {k: v.to_local() for k, v in pmodel.state_dict().items() if "running" in k})
+        out[(name, kind)] = (losses, evaluated, {k: local_of(v) for k, v in pmodel.state_dict().items() if "running" in k})
     return out
 
 

@@ -2,7 +2,9 @@
 
 A `ParallelModule` holds each parameter and buffer as a DTensor on the plan's DeviceMesh, and a
 `PipelineRunner` on its stage's sub-mesh (a torch optimizer keeps its state in DTensors of the same
-layout), so DCP records where every shard sits in the whole tensor. A checkpoint saved under one
+layout), so DCP records where every shard sits in the whole tensor. Under a data-parallel plan they
+are plain whole tensors (`parallel_module.replicated_everywhere`); their optimizer state is saved
+as replicated DTensors, so the checkpoint looks the same. A checkpoint saved under one
 plan (tp=4, or a pipeline, say) therefore loads under any other plan of the same model (dp=2 x tp=2,
 another world size, with or without a pipeline): DCP reads the overlapping pieces.
 
@@ -33,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from meshplan.ir.placement import Partial, to_dtensor
 from meshplan.planner.plan import ParamChoice
+from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
 
 __all__ = [
@@ -79,7 +82,8 @@ def _by_fqn(pmodel) -> dict[str, ParamChoice]:
 
 
 def model_state_dict(pmodel) -> dict[str, torch.Tensor]:
-    """`pmodel.state_dict()`: every value a DTensor over this rank's shard, under the original model's keys
+    """`pmodel.state_dict()`: every value a DTensor over this rank's shard (a whole tensor where the plan
+    replicates every parameter, `parallel_module.replicated_everywhere`), under the original model's keys
     (`model.state_dict()`), so a single process can load the model part of a checkpoint into the unsharded
     model with plain `dcp.load`."""
     return dict(pmodel.state_dict(keep_vars=True))
@@ -92,7 +96,7 @@ def load_model_state_dict(pmodel, state_dict: dict[str, torch.Tensor]) -> None:
     choice = _by_fqn(pmodel)
     with torch.no_grad():
         for k, target in own.items():
-            target.to_local().copy_(_local_part(state_dict[k], choice[k], pmodel, k))
+            local_of(target).copy_(_local_part(state_dict[k], choice[k], pmodel, k))
 
 
 def _local_part(value: torch.Tensor, p: ParamChoice, pmodel, what: str) -> torch.Tensor:
@@ -140,12 +144,17 @@ def _stepped(pmodel) -> dict[str, torch.Tensor]:
 def optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """`{"state": {fqn: {key: value}}, "param_groups": [...]}`, keyed by parameter FQN as in
     `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`; state shaped like a parameter is
-    a DTensor with its layout (torch's optimizers make it so), other tensors (Adam's `step`) stay plain."""
+    a DTensor with its layout (torch's optimizers make it so; the state of a plain, replicated parameter
+    is wrapped as a replicated DTensor, so a checkpoint loads alike under every plan), other tensors
+    (Adam's `step`) stay plain."""
     groups = _optimizer_params(pmodel, optimizer)
     params = _stepped(pmodel)
-    state: dict[str, dict[str, Any]] = {}
+    choice, state = _by_fqn(pmodel), {}
     for fqn in (f for g in groups for f in g):
-        for key, value in optimizer.state.get(params[fqn], {}).items():
+        param = params[fqn]
+        for key, value in optimizer.state.get(param, {}).items():
+            if not isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() and value.shape == param.shape:
+                value = _view(value, choice[fqn], device_mesh(pmodel))
             state.setdefault(fqn, {})[key] = value
     param_groups = []
     for names, g in zip(groups, optimizer.param_groups):
@@ -164,17 +173,19 @@ def load_optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer, state_di
     choice, mesh, index = _by_fqn(pmodel), device_mesh(pmodel), {}
     for fqn in (f for g in groups for f in g):
         index[fqn] = len(index)
-    state = {}
+    params, state = _stepped(pmodel), {}
     for fqn, entries in state_dict["state"].items():
         if fqn not in held:
             continue
         if fqn not in index:
             raise ValueError(f"optimizer state for {fqn!r}, which this optimizer does not hold")
-        state[index[fqn]] = {
-            k: _view(_local_part(v, choice[fqn], pmodel, f"optimizer state {fqn}.{k}"), choice[fqn], mesh)
-            if isinstance(v, DTensor) else v
-            for k, v in entries.items()
-        }
+        sharded = isinstance(params[fqn], DTensor)  # else a plain, replicated parameter: its state is whole too
+        state[index[fqn]] = {}
+        for k, v in entries.items():
+            if isinstance(v, DTensor) or (not sharded and isinstance(v, torch.Tensor) and v.dim() and v.shape == params[fqn].shape):
+                v = _local_part(v, choice[fqn], pmodel, f"optimizer state {fqn}.{k}")
+                v = _view(v, choice[fqn], mesh) if sharded else v
+            state[index[fqn]][k] = v
     param_groups = []
     for names, g, current in zip(groups, state_dict["param_groups"], optimizer.param_groups):
         restored = {k: (tuple(v) if isinstance(current.get(k), tuple) and isinstance(v, list) else v) for k, v in g.items()}

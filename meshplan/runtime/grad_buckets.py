@@ -15,7 +15,7 @@ Inside `deferred()` (ParallelModule.no_sync) nothing is reduced: autograd accumu
 gradients into `.grad`, and the first reducing backward after it sums those together with its own
 (`.grad` minus what was already reduced when the deferral began).
 
-Parameters are DTensors; every sum works on their local tensors.
+Parameters are DTensors (plain tensors under a data-parallel plan); every sum works on their local tensors.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from torch.utils import _pytree as pytree
 
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.placement import Placements, local_shape, to_dtensor
+from meshplan.ir.placement import Placements, Replicate, local_shape, to_dtensor
 from meshplan.ir.trace import TracedProgram
 from meshplan.planner.plan import InputChoice, Plan
 from meshplan.planner.rules.random import is_random
@@ -60,6 +60,11 @@ def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int)
     return t[block_slices(tuple(t.shape), layout, mesh, rank)]
 
 
+def replicated_everywhere(plan: Plan) -> bool:
+    """Every parameter and buffer whole on every rank, none offloaded: the runtime keeps them plain tensors."""
+    return all(all(isinstance(q, Replicate) for q in p.layout) and not p.offload for p in plan.params)
+
+
 class ParallelModule(nn.Module):
     """Runs `plan` on this rank with the user's own training loop.
 
@@ -67,6 +72,10 @@ class ParallelModule(nn.Module):
     the model's own FQNs; the per-rank program runs on their local tensors, and their gradients
     arrive as DTensors of the same layout. So `torch.optim.*`, `clip_grad_norm_` (one global norm),
     LR schedulers, `state_dict()` / DCP and `named_parameters()` see the whole model, as on one process.
+    A plan that replicates every parameter and buffer on every axis (data parallelism) keeps them
+    plain tensors, as DDP does (`replicated_everywhere`): each rank then holds the whole model with the
+    same values and the same reduced gradients, so those tools give one process's numbers without
+    DTensor's per-op dispatch, which made torch's optimizer step several times slower.
 
     `group`: the process group the plan runs on (default: every rank of the job); its size must be
     the plan's mesh size, and its ranks take the mesh positions in order. `timeout` bounds every
@@ -112,8 +121,9 @@ class ParallelModule(nn.Module):
         persistent = set(model.state_dict(keep_vars=True))  # so state_dict() has the model's own keys
         self._leaf: dict[str, torch.Tensor] = {}
         blocks = weights.blocks(plan.params, self.comm)
+        plain = replicated_everywhere(plan)
         for p in plan.params:
-            tensor = as_dtensor(blocks.pop(p.node), p.layout, p.shape, self.comm)
+            tensor = blocks.pop(p.node) if plain else as_dtensor(blocks.pop(p.node), p.layout, p.shape, self.comm)
             if p.is_buffer:
                 for fqn in p.fqns:
                     _owner(self, fqn).register_buffer(fqn.rsplit(".", 1)[-1], tensor, persistent=fqn in persistent)

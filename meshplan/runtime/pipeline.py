@@ -8,10 +8,11 @@ schedule class (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, ...)
 activations crossing a cut between ranks with the same sub-mesh coordinate, which hold the same
 block of the crossing tensor.
 
-After the schedule, gradients are finished the way the plan lists: a parameter used by stages on
-several pipeline ranks (a tied embedding and head) sums its gradient over them, then every
-gradient bucket of the plan is all-reduced over its mesh axes (data parallel, and tensor-parallel
-replicas) once per step.
+Gradients are finished the way the plan lists (runtime/stage_grads.py): every gradient bucket of
+the plan is all-reduced over its mesh axes (data parallel, and tensor-parallel replicas) once per
+step, as soon as the last microbatch's backward has completed its gradients, overlapping the rest
+of backward; at the end of the step, a parameter used by stages on several pipeline ranks (a tied
+embedding and head) sums its gradient over them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.utils import _pytree as pytree
 
@@ -34,15 +34,16 @@ from meshplan.cost_model.schedules import TORCH_SCHEDULE_CLASS
 from meshplan.ir.graph import Graph
 from meshplan.ir.placement import local_shape
 from meshplan.planner.plan import Plan
-from meshplan.runtime.collectives import MeshComm, count_collective
+from meshplan.runtime.collectives import MeshComm
 from meshplan.planner.rules.random import is_random
-from meshplan.runtime.local_view import local_of, local_view
+from meshplan.runtime.local_view import local_view
 from meshplan.runtime.offload import make_optimizer
 from meshplan.runtime.parallel_module import (
     ParallelModule, _owner, as_dtensor, check_same_plan, default_weights, group_device, shard_tensor,
 )
 from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.rewrite import local_program
+from meshplan.runtime.stage_grads import StageGradSync, SyncingStage
 from meshplan.runtime.stage_split import StageProgram, example_values, node_stages, split_program, unit_stages
 from meshplan.runtime.weights import WeightSource
 
@@ -202,14 +203,19 @@ class PipelineRunner:
                            traced.out_spec if k == n_stages - 1 else None)
             for k in self.mine
         }
+        trainable = self._params()
+        holders = {name: {k for k in self.mine if name in programs[k].locals_in} for name in trainable}
+        self._grad_sync = StageGradSync(plan.buckets, trainable, holders, self.tied, self.tied_groups, pipe.microbatches,
+                                        self.comm, self.fqn_of)
         stages = [
-            PipelineStage(self.modules[k], k, n_stages, device, group=pp_groups[self.local],
-                          input_args=example_values(program, programs[k].carried_in, graph, plan),
-                          output_args=example_values(program, programs[k].carried_out if k < n_stages - 1 else None, graph, plan))
+            SyncingStage(self.modules[k], k, n_stages, device, group=pp_groups[self.local],
+                         input_args=example_values(program, programs[k].carried_in, graph, plan),
+                         output_args=example_values(program, programs[k].carried_out if k < n_stages - 1 else None, graph, plan),
+                         sync=self._grad_sync)
             for k in self.mine
         ]
         cls = getattr(torch_schedules, TORCH_SCHEDULE_CLASS[pipe.schedule])
-        # gradients are scaled once per parameter in _finish_grads (a parameter two local stages share would be scaled twice by torch)
+        # gradients are scaled once per parameter by StageGradSync (a parameter two local stages share would be scaled twice by torch)
         kwargs = dict(n_microbatches=pipe.microbatches, loss_fn=lambda out, target: self.loss_fn(out, target), scale_grads=False)
         self.schedule = cls(stages[0], **kwargs) if issubclass(cls, torch_schedules.PipelineScheduleSingle) else cls(stages, **kwargs)
         self.is_first, self.is_last = 0 in self.mine, (n_stages - 1) in self.mine
@@ -297,43 +303,23 @@ class PipelineRunner:
         earlier = {}
         for name, prm in self._params().items():
             earlier[name], prm.grad = prm.grad, None
+        self._grad_sync.start()
         try:
             with self._rng.active() if self._rng is not None else contextlib.nullcontext():
                 self.schedule.step(*args, **kwargs)
         finally:
             for module in self.modules.values():
                 module.new_step()  # the step's weight copies are not kept: the next step casts the updated weights
-        self._finish_grads()
+        self._grad_sync.finish()
         for name, prm in self._params().items():
             if earlier[name] is not None:
                 prm.grad = earlier[name].add_(prm.grad)
         return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
 
-    def _finish_grads(self) -> None:
-        params = self._params()
-        m = self.pipe.microbatches
-        for prm in params.values():
-            if prm.grad is None:
-                prm.grad = torch.zeros_like(prm)
-            prm.grad.div_(m)  # the loss is a mean over microbatches
-        for name in sorted(self.tied):
-            if name in params:
-                count_collective("tied_sync", "all_reduce")
-                with self.comm.guard(f"summing the gradient of tied {self.fqn_of[name]} over pipeline ranks {self.tied[name]}"):
-                    dist.all_reduce(local_of(params[name].grad), group=self.tied_groups[self.tied[name]])
-        for i, bucket in enumerate(self.plan.buckets):
-            held = [params[x] for x in bucket.params if x in params]
-            if not held:
-                continue
-            flat = torch.cat([local_of(q.grad).reshape(-1) for q in held])
-            count_collective("grad_sync", "all_reduce")
-            with self.comm.guard(f"gradient bucket {i} all_reduce over mesh axes {bucket.axes}"):
-                dist.all_reduce(flat, group=self.comm.group(bucket.axes))
-            offset = 0
-            for q in held:
-                grad = local_of(q.grad)
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+    @property
+    def overlapped_buckets(self) -> int:
+        """Gradient buckets of the last step whose all-reduce started before the schedule ended."""
+        return self._grad_sync.overlapped
 
     def no_sync(self):
         raise ValueError("no_sync() defers gradient reductions between backward calls, and a pipelined plan runs its whole "

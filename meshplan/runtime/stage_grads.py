@@ -1,0 +1,156 @@
+"""Gradient sync of a pipeline rank's stages, overlapped with the last microbatch's backward.
+
+A parameter's gradient is complete once the last microbatch's backward (its weight part, under a
+zero-bubble schedule) has passed through every local stage that reads it. torch's schedules say
+which backward is a stage's last (`last_backward`); `SyncingStage` runs it inside
+`StageGradSync.last_backward`, where a post-accumulate hook marks each parameter complete, and a
+bucket whose parameters are all complete is all-reduced asynchronously while backward goes on, as
+DDP and Megatron overlap the gradient reduction. Every rank of a bucket's group holds the same
+stages, so all of them issue the same collectives in the same order.
+
+`finish()` issues the buckets left (whose parameters got no gradient), waits for every reduction
+and writes the sums back. Then a parameter that stages on several pipeline ranks read (a tied
+embedding and head) sums its reduced gradient over those ranks: both reductions are sums, so their
+order does not change the result, and the buckets holding tied parameters need not wait for the
+end of the step.
+
+The microbatches' gradients are summed by autograd; each parameter's is divided by the microbatch
+count before its reduction (the loss is a mean over microbatches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from meshplan.planner.plan import GradBucket
+from meshplan.runtime.collectives import MeshComm, count_collective
+from meshplan.runtime.local_view import local_of
+
+
+class StageGradSync:
+    """`params`: this rank's trainable parameters by graph node; `holders`: node -> the local stages that read it;
+    `tied`: node -> the pipeline ranks sharing it, with `tied_groups` their process groups; `fqn_of`: node -> its
+    name in the model (for error messages)."""
+
+    def __init__(self, buckets: tuple[GradBucket, ...], params: dict[str, nn.Parameter], holders: dict[str, set[int]],
+                 tied: dict[str, tuple[int, ...]], tied_groups: dict, microbatches: int, comm: MeshComm,
+                 fqn_of: dict[str, str]) -> None:
+        self._params, self._holders, self._comm, self._fqn_of = params, holders, comm, fqn_of
+        self._tied, self._tied_groups, self._microbatches = tied, tied_groups, microbatches
+        held = [(i, b.axes, [x for x in b.params if x in params]) for i, b in enumerate(buckets)]
+        self._buckets = [b for b in held if b[2]]
+        self._flat: list[torch.Tensor | None] = [None] * len(self._buckets)  # reused every step; safe: finish() waits
+        self.overlapped = 0
+        """Buckets of the last step whose all-reduce started before the schedule ended."""
+        for name, p in params.items():
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
+        self._reset()
+
+    def _reset(self) -> None:
+        self._in_last: int | None = None  # the local stage running its last microbatch's backward
+        self._done: dict[str, set[int]] = {}  # node -> the local stages whose last backward it has seen
+        self._next = 0  # first bucket not issued yet
+        self._scaled: set[str] = set()
+        self._pending: list[tuple[int, torch.Tensor, object]] = []
+
+    @contextlib.contextmanager
+    def last_backward(self, stage: int):
+        """Around local stage `stage`'s last backward of the step: its parameters' gradients complete."""
+        self._in_last = stage
+        try:
+            yield
+        finally:
+            self._in_last = None
+        for name, holders in self._holders.items():  # the ones that got no gradient are complete too
+            if stage in holders:
+                self._done.setdefault(name, set()).add(stage)
+        self._issue(ready_only=True)
+
+    def _on_grad(self, name: str, param: nn.Parameter) -> None:
+        if self._in_last is not None and self._in_last in self._holders[name]:
+            self._done.setdefault(name, set()).add(self._in_last)
+            self._issue(ready_only=True)
+
+    def _complete(self, name: str) -> bool:
+        return self._done.get(name, set()) >= self._holders[name]
+
+    @torch.no_grad()
+    def _issue(self, *, ready_only: bool) -> None:
+        while self._next < len(self._buckets):
+            index, axes, names = self._buckets[self._next]
+            if ready_only and not all(self._complete(x) for x in names):
+                return
+            self._scale(names)
+            grads = [local_of(self._params[x].grad) for x in names]
+            flat = self._flat[self._next]
+            if flat is None:
+                dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+                flat = self._flat[self._next] = grads[0].new_empty(sum(g.numel() for g in grads), dtype=dtype)
+            torch.cat([g.reshape(-1) for g in grads], out=flat)
+            count_collective("grad_sync", "all_reduce")
+            with self._comm.guard(f"gradient bucket {index} all_reduce over mesh axes {axes}"):
+                work = dist.all_reduce(flat, group=self._comm.group(axes), async_op=True)
+            self._pending.append((self._next, flat, work))
+            if ready_only:
+                self.overlapped += 1
+            self._next += 1
+
+    def _scale(self, names) -> None:
+        for x in names:
+            if x in self._scaled:
+                continue
+            p = self._params[x]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(self._microbatches)
+            self._scaled.add(x)
+
+    @torch.no_grad()
+    def start(self) -> None:
+        """Before the schedule runs: nothing issued yet."""
+        self._reset()
+        self.overlapped = 0
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """After the schedule: issue the remaining buckets, wait, write back, sum tied gradients over their pipeline ranks."""
+        self._scale(self._params)
+        self._issue(ready_only=False)
+        for position, flat, work in self._pending:
+            index, axes, names = self._buckets[position]
+            with self._comm.guard(f"gradient bucket {index} all_reduce over mesh axes {axes}"):
+                work.wait(self._comm.timeout)
+            offset = 0
+            for x in names:
+                grad = local_of(self._params[x].grad)
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        for name in sorted(self._tied):
+            if name in self._params:
+                count_collective("tied_sync", "all_reduce")
+                with self._comm.guard(f"summing the gradient of tied {self._fqn_of[name]} over pipeline ranks {self._tied[name]}"):
+                    dist.all_reduce(local_of(self._params[name].grad), group=self._tied_groups[self._tied[name]])
+        self._reset()
+
+
+class SyncingStage(PipelineStage):
+    """A `PipelineStage` that runs its last backward of the step inside `sync.last_backward`."""
+
+    def __init__(self, *args, sync: StageGradSync, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._sync = sync
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        last = full_backward and last_backward  # else the weights' part comes in backward_weight_one_chunk
+        with self._sync.last_backward(self.stage_index) if last else contextlib.nullcontext():
+            return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        with self._sync.last_backward(self.stage_index) if last_backward else contextlib.nullcontext():
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
