@@ -3,11 +3,13 @@ into one graph (no graph break), and compiled training gives the single-process 
 
 The backend is "aot_eager" (Dynamo and AOTAutograd, no code generation), which keeps the test fast
 on a 2-core machine; "inductor" works as well but needs ~30 s per rank here to build GPT's kernels.
+Compiled code counts no collectives; the test reads them off the graphs AOTAutograd compiles.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -21,7 +23,27 @@ from meshplan.runtime.local_view import local_of
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 2
-BACKEND = "aot_eager"
+KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+         "all_to_all_single": "all_to_all"}
+"""functional collective op -> the plan's collective kind"""
+
+
+def _counting_backend(graphs: list):
+    """"aot_eager" (Dynamo and AOTAutograd, no code generation) that records, for every forward and backward graph it is
+    handed, the functional collectives in it: compiled code runs exactly those, and counts nothing itself."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(phase: str):
+        def compile_graph(gm, example_inputs):
+            found = Counter(f"{phase}:{KINDS[n.target._opname]}" for n in gm.graph.nodes
+                            if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "_c10d_functional"
+                            and n.target._opname in KINDS)
+            graphs.append((phase, found))
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
 
 
 def _plan(kind: str):
@@ -38,7 +60,8 @@ def _compiled_worker(rank: int, world: int, plan):
     torch._dynamo.utils.counters.clear()
     model, x, y = build("gpt")
     pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan)
-    compiled = torch.compile(pmodel, backend=BACKEND)
+    graphs: list[tuple[str, Counter]] = []
+    compiled = torch.compile(pmodel, backend=_counting_backend(graphs))
     pmodel.reset_collective_counts()
     losses = run_steps(compiled, torch.optim.SGD(pmodel.parameters(), lr=0.1, momentum=0.9), x, y, "gpt", STEPS)
     counts = pmodel.collective_counts()
@@ -52,7 +75,7 @@ def _compiled_worker(rank: int, world: int, plan):
     hook.remove()
     explained = torch._dynamo.explain(pmodel.program)(*captured[0])
     breaks = [str(r.reason).splitlines()[0] for r in explained.break_reasons]
-    return losses, counts, params, explained.graph_count, explained.graph_break_count, breaks, module_breaks
+    return losses, counts, params, explained.graph_count, explained.graph_break_count, breaks, module_breaks, graphs
 
 
 @pytest.mark.parametrize("kind", ["data_parallel", "megatron"])
@@ -66,12 +89,17 @@ def test_compiled_training_matches_one_process_without_graph_breaks(kind):
     program_collectives = {k for k in plan.collectives() if not k.startswith("grad_sync:")}
     if kind == "megatron":
         assert program_collectives, "the TP plan should move activations inside the program"
-    for rank, (losses, counts, params, graphs, breaks, reasons, module_breaks) in enumerate(results):
+    for rank, (losses, counts, params, graphs, breaks, reasons, module_breaks, compiled) in enumerate(results):
         assert breaks == 0 and graphs == 1, f"rank {rank}: the per-rank program broke into {graphs} graphs: {reasons}"
         assert module_breaks == 0, f"rank {rank}: {module_breaks} graph breaks in the compiled ParallelModule (TORCH_LOGS=graph_breaks)"
         # the program ran compiled: its collectives were traced (compiled code does not count them),
         # while the gradient buckets (outside the program) still counted theirs
         assert not program_collectives & set(counts), f"rank {rank} ran the program eagerly: {dict(counts)}"
+        # the plan is the truth: one forward and one backward graph, holding exactly the plan's collectives of a step
+        assert [phase for phase, _ in compiled] == ["forward", "backward"], f"rank {rank} compiled {compiled}"
+        ran = sum((found for _, found in compiled), Counter())
+        want = Counter({k: v for k, v in plan.collectives().items() if not k.startswith("grad_sync:")})
+        assert ran == want, f"rank {rank}: the compiled graphs run {dict(ran)}, the plan lists {dict(want)}"
         assert counts.get("grad_sync:all_reduce", 0) == STEPS * plan.collectives().get("grad_sync:all_reduce", 0)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-6)
         assert set(params) == set(ref_params)
