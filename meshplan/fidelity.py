@@ -1,28 +1,33 @@
 """Cost-model fidelity: predicted against measured step time and peak memory, plan by plan.
 
-One model (a small GPT whose forward returns its loss, so the whole step is in the plan), eight
-forced plans (data parallel, FSDP/ZeRO-3, Megatron tensor parallel on 2 and 4 processes, DP x TP
-and HSDP on a 2 x 2 mesh) on local gloo processes. (The solver's own plan for this model is the
-data-parallel one on both worlds, so it is not a separate row.) Each plan trains `steps` Adam steps after
-a warm-up; a step is forward + backward + `optimizer.step()`, timed between barriers, its time the
-slowest rank's.
+Small GPTs whose forward returns their loss (so the whole step is in the plan), planned and trained
+on local gloo processes. Each plan trains `steps` Adam steps after a warm-up; a step is forward +
+backward + `optimizer.step()` (a pipelined plan's `step()` runs all its microbatches), timed
+between barriers, its time the slowest rank's.
 
-Prediction: `plan.step_time_s` (compute + communication + the optimizer step over the rank's local
-parameters: what the solver minimised), from the cluster preset calibrated with a measured
-profile (`meshplan profile`).
+Two modes:
+
+- **Out of sample** (`out_of_sample_cases`, the honest test): the profile is measured once and
+  saved; a later process plans every case from that file, with nothing re-measured or rescaled,
+  then measures. 21 plans: forced DP, FSDP, TP, DP x TP, HSDP and pipelined plans, and the plans
+  the solver chooses itself (the default call) for three model sizes on 2, 4 and 8 processes.
+  Predicted: the plan's own figures, `plan.step_time_s` and the memory the solver bounded
+  (`plan.memory`, or the largest stage's `PipelineStage.memory` for a pipelined plan).
+- **In sample** (`cases`, calibration): eight forced plans of one model; each world's collectives
+  and contention are measured again next to its timed steps, and the predicted compute and
+  communication are scaled by the contention probe taken while measuring. Memory is predicted by
+  `cost_model.peak.predict_peak` (a liveness model the solver does not use). This measures how
+  well the cost model can fit this machine, not how well it predicts.
 
 Peak memory, measured: the bytes of the tensors a rank holds when a step starts (parameters,
 optimizer state, gradient-bucket buffers) plus the highest point of the running sum of every
 allocation and free torch's CPU allocator reports during the step (`torch.profiler` with
-`profile_memory=True`). Predicted: `cost_model.peak.predict_peak` (see there).
-
-The machine's load drifts (it is shared): the contention probe of the comm profiler runs again at
-the start of every measuring round, and its ratio to the calibration-time value scales the
-predicted compute and communication (both were measured under the calibration-time load).
+`profile_memory=True`), the largest over ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -39,6 +44,9 @@ MODEL = GPTConfig(vocab_size=256, seq_len=32, hidden=128, heads=4, layers=2)
 BATCH = 16
 QUICK_MODEL = GPTConfig(vocab_size=64, seq_len=8, hidden=32, heads=2, layers=1)
 QUICK_BATCH = 8
+SIZES = {"small": GPTConfig(vocab_size=256, seq_len=32, hidden=64, heads=4, layers=2), "medium": MODEL,
+         "large": GPTConfig(vocab_size=256, seq_len=32, hidden=256, heads=4, layers=2), "tiny": QUICK_MODEL}
+"""Model sizes: the out-of-sample runs use the first three, the in-sample runs "medium", smoke runs "tiny"."""
 MEGATRON = {"gpt.layers.*.attn.q_proj": "colwise", "gpt.layers.*.attn.k_proj": "colwise", "gpt.layers.*.attn.v_proj": "colwise",
             "gpt.layers.*.attn.out_proj": "rowwise", "gpt.layers.*.mlp.fc1": "colwise", "gpt.layers.*.mlp.fc2": "rowwise"}
 
@@ -64,11 +72,13 @@ def build(cfg: GPTConfig, batch: int) -> tuple[LMLoss, torch.Tensor]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Case:
-    """One plan to measure: a name, a world size and the `meshplan.plan` keywords that force it."""
+    """One plan to measure: a name, a world size, the `meshplan.plan` keywords that force it (none: the
+    solver's own plan, the default call) and the model size (`SIZES`)."""
 
     name: str
     world: int
     options: dict = field(default_factory=dict)
+    size: str = "medium"
 
 
 def cases(quick: bool = False) -> list[Case]:
@@ -86,7 +96,24 @@ def cases(quick: bool = False) -> list[Case]:
         Case(name="HSDP", world=4, options={"mode": "manual", "mesh_shape": (2, 2), "parameter_plan": {"*": "RS(0)"},
                                             "input_layouts": {"tokens": "S(0)S(0)"}}),
     ]
-    return [c for c in all_cases if c.world == 2 and c.name in ("DP", "TP")] if quick else all_cases
+    if quick:
+        return [dataclasses.replace(c, size="tiny") for c in all_cases if c.world == 2 and c.name in ("DP", "TP")]
+    return all_cases
+
+
+def out_of_sample_cases(quick: bool = False) -> list[Case]:
+    """The forced plans of `cases` and more, and the solver's own for every size on 2, 4 and 8 processes."""
+    if quick:
+        return [Case(name="DP", world=2, options={"mode": "data_parallel"}, size="tiny"),
+                Case(name="PP", world=2, options={"pipeline": 2}, size="tiny"),
+                Case(name="auto", world=2, size="tiny")]
+    forced = cases() + [
+        Case(name="PP", world=2, options={"pipeline": 2}),
+        Case(name="PPxDP", world=4, options={"pipeline": 2, "mode": "data_parallel"}),
+        Case(name="DP", world=8, options={"mode": "data_parallel"}),
+        Case(name="FSDP", world=8, options=cases()[1].options),
+    ]
+    return forced + [Case(name=f"auto {size}", world=w, size=size) for size in SIZES for w in (2, 4, 8)]
 
 
 # ---------------------------------------------------------------- measuring (runs on every rank)
@@ -96,7 +123,8 @@ def _resident_bytes(pmodel, opt) -> int:
     seen: set[int] = set()
     total = 0
     tensors = list(pmodel.parameters()) + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    tensors += [b for b in getattr(pmodel, "_grad_buckets")._flat if b is not None]
+    buckets = getattr(pmodel, "_grad_buckets", None) or getattr(pmodel, "_grad_sync")  # ParallelModule's, PipelineRunner's
+    tensors += [b for b in buckets._flat if b is not None]
     tensors += [p.grad for p in pmodel.parameters() if p.grad is not None]
     for t in map(local_of, tensors):  # DTensors hold their bytes in their local tensors
         key = t.untyped_storage().data_ptr()
@@ -120,7 +148,7 @@ def _peak_during(fn) -> int:
     return peak
 
 
-def _measure_world(rank: int, world: int, plans_json: list[str], cfg: GPTConfig, batch: int, warmup: int, steps: int,
+def _measure_world(rank: int, world: int, plans_json: list[str], cfgs: list[GPTConfig], batch: int, warmup: int, steps: int,
                    rounds: int = 4) -> list[dict]:
     """Every plan of this world in one process group. Timed steps are interleaved across plans in
     `rounds` (one untimed step re-warms a plan at the start of each), so a change in background
@@ -131,18 +159,20 @@ def _measure_world(rank: int, world: int, plans_json: list[str], cfg: GPTConfig,
     from meshplan.planner.plan import Plan
 
     runs = []
-    for text in plans_json:
+    for text, cfg in zip(plans_json, cfgs):
         plan = Plan.from_json(text)
         model, tokens = build(cfg, batch)
-        pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
+        # the model's output is its loss; a pipeline's last stage hands it to loss_fn as it is
+        pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan, loss_fn=lambda out, _: out)
         opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
 
-        def step(pmodel=pmodel, opt=opt, tokens=tokens) -> float:
-            loss = pmodel(tokens)
-            loss.backward()
+        def step(pmodel=pmodel, opt=opt, tokens=tokens, pipelined=plan.pipeline is not None) -> None:
+            if pipelined:
+                pmodel.step(tokens, target=tokens)
+            else:
+                pmodel(tokens).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss.item()
 
         for _ in range(warmup):
             step()
@@ -182,7 +212,10 @@ class Row:
     predicted_bytes: float
     measured_bytes: float
     parts_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    """Predicted compute, communication and optimizer-step seconds (their sum is `predicted_s`)."""
+    """Predicted compute, communication and optimizer-step seconds (their sum is `predicted_s`; a pipelined
+    plan's schedule is all compute here)."""
+    pipeline: int = 1
+    """Pipeline degree (the world is `pipeline` x the mesh's devices)."""
 
     @property
     def time_error(self) -> float:
@@ -229,48 +262,76 @@ def predict(plan, graph, optimizer: str = "adam") -> tuple[tuple[float, float, f
 
 
 def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, refresh_comm: bool = False, log=print) -> list[Row]:
-    """Plan every case with `profile` (see `meshplan.plan(profile=)`), measure each, return the rows.
+    """In sample: plan every case of `cases` with `profile` (see `meshplan.plan(profile=)`), measure each, and
+    scale the predictions by the contention measured next to the timed steps; return the rows.
 
     `refresh_comm`: measure each world's collectives and contention again right before its plans
     are made and timed. On this shared machine their cost drifts by up to 2x within minutes
     (FSDP on 4 ranks: 283 ms, then 482 ms of collectives per step, same code), so a calibration is
     only good next to the measurement it predicts."""
+    return _run(cases(quick), profile, batch=QUICK_BATCH if quick else BATCH, quick=quick, steps=steps, warmup=warmup,
+                refresh_comm=refresh_comm, in_sample=True, log=log)
+
+
+def run_out_of_sample(profile, *, quick: bool = False, steps: int = 16, warmup: int = 3, log=print) -> list[Row]:
+    """Out of sample: plan every case of `out_of_sample_cases` from the saved `profile` as it is (nothing
+    measured again, nothing rescaled), then measure each; return the rows."""
+    return _run(out_of_sample_cases(quick), profile, batch=QUICK_BATCH if quick else BATCH, quick=quick, steps=steps,
+                warmup=warmup, refresh_comm=False, in_sample=False, log=log)
+
+
+def solver_memory(plan) -> float:
+    """Bytes per device the solver bounded: `plan.memory`, or a pipelined plan's largest stage."""
+    if plan.pipeline is not None:
+        return float(max(st.memory.total for st in plan.pipeline.stages))
+    return float(plan.memory.total)
+
+
+def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int, warmup: int, refresh_comm: bool,
+         in_sample: bool, log) -> list[Row]:
     import meshplan
     from meshplan.cost_model.presets import get_cluster
     from meshplan.cost_model.profile import resolve_profile
     from meshplan.ir.trace import trace
     from meshplan.runtime.launch import run_local
 
-    cfg, batch = (QUICK_MODEL, QUICK_BATCH) if quick else (MODEL, BATCH)
     measured_profile = resolve_profile(profile, None)
-    model, tokens = build(cfg, batch)
-    graph = trace(model, (tokens,))
     rows = []
-    for world in sorted({c.world for c in cases(quick)}):
+    for world in sorted({c.world for c in all_cases}):
         world_profile = measured_profile
         if refresh_comm and measured_profile is not None:
             log(f"measuring collectives and contention on {world} local processes again, next to the timed steps")
             world_profile = measured_profile.merged(_comm_profile((world,), quick))
         cluster = get_cluster(world_profile.cluster if world_profile else "cpu").with_profile(world_profile)
         mine = []
-        for case in (c for c in cases(quick) if c.world == world):
+        for case in (c for c in all_cases if c.world == world):
+            model, tokens = build(SIZES[case.size], batch)
             plan = meshplan.plan(model, case.world, (tokens,), cluster=cluster, **dict(case.options))
-            mine.append((case, plan))
-            log(f"planned {case.name} on {case.world}: mesh {plan.mesh.shape}, predicted {plan.step_time_s * 1e3:.2f} ms")
+            mine.append((case, plan, model, tokens))
+            log(f"planned {case.name} on {case.world}: mesh {plan.mesh.shape}"
+                f"{f' x pp {plan.pipeline.degree}' if plan.pipeline else ''}, predicted {plan.step_time_s * 1e3:.2f} ms")
         log(f"measuring {len(mine)} plans on {world} local gloo processes")
-        results = run_local(world, _measure_world, [p.to_json() for _, p in mine], cfg, batch, warmup, steps, timeout=1200)[0]
-        now = _with_contention(cluster, world, results[0]["contention"])
-        log(f"compute contention at {world} ranks: {_slowdown(cluster, world):.2f} at calibration, {results[0]['contention']:.2f} "
-            "while measuring (used)")
-        scale = _slowdown(now, world) / _slowdown(cluster, world)
-        for (case, plan), got in zip(mine, results):
-            (compute, comm, opt), m = predict(plan, graph)
-            # every op's time and optimizer step is linear in the contention factor; the collective
-            # fits were measured under the load of calibration time, and waiting for peers scales
-            # with load the same way
-            parts = (compute * scale, comm * scale, opt * scale)
-            rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=got["time_s"],
-                            predicted_bytes=m, measured_bytes=got["peak_bytes"], parts_s=parts))
+        results = run_local(world, _measure_world, [p.to_json() for _, p, _, _ in mine], [SIZES[c.size] for c, *_ in mine],
+                            batch, warmup, steps, timeout=1800)[0]
+        scale = 1.0
+        if in_sample:
+            now = _with_contention(cluster, world, results[0]["contention"])
+            log(f"compute contention at {world} ranks: {_slowdown(cluster, world):.2f} at calibration, {results[0]['contention']:.2f} "
+                "while measuring (used)")
+            scale = _slowdown(now, world) / _slowdown(cluster, world)
+        for (case, plan, model, tokens), got in zip(mine, results):
+            if in_sample:
+                (compute, comm, opt), m = predict(plan, trace(model, (tokens,)))
+                # every op's time and optimizer step is linear in the contention factor; the collective
+                # fits were measured under the load of calibration time, and waiting for peers scales
+                # with load the same way
+                parts = (compute * scale, comm * scale, opt * scale)
+            else:
+                parts = (plan.step_time_s - plan.comm_s - plan.optimizer_s, plan.comm_s, plan.optimizer_s) if plan.pipeline is None else (
+                    plan.step_time_s, 0.0, 0.0)
+                m = solver_memory(plan)
+            rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=got["time_s"], predicted_bytes=m,
+                            measured_bytes=got["peak_bytes"], parts_s=parts, pipeline=plan.pipeline.degree if plan.pipeline else 1))
     return rows
 
 
@@ -282,8 +343,6 @@ def _with_contention(cluster, world: int, factor: float):
     """The cluster with the compute contention measured next to the timed steps: on a machine shared
     with other jobs the load drifts between calibration and measurement, and contention is the part
     of the calibration that follows it."""
-    import dataclasses
-
     if cluster.profile is None:
         return cluster
     return cluster.with_profile(dataclasses.replace(cluster.profile, contention={**cluster.profile.contention, world: factor}))
@@ -292,33 +351,70 @@ def _with_contention(cluster, world: int, factor: float):
 def table(rows: list[Row]) -> str:
     from meshplan.cost_model.memory import format_bytes
 
-    lines = ["| plan | world | mesh | predicted ms (compute + comm + optimizer) | measured ms | error | predicted peak | measured peak | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| plan | model | world | mesh | predicted ms (compute + comm + optimizer) | measured ms | error | predicted peak | measured peak | error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         parts = " + ".join(f"{p * 1e3:.1f}" for p in r.parts_s)
+        mesh = "x".join(map(str, r.mesh)) + (f" pp {r.pipeline}" if r.pipeline > 1 else "")
         lines.append(
-            f"| {r.case.name} | {r.case.world} | {'x'.join(map(str, r.mesh))} | {r.predicted_s * 1e3:.2f} ({parts}) | {r.measured_s * 1e3:.2f} | "
+            f"| {r.case.name} | {r.case.size} | {r.case.world} | {mesh} | {r.predicted_s * 1e3:.2f} ({parts}) | {r.measured_s * 1e3:.2f} | "
             f"{r.time_error:.0%} | {format_bytes(r.predicted_bytes)} | {format_bytes(r.measured_bytes)} | {r.memory_error:.0%} |"
         )
-    rho = spearman([r.predicted_s for r in rows], [r.measured_s for r in rows])
+    f = report(rows)
     lines.append("")
     lines.append(
-        f"Spearman rank correlation of step times: {rho:.3f}; median absolute error: time "
-        f"{statistics.median(r.time_error for r in rows):.1%}, peak memory {statistics.median(r.memory_error for r in rows):.1%}"
+        f"{len(rows)} plans. Spearman rank correlation of step times: {f['spearman']:.3f}; absolute error: time median "
+        f"{f['median_time_error']:.1%}, max {f['max_time_error']:.1%}; peak memory median {f['median_memory_error']:.1%}, "
+        f"max {f['max_memory_error']:.1%}"
     )
     return "\n".join(lines)
 
 
-def calibrate(*, quick: bool = False, out=None, log=print):
-    """Measure this machine for the benchmark: the model's op shapes on 2 and 4 devices
-    (`profile_model`) and collectives + contention on 2 and 4 local processes (`profile_comm`)."""
+def plot(rows: list[Row], path: str, title: str) -> None:
+    """Predicted against measured step time and peak memory, one point per plan (matplotlib, PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, (what, pred, meas, unit, scale) in zip(axes, [
+        ("step time", [r.predicted_s for r in rows], [r.measured_s for r in rows], "ms", 1e3),
+        ("peak memory per device", [r.predicted_bytes for r in rows], [r.measured_bytes for r in rows], "MiB", 2.0**-20),
+    ]):
+        xs, ys = [m * scale for m in meas], [p * scale for p in pred]
+        for world, marker in ((2, "o"), (4, "s"), (8, "^")):
+            pts = [(x, y) for x, y, r in zip(xs, ys, rows) if r.case.world == world]
+            if pts:
+                ax.scatter(*zip(*pts), marker=marker, label=f"{world} processes")
+        lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.25
+        ax.plot([lo, hi], [lo, hi], "k--", linewidth=1, label="predicted = measured")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"measured {what} ({unit})")
+        ax.set_ylabel(f"predicted {what} ({unit})")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def calibrate(*, quick: bool = False, out=None, out_of_sample: bool = False, log=print):
+    """Measure this machine for the benchmark: each model's op shapes on every world of its cases
+    (`profile_model`) and collectives + contention on those numbers of local processes (`profile_comm`)."""
     from meshplan.calibrate import profile_model
 
-    cfg, batch = (QUICK_MODEL, QUICK_BATCH) if quick else (MODEL, BATCH)
-    worlds = sorted({c.world for c in cases(quick)})
-    model, tokens = build(cfg, batch)
-    log(f"profiling the ops of {type(model).__name__} for {worlds} devices")
-    compute = profile_model(model, (tokens,), tuple(worlds), budget_s=0.01 if quick else 0.05)
+    all_cases = out_of_sample_cases(quick) if out_of_sample else cases(quick)
+    batch = QUICK_BATCH if quick else BATCH
+    worlds = sorted({c.world for c in all_cases})
+    compute = None
+    for size in dict.fromkeys(c.size for c in all_cases):
+        cfg = SIZES[size]
+        model, tokens = build(cfg, batch)
+        log(f"profiling the ops of a GPT of hidden size {cfg.hidden} for {worlds} devices")
+        found = profile_model(model, (tokens,), tuple(worlds), budget_s=0.01 if quick else 0.05)
+        compute = found if compute is None else compute.merged(found)
     log(f"profiling collectives on {worlds} local processes")
     profile = compute.merged(_comm_profile(tuple(worlds), quick))
     if out is not None:
@@ -340,5 +436,7 @@ def report(rows: list[Row]) -> dict:
     return {
         "spearman": spearman([r.predicted_s for r in rows], [r.measured_s for r in rows]),
         "median_time_error": statistics.median(r.time_error for r in rows),
+        "max_time_error": max(r.time_error for r in rows),
         "median_memory_error": statistics.median(r.memory_error for r in rows),
+        "max_memory_error": max(r.memory_error for r in rows),
     }

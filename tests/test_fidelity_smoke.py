@@ -32,12 +32,13 @@ def test_fidelity_quick_runs(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
-    rows = re.findall(r"^\| (DP|TP) \| 2 \| 2 \| ([0-9.]+) \(([0-9.]+) \+ ([0-9.]+) \+ ([0-9.]+)\) \| ([0-9.]+) \|", out, re.M)
+    assert out.startswith("in sample (calibration)"), out
+    rows = re.findall(r"^\| (DP|TP) \| tiny \| 2 \| 2 \| ([0-9.]+) \(([0-9.]+) \+ ([0-9.]+) \+ ([0-9.]+)\) \| ([0-9.]+) \|", out, re.M)
     assert [r[0] for r in rows] == ["DP", "TP"], out
     for _, total, *rest in rows:
         parts = [float(x) for x in rest[:3]]
         assert float(total) == pytest.approx(sum(parts), abs=0.16) and float(rest[3]) > 0
-    assert re.search(r"Spearman rank correlation of step times: -?[0-9.]+; median absolute error", out)
+    assert re.search(r"2 plans. Spearman rank correlation of step times: -?[0-9.]+; absolute error: time median", out)
     assert "measuring collectives and contention on 2 local processes again, next to the timed steps" in proc.stderr
     assert len(re.findall(r"\(target [<>]= [0-9.]+\): (met|NOT met)", out)) == 3
     # the calibration wrote a profile with both op timings and collective fits, and it plans
@@ -48,3 +49,24 @@ def test_fidelity_quick_runs(tmp_path):
     assert 2 in p.contention and p.optimizer_steps["adam"][0] > 0
     cli = subprocess.run([sys.executable, "-m", "meshplan", "profile", "show", str(prof)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and "collective fits (gloo)" in cli.stdout, cli.stderr
+
+
+@pytest.mark.multiprocess
+def test_fidelity_out_of_sample_plans_from_a_profile_saved_by_another_process(tmp_path):
+    prof = tmp_path / "p.json"
+    save = subprocess.run([sys.executable, "benchmarks/fidelity.py", "--quick", "--out-of-sample", "--save-profile", str(prof)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert save.returncode == 0 and prof.exists(), save.stderr[-4000:]
+    assert "| DP |" not in save.stdout  # saving measures the machine and plans nothing
+    png = tmp_path / "fidelity.png"
+    proc = subprocess.run([sys.executable, "benchmarks/fidelity.py", "--quick", "--out-of-sample", "--profile", str(prof), "--steps", "3",
+                           "--plot", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    assert out.startswith("out of sample: planned from a saved profile, no re-measurement, no rescaling"), out
+    rows = re.findall(r"^\| (DP|PP|auto) \| tiny \| 2 \| ([0-9x]+(?: pp 2)?) \| ([0-9.]+) ", out, re.M)
+    assert [r[0] for r in rows] == ["DP", "PP", "auto"] and rows[1][1] == "1 pp 2", out
+    assert "again" not in proc.stderr and "contention" not in proc.stderr  # nothing measured before planning
+    assert re.search(r"3 plans. Spearman rank correlation of step times: -?[0-9.]+; absolute error: time median [0-9.]+%, max", out)
+    assert len(re.findall(r"\(target [<>]= [0-9.]+\): (met|NOT met)", out)) == 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, sum_reducer
 from torch.utils import _pytree as pytree
 
 from meshplan.cost_model.schedules import TORCH_SCHEDULE_CLASS
@@ -118,6 +119,13 @@ def _hoist_weight_casts(gm: fx.GraphModule, locals_in: tuple[str, ...]) -> list[
         gm.graph.lint()
         gm.recompile()
     return out
+
+
+def output_merge_spec(outputs: tuple[torch.Tensor, ...], out_spec):
+    """How torch's schedule merges the last stage's microbatch outputs: along the batch dim, but a scalar (a model
+    that returns its loss) as the microbatches' sum, which `torch.cat` cannot do."""
+    flat = [sum_reducer if t.dim() == 0 else TensorChunkSpec(0) for t in outputs]
+    return pytree.tree_unflatten(flat, out_spec) if out_spec is not None else (flat[0] if len(flat) == 1 else tuple(flat))
 
 
 class PipelineRunner:
@@ -216,7 +224,8 @@ class PipelineRunner:
         ]
         cls = getattr(torch_schedules, TORCH_SCHEDULE_CLASS[pipe.schedule])
         # gradients are scaled once per parameter by StageGradSync (a parameter two local stages share would be scaled twice by torch)
-        kwargs = dict(n_microbatches=pipe.microbatches, loss_fn=lambda out, target: self.loss_fn(out, target), scale_grads=False)
+        kwargs = dict(n_microbatches=pipe.microbatches, loss_fn=lambda out, target: self.loss_fn(out, target), scale_grads=False,
+                      output_merge_spec=output_merge_spec(example_values(program, None, graph, plan), traced.out_spec))
         self.schedule = cls(stages[0], **kwargs) if issubclass(cls, torch_schedules.PipelineScheduleSingle) else cls(stages, **kwargs)
         self.is_first, self.is_last = 0 in self.mine, (n_stages - 1) in self.mine
 
