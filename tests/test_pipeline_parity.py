@@ -278,3 +278,19 @@ def test_checkpoint_from_a_pipeline_resumes_on_a_flat_plan_and_on_the_pipeline(t
             assert step == 2
             if loss is not None:  # every rank of a flat plan; the last stage of a pipeline
                 assert abs(loss - ref[2]) < 1e-5, (plan.pipeline is not None, loss, ref[2])
+
+
+def test_a_loss_that_is_a_view_reaches_the_schedule_as_its_own_tensor():
+    """Zero-bubble schedules detach the loss in place after its input backward, which torch refuses for a view
+    (a model that returns its own loss can hand one back): the runner clones such a loss, and only such a one."""
+    from types import SimpleNamespace
+
+    from meshplan.runtime.pipeline import PipelineRunner
+
+    out = torch.ones(3, requires_grad=True).sum(0, keepdim=True)
+    runner = SimpleNamespace(loss_fn=lambda o, target: o.view(()))
+    loss = PipelineRunner._loss(runner, out, None)
+    assert out.view(())._is_view() and not loss._is_view()
+    loss.detach_()  # what torch's stage_backward_input does
+    plain = torch.ones(3, requires_grad=True).sum()
+    assert PipelineRunner._loss(SimpleNamespace(loss_fn=lambda o, target: o), plain, None) is plain

@@ -224,10 +224,17 @@ class PipelineRunner:
         ]
         cls = getattr(torch_schedules, TORCH_SCHEDULE_CLASS[pipe.schedule])
         # gradients are scaled once per parameter by StageGradSync (a parameter two local stages share would be scaled twice by torch)
-        kwargs = dict(n_microbatches=pipe.microbatches, loss_fn=lambda out, target: self.loss_fn(out, target), scale_grads=False,
+        kwargs = dict(n_microbatches=pipe.microbatches, loss_fn=self._loss, scale_grads=False,
                       output_merge_spec=output_merge_spec(example_values(program, None, graph, plan), traced.out_spec))
         self.schedule = cls(stages[0], **kwargs) if issubclass(cls, torch_schedules.PipelineScheduleSingle) else cls(stages, **kwargs)
         self.is_first, self.is_last = 0 in self.mine, (n_stages - 1) in self.mine
+
+    def _loss(self, out, target) -> torch.Tensor:
+        """The user's loss of one microbatch. Zero-bubble schedules detach the loss in place after its input
+        backward (torch's `stage_backward_input`), which fails on a view (a model that returns its own loss
+        can hand back one): such a loss is cloned first."""
+        loss = self.loss_fn(out, target)
+        return loss.clone() if loss._is_view() else loss
 
     def _localiser(self, inputs: dict):
         mesh, local = self.plan.mesh, self.local
