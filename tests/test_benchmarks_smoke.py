@@ -1,4 +1,4 @@
-"""benchmarks/vs_baselines.py --quick runs end to end: every method trains with single-process parity;
+"""benchmarks/vs_baselines.py and memory_bound.py --quick run end to end: every method trains with single-process parity;
 benchmarks/mesh_search.py --quick plans every mesh of the default search; benchmarks/planning_time.py times a default
 call by part; benchmarks/gpu_check.py runs on the CPU.
 
@@ -37,6 +37,23 @@ def test_vs_baselines_quick_runs_with_parity():
     assert sorted(m for m, _ in ratios) == ["global", "local"], out
     like_for_like = re.findall(r"(meshplan \(local, DP\) / DDP|meshplan \(TP\) / TP) = \d+\.\d\d \(same layouts; target <= 1\.05\)", out)
     assert sorted(like_for_like) == ["meshplan (TP) / TP", "meshplan (local, DP) / DDP"], out
+
+
+def test_memory_bound_quick_runs_every_method_with_parity():
+    proc = subprocess.run([sys.executable, "benchmarks/memory_bound.py", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    (parity,) = [line for line in out.splitlines() if line.startswith("parity")]
+    assert parity.endswith("-> OK"), parity
+    budget = float(re.search(r"^budget per rank: ([0-9.]+) MiB \(0\.55 x", out, re.M).group(1))
+    for method in ("meshplan (auto, budget)", "FSDP2", "TP", "FSDP2+TP", "DDP"):
+        diff = re.search(re.escape(method) + r" ([0-9.e+-]+)", parity)
+        assert diff and float(diff.group(1)) <= 1e-4, (method, parity)
+        row = re.search(r"^" + re.escape(method) + r"\s+([0-9.]+)\s+([0-9.]+)\s+(yes|no)$", out, re.M)
+        assert row, (method, out)
+        peak, fits = float(row.group(2)), row.group(3) == "yes"
+        assert float(row.group(1)) > 0 and (peak <= budget + 0.05 if fits else peak >= budget - 0.05), (method, out)  # printed to 0.1 MiB
+    assert re.search(r"^(no baseline fits the budget|meshplan / fastest fitting baseline \(.+\) = \d+\.\d\d; .*(met|NOT met))$", out, re.M), out
 
 
 def test_mesh_search_quick_plans_every_mesh_and_the_default_call_keeps_the_fastest():
