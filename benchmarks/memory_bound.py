@@ -48,7 +48,7 @@ import meshplan  # noqa: E402
 import vs_baselines as vb  # noqa: E402
 from meshplan.models import GPTConfig  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
-from meshplan.runtime.local_view import local_of  # noqa: E402
+from meshplan.fidelity import held_bytes, peak_during, slowest_rank_seconds  # noqa: E402
 from meshplan.runtime.parallel_module import shard_tensor  # noqa: E402
 
 WORLD = 4
@@ -94,32 +94,6 @@ def make(name: str, rank: int, cfg: GPTConfig, plan, out_layout):
     return module, x, y
 
 
-def held_bytes(module, opt) -> int:
-    """Bytes of parameters, gradients and optimizer state this rank holds (local tensors, each storage once)."""
-    tensors = [p for p in module.parameters()] + [p.grad for p in module.parameters() if p.grad is not None]
-    tensors += [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    seen, total = set(), 0
-    for t in map(local_of, tensors):
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def step_peak(fn) -> int:
-    """Highest net bytes allocated at any moment while `fn` runs (torch's CPU allocator events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    level = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"):
-        level += nbytes
-        peak = max(peak, level)
-    return peak
-
-
 def worker(rank: int, world: int, cfg: GPTConfig, plan, out_layout, warmup: int, steps: int, rounds: int) -> dict:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -141,7 +115,9 @@ def worker(rank: int, world: int, cfg: GPTConfig, plan, out_layout, warmup: int,
             loss = step()
             dist.all_reduce(loss)
             losses.append(float(loss) / world)
-        peak = torch.tensor(float(held_bytes(module, opt) + step_peak(step)), dtype=torch.float64)
+        held = [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None),
+                *(t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor))]
+        peak = torch.tensor(float(held_bytes(held) + peak_during(step)), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         runs[name] = (step, losses, [], float(peak))
     per_round = math.ceil(steps / rounds)
@@ -150,13 +126,7 @@ def worker(rank: int, world: int, cfg: GPTConfig, plan, out_layout, warmup: int,
             step, _, times, _ = runs[name]
             dist.barrier()
             step()
-            for _ in range(min(per_round, steps - r * per_round)):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step()
-                t = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-                times.append(float(t))
+            times.extend(slowest_rank_seconds(step) for _ in range(min(per_round, steps - r * per_round)))
     return {name: (losses, statistics.median(times), peak) for name, (_, losses, times, peak) in runs.items()}
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -120,13 +121,28 @@ def out_of_sample_cases(quick: bool = False) -> list[Case]:
 
 
 def _resident_bytes(pmodel, opt) -> int:
-    seen: set[int] = set()
-    total = 0
     tensors = list(pmodel.parameters()) + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     buckets = getattr(pmodel, "_grad_buckets", None) or getattr(pmodel, "_grad_sync")  # ParallelModule's, PipelineRunner's
     tensors += [b for b in buckets._flat if b is not None]
     tensors += [p.grad for p in pmodel.parameters() if p.grad is not None]
-    for t in map(local_of, tensors):  # DTensors hold their bytes in their local tensors
+    return held_bytes(tensors)
+
+
+def slowest_rank_seconds(step) -> float:
+    """Seconds of one `step()` started together on every rank, as the slowest rank took it."""
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    t = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def held_bytes(tensors) -> int:
+    """Bytes of the storages behind `tensors`, each storage once (a DTensor's bytes are its local tensor's)."""
+    seen: set[int] = set()
+    total = 0
+    for t in map(local_of, tensors):
         key = t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
@@ -134,7 +150,7 @@ def _resident_bytes(pmodel, opt) -> int:
     return total
 
 
-def _peak_during(fn) -> int:
+def peak_during(fn) -> int:
     """Highest net bytes allocated (allocations minus frees) at any moment while `fn` runs."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -153,8 +169,6 @@ def _measure_world(rank: int, world: int, plans_json: list[str], cfgs: list[GPTC
     """Every plan of this world in one process group. Timed steps are interleaved across plans in
     `rounds` (one untimed step re-warms a plan at the start of each), so a change in background
     load hits all plans alike."""
-    import time
-
     import meshplan
     from meshplan.planner.plan import Plan
 
@@ -185,16 +199,10 @@ def _measure_world(rank: int, world: int, plans_json: list[str], cfgs: list[GPTC
         contention.append(measure_contention(pairs=1, seconds=0.2))
         for _, _, step, times in runs:
             step()
-            for _ in range(per_round):
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                t = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-                times.append(float(t))
+            times.extend(slowest_rank_seconds(step) for _ in range(per_round))
     out = []
     for pmodel, opt, step, times in runs:
-        peak = torch.tensor(float(_resident_bytes(pmodel, opt) + _peak_during(step)), dtype=torch.float64)
+        peak = torch.tensor(float(_resident_bytes(pmodel, opt) + peak_during(step)), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         out.append({"time_s": statistics.median(times), "peak_bytes": float(peak), "contention": statistics.median(contention)})
     return out

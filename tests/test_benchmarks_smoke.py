@@ -56,6 +56,21 @@ def test_memory_bound_quick_runs_every_method_with_parity():
     assert re.search(r"^(no baseline fits the budget|meshplan / fastest fitting baseline \(.+\) = \d+\.\d\d; .*(met|NOT met))$", out, re.M), out
 
 
+def test_search_modes_table_in_the_docs_is_what_the_script_prints():
+    """docs/modes.md's ILP-against-propagation table: objectives and predicted steps are deterministic, so a
+    drift between the code and the page fails here (the seconds are machine-dependent and not compared)."""
+    proc = subprocess.run([sys.executable, "benchmarks/search_modes.py"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    def figures(text: str) -> list[tuple[str, ...]]:
+        rows = re.findall(r"^\| ([^|]+) \| ([0-9.]+) / ([0-9.]+) ms, [0-9.]+ s \| ([0-9.]+) / ([0-9.]+) ms", text, re.M)
+        return [tuple(x.strip() for x in row) for row in rows]
+
+    printed = figures(proc.stdout)
+    assert len(printed) == 5, proc.stdout
+    assert printed == figures((ROOT / "docs" / "modes.md").read_text()), "docs/modes.md: rerun benchmarks/search_modes.py"
+
+
 def test_mesh_search_quick_plans_every_mesh_and_the_default_call_keeps_the_fastest():
     """benchmarks/mesh_search.py --quick: the MLP on every mesh of 8 devices, one row each ((4, 2) is (2, 4) reordered
     inside a node), and the mesh search's plan is the fastest of them (the script exits non-zero otherwise)."""
