@@ -152,7 +152,8 @@ def main() -> int:
         t0 = time.perf_counter()
         plan = meshplan.plan(model, WORLD, (tokens,), cluster="cpu", profile=profile, memory_budget=budget, inputs="local")
     print(f"budget per rank: {budget / 2**20:.1f} MiB ({args.budget_fraction:.2f} x the data-parallel plan's {dp.memory.total / 2**20:.1f} MiB)")
-    print(f"meshplan plan ({time.perf_counter() - t0:.1f} s): mesh {plan.mesh}, predicted {plan.step_time_s * 1e3:.1f} ms, "
+    print(f"meshplan plan ({time.perf_counter() - t0:.1f} s, solver {plan.solver.status}, gap {plan.solver.gap:.1%}): mesh {plan.mesh}, "
+          f"predicted {plan.step_time_s * 1e3:.1f} ms, "
           f"{plan.memory.total / 2**20:.1f} MiB per rank; parameter layouts "
           f"{dict(sorted(Counter(str(p.layout) for p in plan.params).items()))}")
     results = run_local(WORLD, worker, cfg, plan, vb.output_layout(cfg, plan), warmup, steps, args.rounds, timeout=1800)[0]
