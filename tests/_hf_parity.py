@@ -11,8 +11,8 @@ import torch
 
 import meshplan
 from meshplan.models.hf import hf_model
-from meshplan.runtime.parallel_module import shard_tensor
 from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import shard_tensor
 
 STEPS = 2
 

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 import meshplan
 from meshplan.models import MLP, GPT, GPTConfig, Llama, LlamaConfig
-from meshplan.runtime.parallel_module import shard_tensor
 from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import shard_tensor
 
 BATCH = 8
 STEPS = 3

@@ -17,8 +17,8 @@ from _parity import build, plan_kwargs, run_steps, train
 
 import meshplan
 from meshplan.runtime.launch import run_local
-from meshplan.runtime.parallel_module import shard_tensor
 from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import shard_tensor
 
 pytestmark = pytest.mark.multiprocess
 

@@ -14,8 +14,8 @@ from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig
 from meshplan.planner.rules.random import is_random
 from meshplan.runtime.launch import run_local
-from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 
 
 def build():

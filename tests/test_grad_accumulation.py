@@ -15,8 +15,8 @@ from test_pipeline_parity import loss_fn as pipe_loss
 import meshplan
 from meshplan.ir.trace import trace
 from meshplan.runtime.launch import run_local
-from meshplan.runtime.parallel_module import shard_tensor
 from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import shard_tensor
 
 pytestmark = pytest.mark.multiprocess
 

@@ -18,8 +18,8 @@ import meshplan
 from meshplan.models import GPT, GPTConfig
 from meshplan.models.hf import hf_llama
 from meshplan.runtime.launch import run_local
-from meshplan.runtime.parallel_module import shard_tensor
 from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import shard_tensor
 
 SEED = 5
 STEPS = 3

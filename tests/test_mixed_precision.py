@@ -33,8 +33,8 @@ import meshplan
 from meshplan.ir.precision import MixedPrecision
 from meshplan.ir.trace import trace
 from meshplan.runtime.launch import run_local
-from meshplan.runtime.parallel_module import shard_tensor
 from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import shard_tensor
 
 STEPS = 3
 CURVE_STEPS = 20

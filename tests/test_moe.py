@@ -19,8 +19,8 @@ from meshplan.ir.placement import Partial, Replicate, Shard
 from meshplan.ir.trace import trace
 from meshplan.planner.plan import Plan
 from meshplan.runtime.launch import run_local
-from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 
 @functools.lru_cache(maxsize=1)
 def _traced():

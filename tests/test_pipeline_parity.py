@@ -23,8 +23,8 @@ from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig
 from meshplan.planner.pipeline_plan import PipelinePlan, PipelineStage
 from meshplan.runtime.launch import run_local
-from meshplan.runtime.parallel_module import shard_tensor
 from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import shard_tensor
 
 from _parity import megatron_layouts
 

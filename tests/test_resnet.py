@@ -15,8 +15,8 @@ from meshplan.ir.placement import Replicate, Shard
 from meshplan.ir.trace import trace
 from meshplan.models.resnet import ResNet
 from meshplan.runtime.launch import run_local
-from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 
 STEPS = 3
 BN = "aten._native_batch_norm_legit_functional.default"

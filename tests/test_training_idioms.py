@@ -23,8 +23,8 @@ from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig
 from meshplan.models.resnet import ResNet
 from meshplan.runtime.launch import run_local
-from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 
 MICRO = 2
 STEPS = 2
