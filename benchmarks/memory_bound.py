@@ -32,7 +32,6 @@ import math
 import statistics
 import sys
 import time
-import types
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -46,10 +45,9 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import meshplan  # noqa: E402
 import vs_baselines as vb  # noqa: E402
+from meshplan.fidelity import held_bytes, peak_during, slowest_rank_seconds  # noqa: E402
 from meshplan.models import GPTConfig  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
-from meshplan.fidelity import held_bytes, peak_during, slowest_rank_seconds  # noqa: E402
-from meshplan.runtime.parallel_module import shard_tensor  # noqa: E402
 
 WORLD = 4
 MESHPLAN = "meshplan (auto, budget)"
@@ -62,17 +60,9 @@ def fsdp_tp(model, cfg: GPTConfig):
     """TP inside each pair of ranks (mesh axis 'tp'), FSDP2 over the pairs ('dp'): torchtitan's 2-D layout."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    layout = {}
-    for i, block in enumerate(model.layers):
-        block.attn.head_dim = cfg.hidden // cfg.heads
-        block.attn.forward = types.MethodType(vb._tp_attention_forward, block.attn)
-        layout |= {f"layers.{i}.attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
-        layout |= {f"layers.{i}.attn.out_proj": RowwiseParallel(), f"layers.{i}.mlp.fc1": ColwiseParallel(),
-                   f"layers.{i}.mlp.fc2": RowwiseParallel()}
-    parallelize_module(model, mesh["tp"], layout)
+    vb.megatron_tp(model, cfg, mesh["tp"])
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -81,16 +71,14 @@ def fsdp_tp(model, cfg: GPTConfig):
 
 def make(name: str, rank: int, cfg: GPTConfig, plan, out_layout):
     """(module, this rank's input, this rank's loss targets)."""
-    if name == MESHPLAN:
-        model, tokens = vb.build(cfg)
-        pmodel = meshplan.auto_parallelize(model, devices=WORLD, example_inputs=(tokens,), plan=plan)
-        return pmodel, shard_tensor(tokens, plan.inputs[0].layout, plan.mesh, rank), shard_tensor(tokens, out_layout, plan.mesh, rank)
     if name == "FSDP2+TP":
         model, tokens = vb.build(cfg)
         model, dp_rank = fsdp_tp(model, cfg)
         x = vb.batch_slice(tokens, dp_rank, 2)
         return model, x, x
-    module, x, y, _ = vb.make_method(name, rank, WORLD, cfg, {}, {})
+    if name == MESHPLAN:  # vs_baselines' "meshplan (local)": each rank passes the part of the batch its plan's inputs hold
+        name, plan, out_layout = vb.MESHPLAN[1], {"local": plan}, {"local": out_layout}
+    module, x, y, _ = vb.make_method(name, rank, WORLD, cfg, plan, out_layout)
     return module, x, y
 
 

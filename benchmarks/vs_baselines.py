@@ -172,6 +172,13 @@ def make_method(name: str, rank: int, world: int, cfg: GPTConfig, plans: dict, o
         x = batch_slice(tokens, rank, world)
         return model, x, x, True
     assert name == "TP", name
+    megatron_tp(model, cfg, mesh)
+    return model, tokens, tokens, False
+
+
+def megatron_tp(model: GPT, cfg: GPTConfig, mesh) -> None:
+    """`parallelize_module` with Megatron's layout over `mesh` (1-D): colwise q/k/v/fc1, rowwise out_proj/fc2,
+    attention on the local heads."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     layout = {}
@@ -182,7 +189,6 @@ def make_method(name: str, rank: int, world: int, cfg: GPTConfig, plans: dict, o
         layout |= {f"layers.{i}.attn.out_proj": RowwiseParallel(), f"layers.{i}.mlp.fc1": ColwiseParallel(),
                    f"layers.{i}.mlp.fc2": RowwiseParallel()}
     parallelize_module(model, mesh, layout)
-    return model, tokens, tokens, False
 
 
 def worker(rank: int, world: int, setting: Setting, plans: dict, out_layouts: dict) -> dict:

@@ -71,6 +71,10 @@ def build(cfg: GPTConfig, batch: int) -> tuple[LMLoss, torch.Tensor]:
     return model, torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=torch.Generator().manual_seed(1))
 
 
+FSDP = {"mode": "manual", "parameter_plan": {"*": "S(0)"}, "input_layouts": {"tokens": "S(0)"}}
+"""`meshplan.plan` keywords of a ZeRO-3 / FSDP plan: every parameter stored sharded, the batch split."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Case:
     """One plan to measure: a name, a world size, the `meshplan.plan` keywords that force it (none: the
@@ -83,7 +87,7 @@ class Case:
 
 
 def cases(quick: bool = False) -> list[Case]:
-    fsdp = {"mode": "manual", "parameter_plan": {"*": "S(0)"}, "input_layouts": {"tokens": "S(0)"}}
+    fsdp = FSDP
     tp = {"mode": "semi_auto", "parallelize_plan": MEGATRON, "input_layouts": {"tokens": "R"}}
     all_cases = [
         Case(name="DP", world=2, options={"mode": "data_parallel"}),
@@ -112,7 +116,7 @@ def out_of_sample_cases(quick: bool = False) -> list[Case]:
         Case(name="PP", world=2, options={"pipeline": 2}),
         Case(name="PP", world=4, options={"pipeline": 2}),
         Case(name="DP", world=8, options={"mode": "data_parallel"}),
-        Case(name="FSDP", world=8, options=cases()[1].options),
+        Case(name="FSDP", world=8, options=FSDP),
     ]
     return forced + [Case(name=f"auto {size}", world=w, size=size) for size in ("small", "medium", "large") for w in (2, 4, 8)]
 
@@ -288,6 +292,13 @@ def run_out_of_sample(profile, *, quick: bool = False, steps: int = 16, warmup: 
                 warmup=warmup, refresh_comm=False, in_sample=False, log=log)
 
 
+def plan_parts(plan) -> tuple[float, float, float]:
+    """The plan's own (compute, communication, optimizer) seconds; a pipelined plan's schedule counts as compute."""
+    if plan.pipeline is not None:
+        return (plan.step_time_s, 0.0, 0.0)
+    return (plan.step_time_s - plan.comm_s - plan.optimizer_s, plan.comm_s, plan.optimizer_s)
+
+
 def solver_memory(plan) -> float:
     """Bytes per device the solver bounded: `plan.memory`, or a pipelined plan's largest stage."""
     if plan.pipeline is not None:
@@ -304,6 +315,7 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
     from meshplan.runtime.launch import run_local
 
     measured_profile = resolve_profile(profile, None)
+    graphs: dict[str, object] = {}  # size -> its traced graph (in sample: the liveness memory model reads it)
     rows = []
     for world in sorted({c.world for c in all_cases}):
         world_profile = measured_profile
@@ -315,11 +327,13 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
         for case in (c for c in all_cases if c.world == world):
             model, tokens = build(SIZES[case.size], batch)
             plan = meshplan.plan(model, case.world, (tokens,), cluster=cluster, **dict(case.options))
-            mine.append((case, plan, model, tokens))
+            mine.append((case, plan))
+            if in_sample and case.size not in graphs:
+                graphs[case.size] = trace(model, (tokens,))
             log(f"planned {case.name} on {case.world}: mesh {plan.mesh.shape}"
                 f"{f' x pp {plan.pipeline.degree}' if plan.pipeline else ''}, predicted {plan.step_time_s * 1e3:.2f} ms")
         log(f"measuring {len(mine)} plans on {world} local gloo processes")
-        results = run_local(world, _measure_world, [p.to_json() for _, p, _, _ in mine], [SIZES[c.size] for c, *_ in mine],
+        results = run_local(world, _measure_world, [p.to_json() for _, p in mine], [SIZES[c.size] for c, _ in mine],
                             batch, warmup, steps, timeout=1800)[0]
         scale = 1.0
         if in_sample:
@@ -327,16 +341,15 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
             log(f"compute contention at {world} ranks: {_slowdown(cluster, world):.2f} at calibration, {results[0]['contention']:.2f} "
                 "while measuring (used)")
             scale = _slowdown(now, world) / _slowdown(cluster, world)
-        for (case, plan, model, tokens), got in zip(mine, results):
+        for (case, plan), got in zip(mine, results):
             if in_sample:
-                (compute, comm, opt), m = predict(plan, trace(model, (tokens,)))
+                (compute, comm, opt), m = predict(plan, graphs[case.size])
                 # every op's time and optimizer step is linear in the contention factor; the collective
                 # fits were measured under the load of calibration time, and waiting for peers scales
                 # with load the same way
                 parts = (compute * scale, comm * scale, opt * scale)
             else:
-                parts = (plan.step_time_s - plan.comm_s - plan.optimizer_s, plan.comm_s, plan.optimizer_s) if plan.pipeline is None else (
-                    plan.step_time_s, 0.0, 0.0)
+                parts = plan_parts(plan)
                 m = solver_memory(plan)
             rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=got["time_s"], predicted_bytes=m,
                             measured_bytes=got["peak_bytes"], parts_s=parts, pipeline=plan.pipeline.degree if plan.pipeline else 1))

@@ -153,13 +153,18 @@ def optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer) -> dict[str, 
     for fqn in (f for g in groups for f in g):
         param = params[fqn]
         for key, value in optimizer.state.get(param, {}).items():
-            if not isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() and value.shape == param.shape:
+            if not isinstance(param, DTensor) and _shaped_like(value, param):
                 value = _view(value, choice[fqn], device_mesh(pmodel))
             state.setdefault(fqn, {})[key] = value
     param_groups = []
     for names, g in zip(groups, optimizer.param_groups):
         param_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
     return {"state": state, "param_groups": param_groups}
+
+
+def _shaped_like(value, param: torch.Tensor) -> bool:
+    """Optimizer state that follows its parameter's layout (Adam's moments; not its scalar `step`)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
 def load_optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
@@ -182,7 +187,7 @@ def load_optimizer_state_dict(pmodel, optimizer: torch.optim.Optimizer, state_di
         sharded = isinstance(params[fqn], DTensor)  # else a plain, replicated parameter: its state is whole too
         state[index[fqn]] = {}
         for k, v in entries.items():
-            if isinstance(v, DTensor) or (not sharded and isinstance(v, torch.Tensor) and v.dim() and v.shape == params[fqn].shape):
+            if isinstance(v, DTensor) or (not sharded and _shaped_like(v, params[fqn])):
                 v = _local_part(v, choice[fqn], pmodel, f"optimizer state {fqn}.{k}")
                 v = _view(v, choice[fqn], mesh) if sharded else v
             state[index[fqn]][k] = v

@@ -30,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from meshplan.planner.plan import GradBucket
 from meshplan.runtime.collectives import MeshComm, count_collective
+from meshplan.runtime.grad_buckets import start_all_reduce
 from meshplan.runtime.local_view import local_of
 
 
@@ -88,14 +89,9 @@ class StageGradSync:
                 return
             self._scale(names)
             grads = [local_of(self._params[x].grad) for x in names]
-            flat = self._flat[self._next]
-            if flat is None:
-                dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
-                flat = self._flat[self._next] = grads[0].new_empty(sum(g.numel() for g in grads), dtype=dtype)
-            torch.cat([g.reshape(-1) for g in grads], out=flat)
-            count_collective("grad_sync", "all_reduce")
-            with self._comm.guard(f"gradient bucket {index} all_reduce over mesh axes {axes}"):
-                work = dist.all_reduce(flat, group=self._comm.group(axes), async_op=True)
+            flat, work = start_all_reduce(grads, self._flat[self._next], self._comm, axes,
+                                          f"gradient bucket {index} all_reduce over mesh axes {axes}")
+            self._flat[self._next] = flat
             self._pending.append((self._next, flat, work))
             if ready_only:
                 self.overlapped += 1
