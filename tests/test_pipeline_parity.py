@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import meshplan
 from meshplan.cost_model.memory import MemoryBreakdown
@@ -24,7 +25,7 @@ from meshplan.models import GPT, GPTConfig
 from meshplan.planner.pipeline_plan import PipelinePlan, PipelineStage
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
-from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.parallel_module import replicated_everywhere, shard_tensor
 
 from _parity import megatron_layouts
 
@@ -102,7 +103,7 @@ def worker(rank, world, plans, searched=None):
         loss = runner.step(x, target=x)
         grads = {n: local_of(p.grad).clone() for n, p in runner.named_parameters()}
         out.append((None if loss is None else float(loss), grads, runner.local, runner.collective_counts(), runner.expected_collectives(),
-                    _overlap(runner, plan, grads)))
+                    _overlap(runner, plan, grads), any(isinstance(p, DTensor) for p in runner.parameters())))
     return out
 
 
@@ -126,8 +127,10 @@ def check(plans, results):
             assert abs(got - ref_loss.item()) < 1e-5, (what, got, ref_loss.item())
         seen = set()
         for rank, r in enumerate(results):
-            _, grads, local, counts, expected, (overlapped, buckets) = r[i]
+            _, grads, local, counts, expected, (overlapped, buckets), dtensors = r[i]
             assert overlapped == buckets, f"{what} rank {rank}: {overlapped} of {buckets} buckets overlapped the schedule"
+            # data-parallel stages keep plain parameters (DTensor gradient accumulation per microbatch is slow)
+            assert dtensors != replicated_everywhere(plan), (what, rank, dtensors)
             for name, g in grads.items():
                 want = shard_tensor(ref[name], layouts[name], plan.mesh, local)
                 torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what} rank {rank} {name}: {m}")

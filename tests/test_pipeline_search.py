@@ -43,6 +43,27 @@ def test_stage_memory_follows_schedule_formula():
     assert pipe.bubble_fraction == pytest.approx(3 / (2 * 8 + 3), rel=0.05)  # equal up to the imbalance of pre/post chunks
 
 
+def test_measured_action_cost_prices_every_stage_action_and_the_cut_bytes_only():
+    """With a profile's per-action seconds a, each stage costs (actions per microbatch) x a more per microbatch, and
+    a cut's sends lose the fit's latency (the measured action includes its handshake)."""
+    from meshplan.cost_model.profile import Profile
+
+    us = units(8)
+    base = get_cluster("h100")
+    a = 1e-3
+    measured = base.with_profile(Profile(device="x", torch_version="0", cluster="h100", pipeline_action_s={8: a}))
+    link = base.link_for_axis((2, 2, 2), 0)
+    latency = 2 * (link.call_overhead_s + link.latency_s + 1 / link.bandwidth)  # a cut's two sends, less their bytes
+    for sched, actions in (("1f1b", 2), ("interleaved_zb", 3)):
+        plain = evaluate(us, p=2, d=2, t=2, m=8, schedule=sched, cluster=base, budget=1e12, dp_in_profile=True)
+        priced = evaluate(us, p=2, d=2, t=2, m=8, schedule=sched, cluster=measured, budget=1e12, dp_in_profile=True)
+        assert [s.units for s in priced.stages] == [s.units for s in plain.stages]
+        for s0, s1 in zip(plain.stages, priced.stages):
+            cuts = (s0.units[0] != "pre") + (s0.units[-1] != "post")
+            assert s1.time_s == pytest.approx(s0.time_s + actions * a - cuts * latency)
+        assert priced.step_s > plain.step_s
+
+
 def test_recompute_when_memory_needs_it():
     us = units(8)
     roomy = evaluate(us, p=2, d=1, t=1, m=8, schedule="gpipe", cluster=get_cluster("h100"), budget=1e12, dp_in_profile=True)

@@ -42,11 +42,24 @@ def test_profile_json_round_trip(tmp_path):
         ops={"aten.mm.default(float32[2,2],float32[2,2])->float32[2,2]": OpTiming(forward_s=1e-5, backward_s=3e-5, runs=7)},
         collectives=(CollectiveFit(kind="all_reduce", group=2, world=2, alpha_s=1e-4, seconds_per_byte=1e-9, sizes=(1, 2), times=(0.1, 0.2)),),
         contention={4: 2.0}, copy_seconds_per_byte=1e-10, op_overhead_s=5e-6, backend="gloo", node_overhead_s=2e-5,
+        pipeline_action_s={2: 3e-4, 4: 1e-3}, dtensor_optimizer_s={"adam": 1.2e-4},
     )
     path = p.save(tmp_path / "p.json")
     q = load_profile(path)
     assert q == p and q.slowdown(4) == 2.0 and q.slowdown(8) == 2.0 and q.slowdown(2) == 1.0
+    assert q.pipeline_action(2) == 3e-4 and q.pipeline_action(8) == 1e-3 and q.pipeline_action(1) == 0.0
     assert "pickle" not in path.read_text() and json.loads(path.read_text())["format"] == "meshplan-profile"
+
+
+def test_dtensor_parameters_pay_the_measured_optimizer_dispatch():
+    from meshplan.cost_model.estimate import optimizer_step_time
+
+    prof = _profile(optimizer_steps={"adam": (1e-5, 1e-9)}, dtensor_optimizer_s={"adam": 1e-4}, contention={2: 1.5})
+    cluster = get_cluster("cpu").with_profile(prof)
+    plain = optimizer_step_time([10, 20, 30], "adam", (2,), cluster)
+    dtensor = optimizer_step_time([10, 20, 30], "adam", (2,), cluster, dtensor=True)
+    assert plain == pytest.approx((3 * 1e-5 + 60 * 1e-9) * 1.5)
+    assert dtensor - plain == pytest.approx(3 * 1e-4 * 1.5)
 
 
 @pytest.mark.parametrize(

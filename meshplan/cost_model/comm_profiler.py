@@ -9,7 +9,8 @@ fit includes the contention between them (on a CPU: for cores, too). Per size th
 mean over repetitions of the slowest rank; `fit_alpha_beta` then fits alpha + bytes * beta with
 relative weights, so that 4 KB and 256 MB messages count alike.
 
-It also measures compute contention: the same small training-like workload on rank 0 alone and on
+It also measures what the pipelining runtime costs per schedule action (cost_model/pipeline_overhead.py),
+what an optimizer step costs more per parameter when parameters are DTensors, and compute contention: the same small training-like workload on rank 0 alone and on
 all ranks at once; the ratio is how much slower each rank computes when the world runs together
 (about world / cores when ranks outnumber cores).
 """
@@ -26,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from meshplan.cost_model.collectives import COLLECTIVE_KINDS
-from meshplan.cost_model.op_profiler import Timer
+from meshplan.cost_model.op_profiler import OPTIMIZERS, Timer, dtensor_optimizer_overhead
+from meshplan.cost_model.pipeline_overhead import measure_action_overhead
 from meshplan.cost_model.profile import CollectiveFit, Profile, axis_label, device_name, torch_version
 
 FULL_SIZES: tuple[int, ...] = tuple(4 * 2**10 * 4**k for k in range(10))
@@ -238,6 +240,19 @@ def mesh_shapes_for(world: int) -> list[tuple[int, ...]]:
     return [(world,)] + [(a, world // a) for a in range(2, world) if world % a == 0]
 
 
+def _dtensor_optimizer_overheads() -> dict[str, float]:
+    """`op_profiler.dtensor_optimizer_overhead` of every optimizer, timed on rank 0 alone while the others
+    wait (undisturbed, like the op profiles; contention is applied on top), sent to every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(_device().type, (dist.get_world_size(),))
+    got = torch.zeros(len(OPTIMIZERS), dtype=torch.float64, device=_device())
+    if dist.get_rank() == 0:
+        got[:] = torch.tensor([dtensor_optimizer_overhead(name, mesh) for name in OPTIMIZERS], dtype=torch.float64)
+    dist.broadcast(got, src=0)
+    return dict(zip(OPTIMIZERS, got.tolist()))
+
+
 def measure_cluster(
     *, cluster: str = "cpu", sizes: Sequence[int] = FULL_SIZES, kinds: Sequence[str] = COLLECTIVE_KINDS, reps: int = 5,
     mesh_shapes: Sequence[tuple[int, ...]] | None = None,
@@ -250,8 +265,11 @@ def measure_cluster(
         for axis in range(len(shape)):  # every axis: two axes of one size may sit on different links
             fits += measure_axis(tuple(shape), axis, sizes=sizes, kinds=kinds, reps=reps)
     contention = measure_contention() if world > 1 else 1.0
+    action = measure_action_overhead() if world > 1 else None
+    dtensor_optimizer = _dtensor_optimizer_overheads()
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return Profile(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=torch.get_num_threads(),
-        collectives=tuple(fits), contention={world: contention}, backend=str(dist.get_backend()),
+        collectives=tuple(fits), contention={world: contention}, backend=str(dist.get_backend()), pipeline_action_s={world: action} if action is not None else {},
+        dtensor_optimizer_s=dtensor_optimizer,
     )

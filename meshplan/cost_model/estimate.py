@@ -183,14 +183,19 @@ _OPTIMIZER_BYTES_PER_ELEMENT = {"adam": 28, "adamw": 28, "sgd": 12, "sgd_momentu
 grad, exp_avg, exp_avg_sq, writes param, exp_avg, exp_avg_sq)."""
 
 
-def optimizer_step_time(numels: Sequence[int], optimizer: str, mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
+def optimizer_step_time(numels: Sequence[int], optimizer: str, mesh_shape: tuple[int, ...], cluster: ClusterPreset,
+                        *, dtensor: bool = False) -> float:
     """Seconds of one `optimizer.step()` over this device's parameter tensors (`numels`, local
     elements each): the profile's per-tensor + per-element rate (times contention), else memory
     traffic at the device's bandwidth. The planner prices each trainable parameter's step on its
-    local shard (`Plan.optimizer_s`), so sharding optimizer state also shortens the step."""
+    local shard (`Plan.optimizer_s`), so sharding optimizer state also shortens the step.
+    `dtensor`: the parameters are DTensors (the runtime's sharded parameters), which costs the
+    profile's measured dispatch overhead per tensor more."""
     prof = cluster.profile
     if prof is not None and optimizer in prof.optimizer_steps:
         per_tensor, per_element = prof.optimizer_steps[optimizer]
+        if dtensor:
+            per_tensor += prof.dtensor_optimizer_s.get(optimizer, 0.0)
         return (per_tensor * len(numels) + per_element * sum(numels)) * prof.slowdown(math.prod(mesh_shape))
     if optimizer not in _OPTIMIZER_BYTES_PER_ELEMENT:
         raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(_OPTIMIZER_BYTES_PER_ELEMENT)}")

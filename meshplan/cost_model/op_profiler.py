@@ -209,3 +209,27 @@ def optimizer_rate(name: str = "adam", device: torch.device | str = "cpu", numel
     sizes.append([max(n // 4, 1) for n in sizes[0]])
     rates = [max(step_time(sz) - per_tensor * len(sz), 0.0) / sum(sz) for sz in sizes]
     return per_tensor, statistics.median(rates)
+
+
+def dtensor_optimizer_overhead(name: str, mesh, runs: int = 9) -> float:
+    """Extra seconds per parameter tensor of `optimizer.step()` when the parameters are DTensors on `mesh`
+    (each of torch's foreach ops then dispatches through DTensor's sharding propagation): 32 tiny
+    parameters sharded over the mesh's first axis against 32 plain ones of the same local size, the
+    fastest run of each. Runs on this rank alone (an optimizer step over DTensors communicates nothing)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r} cannot be timed; allowed: {', '.join(OPTIMIZERS)}")
+    device = torch.device(mesh.device_type)
+    timer = Timer(device)
+
+    def step_time(params: list[torch.nn.Parameter]) -> float:
+        for p in params:
+            p.grad = torch.ones_like(p)  # not random: DTensor warns about random ops on a CPU mesh
+        opt = OPTIMIZERS[name](params)
+        return min([timer(opt.step) for _ in range(runs + 2)][2:])
+
+    plain = [torch.nn.Parameter(torch.randn(16, device=device)) for _ in range(32)]
+    sharded = [torch.nn.Parameter(DTensor.from_local(torch.randn(16, device=device), mesh, [Shard(0)] * mesh.ndim, run_check=False))
+               for _ in range(32)]
+    return max(step_time(sharded) - step_time(plain), 0.0) / 32

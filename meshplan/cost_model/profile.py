@@ -8,6 +8,8 @@ device kind with one torch version:
   timings over a range of message sizes, measured the way the runtime issues them;
 - contention: how much slower a rank's compute gets when `world` ranks run at once (on a CPU
   whose cores the ranks share, e.g. 4 ranks on 2 cores, this is about 2);
+- pipeline action overhead: seconds the pipelining runtime spends per schedule action at `world` ranks;
+- DTensor optimizer overhead: what an optimizer step costs more per parameter that is a DTensor;
 - copy and op-overhead rates used for the runtime's local copies and for ops not profiled.
 
 Planning attaches a profile to a cluster preset (`ClusterPreset.with_profile`); the cost functions
@@ -147,9 +149,18 @@ class Profile:
     that timing one op at a time misses (autograd's graph and engine, Python between ops,
     allocator and cache state)."""
 
+    pipeline_action_s: Mapping[int, float] = field(default_factory=dict)
+    """world size -> seconds the pipelining runtime spends per schedule action (one stage's forward or
+    backward of one microbatch) beyond the stage's work and sends (cost_model/pipeline_overhead.py)."""
+    dtensor_optimizer_s: Mapping[str, float] = field(default_factory=dict)
+    """optimizer name -> extra seconds of `optimizer.step()` per parameter that is a DTensor (torch's foreach
+    ops dispatch through DTensor; the runtime keeps plain parameters only where every one is replicated)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", MappingProxyType(dict(self.ops)))
         object.__setattr__(self, "contention", MappingProxyType({int(k): float(v) for k, v in self.contention.items()}))
+        object.__setattr__(self, "pipeline_action_s", MappingProxyType({int(k): float(v) for k, v in self.pipeline_action_s.items()}))
+        object.__setattr__(self, "dtensor_optimizer_s", MappingProxyType({k: float(v) for k, v in self.dtensor_optimizer_s.items()}))
         object.__setattr__(self, "optimizer_steps", MappingProxyType({k: (float(a), float(b)) for k, (a, b) in self.optimizer_steps.items()}))
 
     # ---------------------------------------------------------------- lookups the cost model uses
@@ -161,6 +172,11 @@ class Profile:
         """Compute contention at `world` ranks: measured, else the nearest smaller measured world, else 1."""
         known = [w for w in self.contention if w <= world]
         return self.contention[max(known)] if known else 1.0
+
+    def pipeline_action(self, world: int) -> float:
+        """Seconds per pipeline schedule action at `world` ranks: measured, else the nearest smaller measured world, else 0."""
+        known = [w for w in self.pipeline_action_s if w <= world]
+        return self.pipeline_action_s[max(known)] if known else 0.0
 
     def collective(self, kind: str, group: int, world: int, axis: str = "") -> CollectiveFit | None:
         """The fit for `kind` on groups of `group` ranks: measured on this mesh axis (`axis_label`)
@@ -187,6 +203,8 @@ class Profile:
             ops={**self.ops, **other.ops},
             collectives=tuple(keep) + other.collectives,
             contention={**self.contention, **other.contention},
+            pipeline_action_s={**self.pipeline_action_s, **other.pipeline_action_s},
+            dtensor_optimizer_s={**self.dtensor_optimizer_s, **other.dtensor_optimizer_s},
             optimizer_steps={**self.optimizer_steps, **other.optimizer_steps},
             copy_seconds_per_byte=other.copy_seconds_per_byte or self.copy_seconds_per_byte,
             op_overhead_s=other.op_overhead_s or self.op_overhead_s,
@@ -217,6 +235,8 @@ class Profile:
             "op_overhead_s": self.op_overhead_s,
             "node_overhead_s": self.node_overhead_s,
             "contention": {str(k): v for k, v in sorted(self.contention.items())},
+            "pipeline_action_s": {str(k): v for k, v in sorted(self.pipeline_action_s.items())},
+            "dtensor_optimizer_s": dict(sorted(self.dtensor_optimizer_s.items())),
             "optimizer_steps": {k: list(v) for k, v in sorted(self.optimizer_steps.items())},
             "ops": {k: {"forward_s": t.forward_s, "backward_s": t.backward_s, "runs": t.runs} for k, t in sorted(self.ops.items())},
             "collectives": [
@@ -240,6 +260,8 @@ class Profile:
                 op_overhead_s=_opt_float(d.get("op_overhead_s")),
                 node_overhead_s=_opt_float(d.get("node_overhead_s")),
                 contention={int(k): _pos(v) for k, v in d.get("contention", {}).items()},
+                pipeline_action_s={int(k): float(v) for k, v in d.get("pipeline_action_s", {}).items()},
+                dtensor_optimizer_s={_str(k): float(v) for k, v in d.get("dtensor_optimizer_s", {}).items()},
                 optimizer_steps={_str(k): (_pos(v[0]), _pos(v[1])) for k, v in d.get("optimizer_steps", {}).items()},
                 ops={_str(k): OpTiming(forward_s=_pos(v["forward_s"]), backward_s=_opt_float(v.get("backward_s")), runs=int(v.get("runs", 0)))
                      for k, v in d.get("ops", {}).items()},

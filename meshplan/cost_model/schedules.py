@@ -41,6 +41,13 @@ TORCH_SCHEDULE_CLASS = {
 """The `torch.distributed.pipelining` class that runs each schedule."""
 
 
+def actions_per_microbatch(schedule: str) -> int:
+    """Actions one stage runs per microbatch: forward and backward, or under the zero-bubble schedules
+    forward, backward for inputs and backward for weights."""
+    check_schedule(schedule)
+    return 3 if schedule in ("interleaved_zb", "zbv") else 2
+
+
 def check_schedule(name: str) -> str:
     if name not in SCHEDULES:
         raise ValueError(f"pipeline schedule {name!r} is not supported; allowed: {', '.join(SCHEDULES)}")

@@ -30,7 +30,7 @@ from meshplan.cost_model.collectives import collective_time
 from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES
 from meshplan.cost_model.memory import MemoryBreakdown
 from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
-from meshplan.cost_model.schedules import SCHEDULES, check_schedule, chunks_per_device, in_flight, schedule_time
+from meshplan.cost_model.schedules import SCHEDULES, actions_per_microbatch, check_schedule, chunks_per_device, in_flight, schedule_time
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.precision import MixedPrecision
@@ -119,9 +119,10 @@ def _device_of(k: int, p: int, schedule: str) -> int:
     return k % p
 
 
-def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float, p2p_s: float, virtual: int = 2,
+def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float, p2p_s: float, action_s: float = 0.0, virtual: int = 2,
               pins: dict[int, int] | None = None, recompute: bool | None = None) -> list[tuple[int, int, bool, float, MemoryBreakdown]] | None:
     """Cut `units` into p * v contiguous stages minimising the slowest stage, each within `budget`.
+    Every stage costs `p2p_s` per cut it sits at and `action_s` (the runtime's per-microbatch cost) per microbatch.
 
     Returns [(start, end, recompute, seconds per microbatch, memory)] per stage, or None if no cut fits."""
     v = chunks_per_device(schedule, virtual)
@@ -139,7 +140,7 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
     valid = j_ > i_
     shared = float(stage_static_bytes([units[0], units[-1]]) - units[0].static_bytes - units[-1].static_bytes)  # <= 0
     rng_static = S[j_] - S[i_] + np.where((i_ == 0) & (j_ == U), shared, 0.0)
-    rng_time = T[j_] - T[i_] + p2p_s * ((i_ > 0).astype(float) + (j_ < U).astype(float))
+    rng_time = T[j_] - T[i_] + p2p_s * ((i_ > 0).astype(float) + (j_ < U).astype(float)) + action_s
     rng_act, rng_kept, rng_fwd = A[j_] - A[i_], K[j_] - K[i_], F[j_] - F[i_]
     peak_unit = float(act.max())
     # per-stage cost matrices (memory depends on how many microbatches the stage's device holds)
@@ -209,7 +210,13 @@ def evaluate(units: list[Unit], *, p: int, d: int, t: int, m: int, schedule: str
     cut_bytes = max((u.out_bytes for u in units[:-1]), default=0)
     link = cluster.link_for_axis(mesh, 0)
     p2p = 2 * collective_time("send_recv", int(cut_bytes), 2, link) if p > 1 else 0.0
-    parts = partition(units, p, m, schedule, budget=budget, p2p_s=p2p, virtual=virtual, pins=pins, recompute=recompute)
+    # the runtime's own cost of a stage's actions per microbatch, measured with their handshakes
+    # (cost_model/pipeline_overhead.py): the cut's sends then cost their bytes only
+    per_action = cluster.profile.pipeline_action(p * d * t) if p > 1 and cluster.profile else 0.0
+    action = actions_per_microbatch(schedule) * per_action
+    if per_action:
+        p2p -= 2 * collective_time("send_recv", 1, 2, link)
+    parts = partition(units, p, m, schedule, budget=budget, p2p_s=p2p, action_s=action, virtual=virtual, pins=pins, recompute=recompute)
     if parts is None:
         return None
     v = chunks_per_device(schedule, virtual)

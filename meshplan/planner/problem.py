@@ -19,7 +19,7 @@ from meshplan.cost_model.redistribution import InfeasibleRedistribution
 from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.placement import Placements
+from meshplan.ir.placement import Placements, Replicate
 from meshplan.planner.recompute import RecomputeGroup, RecomputeTerms
 from meshplan.planner.solver import Edge, Problem
 from meshplan.planner.strategy import Strategy
@@ -183,8 +183,11 @@ def build_tables(
                 for s in strategies
             ]
         elif node.kind == "param" and node.grad(0):
-            # the step updates each device's local shard: sharding a parameter divides its step
-            step = [optimizer_step_time([local_bytes(node.out, s.outputs[0], shape) // node.out.itemsize], optimizer, shape, cluster)
+            # the step updates each device's local shard: sharding a parameter divides its step; a sharded
+            # parameter is a DTensor in the runtime, whose step pays DTensor's dispatch (a replicated one is
+            # priced plain, exact where the whole plan replicates: the runtime keeps plain tensors then)
+            step = [optimizer_step_time([local_bytes(node.out, s.outputs[0], shape) // node.out.itemsize], optimizer, shape, cluster,
+                                        dtensor=not all(isinstance(q, Replicate) for q in s.outputs[0]))
                     for s in strategies]
             optimizer_s[node.name] = step
             costs = [grad_sync_time(node.out, s.outputs[0], shape, cluster) + t for s, t in zip(strategies, step)]
