@@ -71,6 +71,21 @@ def test_search_modes_table_in_the_docs_is_what_the_script_prints():
     assert printed == figures((ROOT / "docs" / "modes.md").read_text()), "docs/modes.md: rerun benchmarks/search_modes.py"
 
 
+def test_megatron_table_rows_in_the_docs_are_what_the_script_prints():
+    """docs/pipeline.md's Megatron table, rows 1-2 (the configurations and ratios are deterministic; planning
+    seconds are not compared)."""
+    proc = subprocess.run([sys.executable, "benchmarks/megatron_table.py", "--rows", "1-2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    def rows(text: str) -> list[str]:
+        return [re.sub(r"\| [0-9.]+ \([0-9]+\) \|$", "|", line) for line in text.splitlines() if re.match(r"\| [0-9.]+B \|", line)]
+
+    printed = rows(proc.stdout)
+    assert len(printed) == 2, proc.stdout
+    assert printed == rows((ROOT / "docs" / "pipeline.md").read_text())[:2], "docs/pipeline.md: rerun benchmarks/megatron_table.py"
+
+
 def test_mesh_search_quick_plans_every_mesh_and_the_default_call_keeps_the_fastest():
     """benchmarks/mesh_search.py --quick: the MLP on every mesh of 8 devices, one row each ((4, 2) is (2, 4) reordered
     inside a node), and the mesh search's plan is the fastest of them (the script exits non-zero otherwise)."""
