@@ -48,7 +48,16 @@ def test_every_python_block_in_the_docs_runs_or_says_why_not():
         assert not NOT_RUN.search((DOCS / page).read_text()), f"{page}: its python blocks run in tests; drop the not-runnable mark"
 
 
-@pytest.mark.parametrize("page", pages_with_python())
+LAUNCHES = re.compile(r"\b(run_local|profile_comm)\(")
+"""Calls that start local gloo processes: such a page is in the multiprocess lane."""
+
+
+def _page_param(page: str):
+    launches = LAUNCHES.search("\n".join(blocks(page, "python")))
+    return pytest.param(page, marks=pytest.mark.multiprocess) if launches else page
+
+
+@pytest.mark.parametrize("page", [_page_param(p) for p in pages_with_python()])
 def test_python_blocks_run(page, tmp_path):
     code = blocks(page, "python")
     assert code, f"{page} has no python examples"
