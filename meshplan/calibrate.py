@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from meshplan.cost_model.estimate import measured_seconds
 from meshplan.cost_model.op_profiler import (OPTIMIZERS, copy_rate, grad_call_overhead, make_tensor, op_overhead, optimizer_rate,
                                              time_op, time_program)
 from meshplan.cost_model.profile import Profile, device_name, op_key, profile_path, save_merged, torch_version
@@ -117,7 +118,7 @@ def program_overhead(graph: Graph, timings: dict, device: torch.device) -> float
             log.warning("in-program overhead not measured: op %s (%s) has no timing", node.name, node.target)
             return None
         backward = any(node.requires_grad)  # as the planner asks cost_model.estimate.compute_time
-        iso += t.seconds(backward)
+        iso += measured_seconds(t, backward)
         runs += 2 if backward else 1
     args = []
     for ph in graph.fx.gm.graph.nodes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
@@ -75,6 +76,32 @@ def test_op_without_rule_falls_back_with_a_named_warning():
 def test_op_without_rule_is_an_error_when_strict():
     with pytest.raises(ValueError, match=r"no sharding rule for meshplan_test.scaled.default \(scaled\).*strict=True"):
         meshplan.plan(WithUnknownOp(), devices=2, example_inputs=(torch.randn(4, 8),), strict=True)
+
+
+@pytest.mark.parametrize("table", ["op_single_dim_strategy_funcs", "op_strategy_funcs"])
+def test_a_dtensor_rule_that_raises_is_reported_not_swallowed(monkeypatch, table):
+    """A supported op whose DTensor rule raises (a torch upgrade that breaks it) names the op and the error in the
+    fallback warning, and strict=True makes it an error, instead of a silent replicate fallback."""
+    from torch.distributed.tensor import DTensor
+
+    from meshplan.planner import strategies
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    op = torch.ops.aten.gelu.default if table == "op_single_dim_strategy_funcs" else torch.ops.aten.permute.default
+    funcs = getattr(prop, table)
+    assert op in funcs and op not in (prop.op_single_dim_strategy_funcs if table == "op_strategy_funcs" else {})
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("rule broken by an upgrade")
+
+    monkeypatch.setitem(funcs, op, types.SimpleNamespace(func=broken) if table == "op_single_dim_strategy_funcs" else broken)
+    monkeypatch.setattr(strategies, "_CACHE", {})
+    model, x, _ = build("mlp")
+    with pytest.warns(UnsupportedOpWarning, match=rf"DTensor's sharding rule for {op} \(.*\) at .* raised RuntimeError: rule broken by an upgrade"):
+        plan = meshplan.plan(model, devices=2, example_inputs=(x,))
+    assert any(f.startswith(str(op)) for f in plan.fallbacks)
+    with pytest.raises(ValueError, match=rf"DTensor's sharding rule for {op} .* raised RuntimeError.*strict=True"):
+        meshplan.plan(model, devices=2, example_inputs=(x,), strict=True)
 
 
 def test_auto_parallelize_needs_a_process_group():

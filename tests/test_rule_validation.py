@@ -47,7 +47,9 @@ def candidate_strategies(op, args: tuple, n: int):
                 tuple(TensorMeta.of(o) if isinstance(o, torch.Tensor) else None for o in outs),
                 attrs=tuple(a for a in args if not isinstance(a, torch.Tensor)) if str(op).startswith("meshplan.") else ())
     metas = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
-    found = _compute_op_strategies(op, (metas, {}), node, mesh, _device_mesh(mesh.shape), [])
+    errors: list[str] = []
+    found = _compute_op_strategies(op, (metas, {}), node, mesh, _device_mesh(mesh.shape), [], errors)
+    assert not errors, f"{op}: the sharding rule raised {errors[0]}"
     return mesh, node, found
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from meshplan.cost_model.collectives import collective_time
 from meshplan.cost_model.compute import BACKWARD_FACTOR, op_bytes, op_flops, roofline_time
 from meshplan.cost_model.presets import ClusterPreset
-from meshplan.cost_model.profile import axis_label
+from meshplan.cost_model.profile import OpTiming, axis_label
 from meshplan.cost_model.redistribution import CommStep, backward_steps, redistribution_steps
 from meshplan.ir.graph import TensorMeta
 from meshplan.ir.placement import Partial, Placements, Replicate, Shard, local_shape
@@ -34,6 +34,13 @@ def work_split(outputs: Sequence[Placements | None], mesh_shape: tuple[int, ...]
         if any(p is not None and isinstance(p[a], (Shard, Partial)) for p in outputs):
             split *= n
     return split
+
+
+def measured_seconds(timing: OpTiming, backward: bool) -> float:
+    """A profiled op's forward, plus its backward when gradients flow (`BACKWARD_FACTOR` x forward if that was not timed)."""
+    if not backward:
+        return timing.forward_s
+    return timing.forward_s + (timing.backward_s if timing.backward_s is not None else BACKWARD_FACTOR * timing.forward_s)
 
 
 def compute_time(
@@ -57,7 +64,7 @@ def compute_time(
         t = prof.op(target, loc_in, loc_out)
         if t is not None:
             runs = 2 if backward else 1  # the op runs in forward, and its backward node in backward
-            return (t.seconds(backward) + runs * (prof.node_overhead_s or 0.0)) * prof.slowdown(math.prod(mesh_shape))
+            return (measured_seconds(t, backward) + runs * (prof.node_overhead_s or 0.0)) * prof.slowdown(math.prod(mesh_shape))
     split = work_split(out_layouts, mesh_shape)
     flops = op_flops(target, list(inputs), list(outputs)) / split
     nbytes = op_bytes(target, list(inputs), list(outputs)) / split

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from meshplan.cost_model.compute import BACKWARD_FACTOR
 from meshplan.ir.graph import TensorMeta
 
 log = logging.getLogger("meshplan")
@@ -88,12 +87,6 @@ class OpTiming:
     runs: int = 0
     """Timed repetitions the medians are over (after warm-up)."""
 
-
-    def seconds(self, backward: bool) -> float:
-        """Forward, plus backward when gradients flow (`BACKWARD_FACTOR` x forward if it was not timed)."""
-        if not backward:
-            return self.forward_s
-        return self.forward_s + (self.backward_s if self.backward_s is not None else BACKWARD_FACTOR * self.forward_s)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveFit:

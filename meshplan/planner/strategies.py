@@ -13,6 +13,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -72,15 +73,17 @@ def generate(graph: Graph, mesh: MeshSpec, *, inputs: str = "global", strict: bo
         elif node.kind == "output":
             by_node[node.name] = _output_strategies(graph, node, mesh, inputs)
         else:
-            found, rejected[node.name] = _op_strategies(graph, node, fx_nodes[node.name], mesh, dmesh)
+            found, rejected[node.name], error = _op_strategies(graph, node, fx_nodes[node.name], mesh, dmesh)
             if not found:
                 where = f"{node.target} ({node.name}) at {node.module_path or '<top>'}"
+                # a rule that raised is a bug (ours, or a torch upgrade's), not an op without a rule: say which
+                why = f"DTensor's sharding rule for {where} raised {error}" if error else f"no sharding rule for {where}"
                 if strict:
                     raise ValueError(
-                        f"no sharding rule for {where}; strict=True forbids the replicate fallback. "
+                        f"{why}; strict=True forbids the replicate fallback. "
                         "Register one with meshplan.planner.rules.register_rule or pass strict=False."
                     )
-                warnings.warn(f"no sharding rule for {where}: it runs replicated on every device", UnsupportedOpWarning, stacklevel=2)
+                warnings.warn(f"{why}: it runs replicated on every device", UnsupportedOpWarning, stacklevel=2)
                 fallbacks.append(where)
                 found = [_replicated(node, graph, mesh, "fallback")]
             by_node[node.name] = found
@@ -150,25 +153,29 @@ def _device_mesh(shape: tuple[int, ...]) -> DeviceMesh:
 
 def _op_strategies(
     graph: Graph, node: Node, fxn: fx.Node, mesh: MeshSpec, dmesh: DeviceMesh
-) -> tuple[list[Strategy], list[tuple[Strategy, str]]]:
-    """The node's even strategies, and the uneven ones with their reason."""
+) -> tuple[list[Strategy], list[tuple[Strategy, str]], str]:
+    """The node's even strategies, the uneven ones with their reason, and the error of a rule that raised ("" if none)."""
     if not node.inputs:  # factory ops (arange, zeros, ...) are computed whole on every device
-        return [_replicated(node, graph, mesh, "meshplan")], []
+        return [_replicated(node, graph, mesh, "meshplan")], [], ""
     # repeated layers ask the same question many times: key on op, shapes and static args
     static = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: TensorMeta.of(n.meta["val"]))
     key = (node.target, node.outputs, repr(static), mesh.shape)
     if key not in _CACHE:
         args_and_kwargs = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: n.meta["val"])
         rejected: list[tuple[Strategy, str]] = []
-        _CACHE[key] = (_compute_op_strategies(fxn.target, args_and_kwargs, node, mesh, dmesh, rejected), rejected)
-    kept, rejected = _CACHE[key]
-    return list(kept), list(rejected)
+        errors: list[str] = []
+        _CACHE[key] = (_compute_op_strategies(fxn.target, args_and_kwargs, node, mesh, dmesh, rejected, errors), rejected,
+                       errors[0] if errors else "")
+    kept, rejected, error = _CACHE[key]
+    return list(kept), list(rejected), error
 
 
-_CACHE: dict[tuple, tuple[list[Strategy], list[tuple[Strategy, str]]]] = {}
+_CACHE: dict[tuple, tuple[list[Strategy], list[tuple[Strategy, str]], str]] = {}
 
 
-def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmesh: DeviceMesh, rejected: list) -> list[Strategy]:
+def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmesh: DeviceMesh, rejected: list,
+                           errors: list[str]) -> list[Strategy]:
+    """`errors` gets the exception of a DTensor rule that raised on every layout asked."""
     args, kwargs = args_and_kwargs
     in_metas = [TensorMeta.of(t) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     rows: list | None = None
@@ -180,15 +187,15 @@ def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmes
         meta = torch.utils._pytree.tree_map(lambda x: _dt_meta(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         try:
             rows = prop.op_single_dim_strategy_funcs[op].func(op, tuple(meta[0]), meta[1])
-        except Exception as e:  # noqa: BLE001 - a rule that cannot handle these args means "no rule"
-            log.debug("DTensor single-dim rule for %s failed: %s", op, e)
+        except Exception as e:  # noqa: BLE001 - any exception of torch's rule: reported by `generate`, with strict an error
+            errors.append(f"{type(e).__name__}: {e}")
             return []
     if rows is not None:
         expanded = _expand_rows(rows, node, in_metas, mesh, source, rejected)
         keep = KEEP.get(str(op)) if source == "meshplan" else None
         return [s for s in expanded if keep(s)] if keep else expanded
     if op in prop.op_strategy_funcs:
-        return _from_op_strategy(prop.op_strategy_funcs[op], op, args, kwargs, node, in_metas, mesh, dmesh, rejected)
+        return _from_op_strategy(prop.op_strategy_funcs[op], op, args, kwargs, node, in_metas, mesh, dmesh, rejected, errors)
     return []
 
 
@@ -235,7 +242,7 @@ def _expand_rows(rows: list, node: Node, in_metas: list[TensorMeta], mesh: MeshS
 
 
 def _from_op_strategy(
-    fn, op, args, kwargs, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec, dmesh: DeviceMesh, rejected: list
+    fn, op, args, kwargs, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec, dmesh: DeviceMesh, rejected: list, errors: list[str]
 ) -> list[Strategy]:
     def as_strategy(t):
         meta = TensorMeta.of(t)
@@ -257,12 +264,16 @@ def _from_op_strategy(
         except Exception as e:  # noqa: BLE001 - some rules reject a layout of the first input outright
             log.debug("DTensor rule for %s failed on all layouts at once (%s); asking one layout at a time", op, e)
             first = schema.args_schema[0]
+            answered = False
             for spec in first.strategies if isinstance(first, OpStrategy) else []:
                 one = OpSchema(op, (OpStrategy([spec]),) + tuple(schema.args_schema[1:]), schema.kwargs_schema)
                 try:
                     specs += list(fn(one).strategies)
-                except Exception:  # noqa: BLE001
+                    answered = True
+                except Exception:  # noqa: BLE001 - that layout is rejected; the rule works if another one answers
                     continue
+            if not answered:  # no layout at all: the rule itself fails
+                errors.append(f"{type(e).__name__}: {e}")
     out: list[Strategy] = []
     for spec in specs:
         outs_dt = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
@@ -282,16 +293,32 @@ def _from_op_strategy(
     return out
 
 
+_COST_SWAP = threading.Lock()
+
+
+def _zero_cost(*_) -> float:
+    return 0.0
+
+
 @contextlib.contextmanager
 def _without_dtensor_costs():
     """DTensor's strategy functions price every input redistribution with their own model; meshplan
-    prices edges itself, and those calls were ~40% of candidate generation. Swap them for zeros."""
-    saved = dt_utils.redistribute_cost
-    dt_utils.redistribute_cost = lambda *_: 0.0
-    try:
+    prices edges itself, and those calls were ~40% of candidate generation. Swap them for zeros.
+
+    The swap is process-wide: one planning thread at a time holds it (a second would otherwise
+    restore the zeros as the original), and a torch that no longer has the function plans with its
+    costs, slower but the same. A DTensor op another thread dispatches meanwhile sees zero
+    redistribution costs (its strategy choice, not its numbers, may differ)."""
+    original = getattr(dt_utils, "redistribute_cost", None)
+    if original is None:
         yield
-    finally:
-        dt_utils.redistribute_cost = saved
+        return
+    with _COST_SWAP:
+        dt_utils.redistribute_cost = _zero_cost
+        try:
+            yield
+        finally:
+            dt_utils.redistribute_cost = original
 
 
 def _conv(placements, *, is_input: bool = False) -> Placements | bool:
