@@ -6,15 +6,19 @@
 
 from meshplan.api import auto_parallelize, plan
 from meshplan.inspect import list_ops, load_plan, plan_code
+from meshplan.inspect.methods import attach_reading_methods
 from meshplan.ir.placement import Partial, Replicate, Shard
 from meshplan.ir.precision import MixedPrecision
 from meshplan.planner.annotations import Layout, shard
 from meshplan.planner.pipeline import PipelineOptions
-from meshplan.planner.plan import Plan
+from meshplan.plans.plan import Plan
 from meshplan.runtime.checkpoint import load_checkpoint, save_checkpoint
 from meshplan.runtime.collectives import CollectiveError
 from meshplan.runtime.parallel_module import ParallelModule
 from meshplan.runtime.pipeline import PipelineRunner
+
+# A Plan is data (meshplan/plans); its reading methods come from the presentation layer above it.
+attach_reading_methods(Plan)
 
 __all__ = [
     "CollectiveError", "Layout", "MixedPrecision", "ParallelModule", "Partial", "PipelineOptions", "PipelineRunner", "Plan", "Replicate", "Shard",

@@ -25,7 +25,7 @@ from meshplan.ir.trace import trace
 from meshplan.planner.annotations import AnnotationError, module_annotations
 from meshplan.planner.constraints import Annotations
 from meshplan.planner.pipeline import PipelineOptions, pipeline_options, plan_pipeline
-from meshplan.planner.plan import Plan
+from meshplan.plans.plan import Plan
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
 from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
 from meshplan.progress import phase

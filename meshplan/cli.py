@@ -207,7 +207,7 @@ def _callables(module) -> list[str]:
 
 
 def read_plan(path: str):
-    from meshplan.planner.plan import Plan
+    from meshplan.plans.plan import Plan
 
     try:
         with open(path) as f:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from meshplan.api import auto_parallelize, plan
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
-from meshplan.planner.plan import Plan
+from meshplan.plans.plan import Plan
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor

@@ -174,7 +174,7 @@ def _measure_world(rank: int, world: int, plans_json: list[str], cfgs: list[GPTC
     `rounds` (one untimed step re-warms a plan at the start of each), so a change in background
     load hits all plans alike."""
     import meshplan
-    from meshplan.planner.plan import Plan
+    from meshplan.plans.plan import Plan
 
     runs = []
     for text, cfg in zip(plans_json, cfgs):

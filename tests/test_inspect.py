@@ -15,8 +15,8 @@ import meshplan
 from meshplan.ir.placement import Partial, Replicate, Shard, fmt, parse
 from meshplan.ir.tensor_map import from_tensor_map, to_tensor_map
 from meshplan.models import MLP
-from meshplan.planner.plan import Plan
-from meshplan.planner.summary import grouped_units, layer_units
+from meshplan.plans.plan import Plan
+from meshplan.inspect.summary import grouped_units, layer_units
 
 
 def make(model, x, devices, **kw) -> Plan:

@@ -17,8 +17,8 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
 from meshplan.models import gpt_small, llama_small, mlp_small
 from meshplan.planner.neighbourhood import coarsening
-from meshplan.planner.plan import Plan
-from meshplan.planner.plan_check import check_plan
+from meshplan.plans.plan import Plan
+from meshplan.plans.check import check_plan
 from meshplan.planner.planner import PlanOptions, make_plan
 from meshplan.planner.solver import Edge, InfeasiblePlan, Problem, SolveTimeout, evaluate, solve
 

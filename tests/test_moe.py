@@ -17,7 +17,7 @@ from meshplan.cost_model.presets import get_cluster
 from meshplan.ir.moe import MOE_TARGET, moe_reference
 from meshplan.ir.placement import Partial, Replicate, Shard
 from meshplan.ir.trace import trace
-from meshplan.planner.plan import Plan
+from meshplan.plans.plan import Plan
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import ParallelModule, shard_tensor

@@ -22,7 +22,7 @@ import meshplan
 from meshplan.cost_model.memory import MemoryBreakdown
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig
-from meshplan.planner.pipeline_plan import PipelinePlan, PipelineStage
+from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import replicated_everywhere, shard_tensor

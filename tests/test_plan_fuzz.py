@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import meshplan
-from meshplan.planner.plan import SCHEMA_VERSION, Plan
+from meshplan.plans.plan import SCHEMA_VERSION, Plan
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -13,7 +13,7 @@ import meshplan
 from meshplan.cost_model.redistribution import InfeasibleRedistribution, backward_steps, redistribution_steps
 from meshplan.ir import MeshSpec, TensorMeta, trace
 from meshplan.ir.placement import fmt, parse
-from meshplan.planner.plan import SCHEMA_VERSION, Plan
+from meshplan.plans.plan import SCHEMA_VERSION, Plan
 from meshplan.planner.solver import Edge, Problem, merge_followers, solve
 from meshplan.planner.strategies import generate
 

@@ -15,7 +15,7 @@ import pytest
 from _parity import build, check_parity, plan_kwargs, rank_worker
 
 import meshplan
-from meshplan.planner.plan import Plan
+from meshplan.plans.plan import Plan
 from meshplan.planner.planner import MemoryBudgetError
 from meshplan.runtime.launch import run_local
 

@@ -18,7 +18,7 @@ import torch
 
 import meshplan
 from meshplan.models import MLP
-from meshplan.planner.summary import grouped_units
+from meshplan.inspect.summary import grouped_units
 
 # Runs before the report's own script: records uncaught errors and console.error/warn into the DOM,
 # which `--dump-dom` then shows (chromium's own stderr logging of console lines is checked too).
@@ -103,7 +103,7 @@ def test_hook_catches_a_broken_page(tmp_path):
 def pipelined(report, tmp_path_factory):
     """The same plan with a two-stage pipeline section (as `plan(..., pipeline=)` attaches one)."""
     from meshplan.cost_model.memory import MemoryBreakdown
-    from meshplan.planner.pipeline_plan import PipelinePlan, PipelineStage
+    from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 
     plan, _ = report
     stages = tuple(

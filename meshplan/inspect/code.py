@@ -16,7 +16,7 @@ from torch import nn
 from meshplan.ir.graph import Graph
 from meshplan.ir.placement import fmt, local_shape
 from meshplan.ir.trace import trace
-from meshplan.planner.plan import Plan
+from meshplan.plans.plan import Plan
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.rewrite import local_program
 

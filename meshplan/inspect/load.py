@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshplan.ir.trace import trace
-from meshplan.planner.plan import Plan
+from meshplan.plans.plan import Plan
 
 
 def load_plan(

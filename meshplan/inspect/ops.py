@@ -23,7 +23,7 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Replicate
 from meshplan.ir.trace import trace
 from meshplan.planner.strategies import UnsupportedOpWarning, generate
-from meshplan.planner.strategy import Strategy
+from meshplan.plans.strategy import Strategy
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

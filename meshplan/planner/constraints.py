@@ -40,7 +40,7 @@ from meshplan.planner.annotations import (
     spec_kind,
     to_placements,
 )
-from meshplan.planner.strategy import Strategy
+from meshplan.plans.strategy import Strategy
 
 STYLES = ("colwise", "rowwise", "replicate", "sequence_parallel")
 MATMULS = {"aten.mm.default": 0, "aten.addmm.default": 1}

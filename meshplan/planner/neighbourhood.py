@@ -32,7 +32,7 @@ from typing import Generic, TypeVar
 from meshplan.ir.graph import Graph
 from meshplan.ir.placement import Placements
 from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
-from meshplan.planner.strategy import Strategy
+from meshplan.plans.strategy import Strategy
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from meshplan.cost_model.memory import optimizer_state_bytes
 from meshplan.cost_model.offload import can_offload, offload_step_time
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.ir.graph import Graph
-from meshplan.planner.strategy import Strategy
+from meshplan.plans.strategy import Strategy
 
 log = logging.getLogger(__name__)
 

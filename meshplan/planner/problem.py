@@ -22,7 +22,7 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Replicate
 from meshplan.planner.recompute import RecomputeGroup, RecomputeTerms
 from meshplan.planner.solver import Edge, Problem
-from meshplan.planner.strategy import Strategy
+from meshplan.plans.strategy import Strategy
 from meshplan.planner.tying import Tying, tie_repeated_layers
 from meshplan.progress import timed
 

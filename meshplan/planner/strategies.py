@@ -32,7 +32,7 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Partial, Placements, Replicate, Shard, from_dtensor, is_even, to_dtensor
 from meshplan.planner.masked import from_mask_partial, is_mask_partial
 from meshplan.planner.rules import KEEP, RULES
-from meshplan.planner.strategy import Strategy
+from meshplan.plans.strategy import Strategy
 from meshplan.progress import timed
 
 log = logging.getLogger(__name__)

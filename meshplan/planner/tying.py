@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from meshplan.ir.graph import Graph, Node
-from meshplan.planner.strategy import Strategy
+from meshplan.plans.strategy import Strategy
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshplan.ir.placement import Partial, to_dtensor
-from meshplan.planner.plan import ParamChoice
+from meshplan.plans.plan import ParamChoice
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
 

@@ -26,7 +26,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from meshplan.planner.plan import GradBucket
+from meshplan.plans.plan import GradBucket
 from meshplan.runtime.collectives import MeshComm, count_collective
 from meshplan.runtime.local_view import local_of
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshplan.planner.plan import ParamChoice
+from meshplan.plans.plan import ParamChoice
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.weights import block_slices
 

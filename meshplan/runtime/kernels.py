@@ -18,7 +18,7 @@ from torch import nn
 
 from meshplan.cost_model.kernels import kernel_axes, parse_kernel
 from meshplan.ir.placement import Placements, Shard
-from meshplan.planner.strategy import Strategy
+from meshplan.plans.strategy import Strategy
 from meshplan.runtime.collectives import MeshComm, all_reduce, collective, forward_phase
 
 aten = torch.ops.aten

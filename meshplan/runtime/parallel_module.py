@@ -19,7 +19,7 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Replicate, local_shape, to_dtensor
 from meshplan.ir.trace import TracedProgram
-from meshplan.planner.plan import InputChoice, Plan
+from meshplan.plans.plan import InputChoice, Plan
 from meshplan.planner.rules.random import is_random
 from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm

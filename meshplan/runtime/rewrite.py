@@ -21,7 +21,7 @@ from meshplan.cost_model.redistribution import CommStep
 from meshplan.ir.graph import layer_of
 from meshplan.ir.placement import local_shape
 from meshplan.ir.trace import STRIDE_SAFE, TracedProgram
-from meshplan.planner.plan import Plan, Transfer
+from meshplan.plans.plan import Plan, Transfer
 from meshplan.runtime import batch_norm as _batch_norm, moe as _moe  # noqa: F401  (register region runtimes)
 from meshplan.runtime.collectives import MeshComm, StepFunction, scale_grad
 from meshplan.runtime.kernels import local_kernel

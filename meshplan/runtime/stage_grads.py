@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from meshplan.planner.plan import GradBucket
+from meshplan.plans.plan import GradBucket
 from meshplan.runtime.collectives import MeshComm, count_collective
 from meshplan.runtime.grad_buckets import start_all_reduce
 from meshplan.runtime.local_view import local_of

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from meshplan.ir.placement import Placements, Shard
 from meshplan.ir.mesh import MeshSpec
-from meshplan.planner.plan import ParamChoice
+from meshplan.plans.plan import ParamChoice
 from meshplan.runtime.collectives import MeshComm
 
 

@@ -18,7 +18,7 @@ from meshplan.cost_model.memory import format_bytes
 from meshplan.ir.placement import fmt, local_shape
 
 if TYPE_CHECKING:
-    from meshplan.planner.plan import Plan
+    from meshplan.plans.plan import Plan
 
 TOP = "(top)"
 OUTPUT = "(output)"

@@ -13,7 +13,7 @@ from meshplan.cost_model.memory import format_bytes
 from meshplan.ir.placement import fmt
 
 if TYPE_CHECKING:
-    from meshplan.planner.plan import Plan
+    from meshplan.plans.plan import Plan
 
 MAX_LISTED = 20
 """Changed ops and parameters printed by `str(diff)` (all are kept in the object)."""

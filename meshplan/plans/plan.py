@@ -1,5 +1,7 @@
-"""The Plan: everything the planner decided, frozen, printable, JSON round-trippable.
+"""The Plan: everything the planner decided, frozen, JSON round-trippable; data only.
 
+Its reading methods (`summary()`, `str()`, `explain()`, `diff()`, `code()`, `report()`) belong to the
+presentation layer, `meshplan/inspect/methods.py`, which `meshplan/__init__.py` attaches to the class.
 The runtime reads nothing else. Its `collectives()` is the contract the runtime is tested against:
 the collectives executed in one training step equal, in kind and count, the ones listed here.
 """
@@ -12,7 +14,6 @@ import json
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from meshplan.cost_model.kernels import kernel_steps
 from meshplan.cost_model.memory import MemoryBreakdown
@@ -21,12 +22,9 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, fmt, parse
 from meshplan.ir.precision import MixedPrecision
 from meshplan.ir.tensor_map import from_tensor_map, to_tensor_map
-from meshplan.planner.explain import Explanation, NodeAlternatives, explain
-from meshplan.planner.pipeline_plan import PipelinePlan, decode_pipeline
-from meshplan.planner.strategy import Strategy
-
-if TYPE_CHECKING:
-    from meshplan.planner.plan_diff import PlanDiff
+from meshplan.plans.alternatives import NodeAlternatives
+from meshplan.plans.pipeline import PipelinePlan, decode_pipeline
+from meshplan.plans.strategy import Strategy
 
 SCHEMA_VERSION = 2
 """2: alternatives per node (explain), dtype and MindSpore tensor map per parameter, no solve time in the file."""
@@ -129,7 +127,7 @@ class SolverInfo:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """How a model runs on a mesh: layouts, collectives, and their predicted cost."""
+    """How a model runs on a mesh: layouts, collectives, and their predicted cost (reading methods: inspect/methods.py)."""
 
     model: str
     graph_fingerprint: str
@@ -161,7 +159,7 @@ class Plan:
     """Layers whose activations are recomputed in backward (each runs under torch.utils.checkpoint)."""
     pipeline: PipelinePlan | None = None
     """Pipeline stages, schedule and microbatches; None for a single stage. With a pipeline, `mesh` is
-    one stage's sub-mesh and the world is `pipeline.degree * mesh.size` devices (planner/pipeline_plan.py)."""
+    one stage's sub-mesh and the world is `pipeline.degree * mesh.size` devices (plans/pipeline.py)."""
     precision: MixedPrecision | None = None
     """The mixed-precision policy the traced program carries (ir/precision.py); None: the model's own dtypes."""
     model_flops: float = 0.0
@@ -228,29 +226,6 @@ class Plan:
         """Identifies the plan (its file contents, which leave out timing): ranks compare it before their first collective."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
-    def explain(self, query: str) -> Explanation:
-        """Chosen strategy, alternatives with cost deltas, and what ruled others out, for a module path, FQN or node."""
-        return explain(self, query)
-
-    def diff(self, other: Plan) -> PlanDiff:
-        """What changed from this plan to `other` and what it costs."""
-        from meshplan.planner.plan_diff import diff_plans
-
-        return diff_plans(self, other)
-
-    def code(self, rank: int = 0, *, model=None, example_inputs: tuple = (), example_kwargs: dict | None = None, graph=None) -> str:
-        """The program rank `rank` runs, with its collectives visible; needs the traced model (`model` +
-        `example_inputs`, or the `ir.Graph` it was planned from). See `meshplan.plan_code`."""
-        from meshplan.inspect.code import plan_code  # the runtime builds it; planner stays below it
-
-        return plan_code(self, model, example_inputs, rank=rank, example_kwargs=example_kwargs, graph=graph)
-
-    def report(self, path: str) -> str:
-        """Write a self-contained HTML report to `path` and return the path."""
-        from meshplan.inspect.report import write_report
-
-        return write_report(self, path)
-
     # ------------------------------------------------------------ JSON
 
     def to_dict(self) -> dict:
@@ -292,7 +267,7 @@ class Plan:
             raise ValueError(f"plan file is malformed: missing field {e.args[0]!r}") from None
         except Exception as e:  # noqa: BLE001 - untrusted input: every decoding failure is the file's fault
             raise ValueError(f"plan file is malformed: {type(e).__name__}: {str(e)[:200]}") from None
-        from meshplan.planner.plan_check import check_plan
+        from meshplan.plans.check import check_plan
 
         check_plan(plan)
         _check_tensor_maps(d, plan)
@@ -302,17 +277,6 @@ class Plan:
         """Write the strategy file (`meshplan.load_plan` reads it back for the same model)."""
         with open(path, "w") as f:
             f.write(self.to_json() + "\n")
-
-    # ------------------------------------------------------------ printing
-
-    def summary(self, *, ops: bool = False) -> str:
-        """Mesh, per-layer layouts and collectives, time and memory split (`ops=True` adds every costly op)."""
-        from meshplan.planner.summary import format_summary
-
-        return format_summary(self, ops=ops)
-
-    def __str__(self) -> str:
-        return self.summary()
 
     def __repr__(self) -> str:
         return f"Plan(model={self.model!r}, mesh={self.mesh!r}, hash={self.hash()!r}, step_time_s={self.step_time_s:.3e})"

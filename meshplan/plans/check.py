@@ -121,7 +121,7 @@ def _check(value: Any, hint: Any, path: str) -> None:
             raise _bad(path, f"is {_show(value)}; expected an integer")
         return
     if not isinstance(hint, type):
-        raise AssertionError(f"plan_check cannot check annotation {hint!r} at {path}")
+        raise AssertionError(f"check_plan cannot check annotation {hint!r} at {path}")
     if not isinstance(value, hint):
         raise _bad(path, f"is {_show(value)}; expected {_name(hint)}")
     if dataclasses.is_dataclass(hint):

@@ -1,0 +1,82 @@
+"""The import graph: no circles between meshplan's packages, nor between its files.
+
+Every import counts, wherever it is written: at the top, inside a function (lazy) or under
+`TYPE_CHECKING`. A circle means two concepts cannot be read, tested or moved apart."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+PACKAGE = Path(__file__).resolve().parents[1] / "meshplan"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> nx.DiGraph:
+    """module -> the meshplan modules it imports (a `from package import name` counts the submodule `name` where there is one)."""
+    modules = _modules()
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_node(name)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target.startswith("meshplan") and target != name:
+                    graph.add_edge(name, target)
+    return graph
+
+
+def _package(module: str) -> str:
+    """meshplan.<package> for a module inside a package; a top-level module is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_circles_between_files():
+    graph = import_graph()
+    files = graph.subgraph(m for m in graph if not _modules()[m].name == "__init__.py")
+    circles = sorted(sorted(c) for c in nx.simple_cycles(files))
+    assert not circles, f"import circles between files: {circles}"
+
+
+def test_no_circles_between_packages():
+    graph = import_graph()
+    packages = nx.DiGraph()
+    for a, b in graph.edges:
+        pa, pb = _package(a), _package(b)
+        if pa != pb and "meshplan" not in (pa, pb):  # the root package imports everything it exports
+            packages.add_edge(pa, pb, via=(a, b))
+    circles = [[(x, packages.edges[x, y]["via"]) for x, y in zip(c, c[1:] + c[:1])] for c in nx.simple_cycles(packages)]
+    assert not circles, f"import circles between packages (package, one import that makes the arrow): {circles}"
+    # and nothing the root package imports (it imports every package to export the API) imports the root back
+    back = sorted(a for a in nx.descendants(graph, "meshplan") if graph.has_edge(a, "meshplan"))
+    assert not back, f"{back} import the meshplan package, which imports them: import the module you need"
+
+
+def test_the_graph_sees_lazy_and_type_checking_imports():
+    """The graph is only as good as its parser: the Plan's reading methods are attached by the root, not imported by
+    the data layer, and this file's own view of a known lazy import and a TYPE_CHECKING one is right."""
+    graph = import_graph()
+    assert ("meshplan.inspect.methods", "meshplan.plans.plan") in graph.edges  # under TYPE_CHECKING
+    assert ("meshplan.plans.plan", "meshplan.plans.check") in graph.edges  # inside Plan.from_json
+    assert not any(b.startswith("meshplan.inspect") for a, b in graph.edges if a.startswith("meshplan.plans"))
