@@ -1,6 +1,6 @@
 """Cost-model fidelity (issues 4 and 17): predicted vs measured step time and peak memory, plan by plan.
 
-Out of sample (the honest test; meshplan/fidelity.py has the details), in two processes:
+Out of sample (the honest test; meshplan/profiling/fidelity.py has the details), in two processes:
 
     python benchmarks/fidelity.py --out-of-sample --save-profile fidelity_profile.json   # measure this machine once
     python benchmarks/fidelity.py --out-of-sample --profile fidelity_profile.json [--plot docs/fidelity.png]
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, not an installed meshplan
 
-from meshplan import fidelity  # noqa: E402
+from meshplan.profiling import fidelity  # noqa: E402
 
 IN_SAMPLE_TARGETS = {"spearman": 0.9, "median_time_error": 0.20, "median_memory_error": 0.10}
 OUT_OF_SAMPLE_TARGETS = {"spearman": 0.95, "median_time_error": 0.15, "median_memory_error": 0.10}

@@ -36,13 +36,13 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import meshplan
-from meshplan.calibrate import profile_graph
 from meshplan.cost_model.presets import get_cluster
 from meshplan.cost_model.profile import device_name
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.precision import resolve_precision
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig
+from meshplan.profiling.calibrate import profile_graph
 from meshplan.runtime.launch import run_local
 
 MODELS = {

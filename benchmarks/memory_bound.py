@@ -45,8 +45,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import meshplan  # noqa: E402
 import vs_baselines as vb  # noqa: E402
-from meshplan.fidelity import held_bytes, peak_during, slowest_rank_seconds  # noqa: E402
 from meshplan.models import GPTConfig  # noqa: E402
+from meshplan.profiling.fidelity import held_bytes, peak_during, slowest_rank_seconds  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
 
 WORLD = 4

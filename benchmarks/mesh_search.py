@@ -22,9 +22,9 @@ import time
 import warnings
 
 import meshplan
-from meshplan.api import resolve_mesh
 from meshplan.cost_model.presets import get_cluster
 from meshplan.ir.trace import trace
+from meshplan.planner.meshes import resolve_mesh
 from meshplan.planner.neighbourhood import PAIR_LIMIT, layout_pairs
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
 from meshplan.planner.solver import InfeasiblePlan, SolveTimeout

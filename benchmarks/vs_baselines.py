@@ -242,7 +242,7 @@ def measured_profile(cfg: GPTConfig, world: int, source: str):
         return None
     if source != "measure":
         return source
-    from meshplan.calibrate import profile_comm, profile_model
+    from meshplan.profiling.calibrate import profile_comm, profile_model
 
     model, tokens = build(cfg)
     t0 = time.perf_counter()

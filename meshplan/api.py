@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -13,7 +12,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.cost_model.memory import format_bytes, parse_bytes
 from meshplan.cost_model.presets import ClusterPreset, get_cluster
@@ -24,85 +22,21 @@ from meshplan.ir.precision import MixedPrecision, resolve_precision
 from meshplan.ir.trace import trace
 from meshplan.planner.annotations import AnnotationError, module_annotations
 from meshplan.planner.constraints import Annotations
+from meshplan.planner.meshes import Devices, resolve_mesh
 from meshplan.planner.pipeline import PipelineOptions, pipeline_options, plan_pipeline
-from meshplan.plans.plan import Plan
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
 from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
+from meshplan.plans.plan import Plan
 from meshplan.progress import phase
-from meshplan.runtime.collectives import resolve_timeout
-from meshplan.runtime.launch import init_torchrun_group
 from meshplan.runtime.checkpoint import INFO_FILE, load_checkpoint
+from meshplan.runtime.collectives import resolve_timeout
 from meshplan.runtime.init_on_meta import FromInit
+from meshplan.runtime.launch import init_torchrun_group
 from meshplan.runtime.parallel_module import ParallelModule, check_model_device, default_weights, group_device
-from meshplan.runtime.weights import Empty, FromSafetensors, WeightSource
 from meshplan.runtime.pipeline import PipelineRunner
+from meshplan.runtime.weights import Empty, FromSafetensors, WeightSource
 
 log = logging.getLogger("meshplan")
-
-Devices = int | Sequence[int] | DeviceMesh
-
-
-def resolve_mesh(
-    devices: Devices, mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None, devices_per_node: int | None = None
-) -> list[MeshSpec]:
-    """The mesh(es) to consider: one when the shape is known, otherwise every factorisation into
-    up to three axes whose innermost axis fits in a node (`mesh_shapes`)."""
-    names = tuple(axis_names) if axis_names else ()
-    if isinstance(devices, DeviceMesh):
-        shape = tuple(devices.shape)
-        names = names or tuple(devices.mesh_dim_names or ())
-        if not torch.equal(devices.mesh.flatten(), torch.arange(devices.size())):
-            raise ValueError(f"DeviceMesh {devices} must hold ranks 0..{devices.size() - 1} in row-major order")
-        return [MeshSpec(shape, names)]
-    if isinstance(devices, (tuple, list)):
-        shape = tuple(int(d) for d in devices)
-        if mesh_shape is not None and tuple(mesh_shape) != shape:
-            raise ValueError(f"devices={shape} and mesh_shape={tuple(mesh_shape)} disagree; give one of them")
-        return [MeshSpec(shape, names)]
-    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
-        raise ValueError(f"devices must be a positive int, a mesh shape tuple or a DeviceMesh; got {devices!r}")
-    if mesh_shape is not None:
-        shape = tuple(int(s) for s in mesh_shape)
-        n = 1
-        for s in shape:
-            n *= s
-        if n != devices:
-            raise ValueError(f"mesh_shape {shape} has {n} devices but devices={devices}; their product must equal devices")
-        return [MeshSpec(shape, names)]
-    return [MeshSpec(shape, names if len(names) == len(shape) else SEARCH_AXIS_NAMES.get(len(shape), ())) for shape in mesh_shapes(devices, devices_per_node)]
-
-
-SEARCH_AXIS_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp0", "dp1", "tp")}
-"""Names of searched meshes: the solver decides what each axis carries; the inner one is the fast link."""
-
-
-def mesh_shapes(devices: int, devices_per_node: int | None = None, max_axes: int = 3) -> list[tuple[int, ...]]:
-    """Factorisations of `devices` into 1..`max_axes` axes (each > 1), outermost first.
-
-    With `devices_per_node`, the innermost axis must fit in one node (the fast link): an inner
-    axis that crosses nodes is never better than the same shape with axes swapped, since every
-    axis can carry any parallelism. For the same reason two orders of the same axes whose sizes
-    meet the same links ((2, 4) and (4, 2) inside one node) are one candidate: the first is kept.
-    """
-
-    def split(n: int, axes: int) -> list[tuple[int, ...]]:
-        if axes == 1:
-            return [(n,)]
-        return [(d, *rest) for d in range(2, n) if n % d == 0 for rest in split(n // d, axes - 1)]
-
-    shapes = [s for k in range(1, max_axes + 1) for s in split(devices, k) if devices > 1 or k == 1]
-    if devices_per_node:
-        shapes = [s for s in shapes if s[-1] <= devices_per_node or len(s) == 1]
-
-    def links(shape: tuple[int, ...]) -> tuple:
-        """Each axis's size with whether its groups fit in one node (`ClusterPreset.link_for_axis`)."""
-        return tuple(sorted((n, not devices_per_node or math.prod(shape[a:]) <= devices_per_node) for a, n in enumerate(shape)))
-
-    kept: dict[tuple, tuple[int, ...]] = {}
-    for shape in shapes:
-        kept.setdefault(links(shape), shape)
-    return list(kept.values())
-
 
 def plan(
     model: nn.Module,

@@ -1,9 +1,10 @@
-"""Progress display for the phases of planning that can take a while (tracing, strategies, solving).
+"""Phases and timed parts of planning: what every layer reports, with no display of its own.
 
 Library code calls `phase("...")` at the start of each phase: a one-line call, no context to
-manage, free when progress is off (the default for library use). The CLI turns it on with
-`enabled()`, which shows a rich spinner with the current phase and the elapsed time on stderr,
-and logs each phase with its duration at INFO level through `logging` (shown by `--verbose`).
+manage, free when nobody listens (the default for library use). Each phase's duration is logged
+at INFO level through `logging` (logger `meshplan.progress`, shown by the CLI's `--verbose`), and
+a listener (`listen`) sees each phase as it starts: the CLI's spinner (`cli/progress.py`).
+`timed` and `collect` count seconds per part of planning (benchmarks/planning_time.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TypeVar
 
 log = logging.getLogger("meshplan.progress")
 
-_state: dict = {"progress": None, "task": None, "phase": None, "since": 0.0}
+_state: dict = {"listener": None, "phase": None, "since": 0.0}
 _seconds: list[dict[str, float]] = []
 """Open `collect()` blocks, innermost last."""
 
@@ -61,30 +62,16 @@ def phase(description: str) -> None:
     if _state["phase"] is not None:
         log.info("%s: %.2f s", _state["phase"], now - _state["since"])
     _state["phase"], _state["since"] = description, now
-    progress = _state["progress"]
-    if progress is not None:
-        progress.update(_state["task"], description=description)
+    if _state["listener"] is not None:
+        _state["listener"](description)
 
 
 @contextlib.contextmanager
-def enabled(title: str = "planning", *, show: bool = True) -> Iterator[None]:
-    """Show phases under `title` while the block runs (a rich live display on stderr when `show`)."""
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    progress = None
-    if show:
-        progress = Progress(
-            SpinnerColumn(), TextColumn("[bold]{task.fields[title]}[/]"), TextColumn("{task.description}"), TimeElapsedColumn(),
-            console=Console(stderr=True), transient=True,
-        )
-        _state["task"] = progress.add_task("starting", title=title, total=None)
-        progress.start()
-    _state["progress"] = progress
+def listen(listener: Callable[[str], None] | None) -> Iterator[None]:
+    """Call `listener(description)` at the start of every phase while the block runs; the last phase ends with it."""
+    _state["listener"] = listener
     try:
         yield
     finally:
         phase("done")
-        if progress is not None:
-            progress.stop()
-        _state.update(progress=None, task=None, phase=None)
+        _state.update(listener=None, phase=None)

@@ -51,7 +51,7 @@ def plan_traced(model, graph, mesh_shape: tuple[int, ...], **options):
     import math
     import warnings
 
-    from meshplan.api import resolve_mesh
+    from meshplan.planner.meshes import resolve_mesh
     from meshplan.cost_model.presets import get_cluster
     from meshplan.planner.annotations import module_annotations
     from meshplan.planner.constraints import Annotations

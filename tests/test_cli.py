@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.cli import main, parse_mesh, parse_size
+from meshplan.cli.commands import main, parse_mesh, parse_size
 from meshplan.plans.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]

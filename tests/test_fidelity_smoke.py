@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from meshplan.fidelity import spearman
+from meshplan.profiling.fidelity import spearman
 
 ROOT = Path(__file__).resolve().parents[1]
 

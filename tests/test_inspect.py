@@ -12,11 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import meshplan
+from meshplan.inspect.summary import grouped_units, layer_units
 from meshplan.ir.placement import Partial, Replicate, Shard, fmt, parse
 from meshplan.ir.tensor_map import from_tensor_map, to_tensor_map
 from meshplan.models import MLP
 from meshplan.plans.plan import Plan
-from meshplan.inspect.summary import grouped_units, layer_units
 
 
 def make(model, x, devices, **kw) -> Plan:

@@ -17,10 +17,10 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
 from meshplan.models import gpt_small, llama_small, mlp_small
 from meshplan.planner.neighbourhood import coarsening
-from meshplan.plans.plan import Plan
-from meshplan.plans.check import check_plan
 from meshplan.planner.planner import PlanOptions, make_plan
 from meshplan.planner.solver import Edge, InfeasiblePlan, Problem, SolveTimeout, evaluate, solve
+from meshplan.plans.check import check_plan
+from meshplan.plans.plan import Plan
 
 
 def _grid_problem(n: int = 14, k: int = 12, seed: int = 0) -> Problem:

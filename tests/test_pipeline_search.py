@@ -11,8 +11,8 @@ from meshplan.cost_model.presets import get_cluster
 from meshplan.cost_model.schedules import bubble_fraction
 from meshplan.models import GPT, GPTConfig
 from meshplan.planner.pipeline import PipelineOptions, evaluate, partition, plan_pipeline
-from meshplan.plans.plan import Plan
 from meshplan.planner.stage_profile import Unit
+from meshplan.plans.plan import Plan
 
 MiB = 2**20
 

@@ -13,9 +13,9 @@ import meshplan
 from meshplan.cost_model.redistribution import InfeasibleRedistribution, backward_steps, redistribution_steps
 from meshplan.ir import MeshSpec, TensorMeta, trace
 from meshplan.ir.placement import fmt, parse
-from meshplan.plans.plan import SCHEMA_VERSION, Plan
 from meshplan.planner.solver import Edge, Problem, merge_followers, solve
 from meshplan.planner.strategies import generate
+from meshplan.plans.plan import SCHEMA_VERSION, Plan
 
 META = TensorMeta((8, 16), "float32")
 

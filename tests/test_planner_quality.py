@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import meshplan
-from meshplan.api import mesh_shapes, resolve_mesh
 from meshplan.cost_model.memory import parse_bytes
 from meshplan.cost_model.presets import get_cluster
 from meshplan.ir.mesh import MeshSpec
@@ -20,6 +19,7 @@ from meshplan.ir.placement import Replicate, Shard
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
 from meshplan.models.factories import mlp_small
+from meshplan.planner.meshes import mesh_shapes, resolve_mesh
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
 
 

@@ -11,11 +11,8 @@ import pytest
 import torch
 
 import meshplan
-from meshplan.calibrate import op_workload, profile_graph
 from meshplan.cost_model import profile as profile_mod
-from meshplan.cost_model.comm_profiler import fit_alpha_beta
 from meshplan.cost_model.estimate import group_collective_time, local_copy_bytes, steps_time
-from meshplan.cost_model.op_profiler import time_op
 from meshplan.cost_model.presets import CLUSTERS, DEVICES, get_cluster
 from meshplan.cost_model.profile import CollectiveFit, OpTiming, Profile, load_profile, resolve_profile, torch_version
 from meshplan.cost_model.redistribution import CommStep
@@ -23,6 +20,9 @@ from meshplan.ir.graph import TensorMeta
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.trace import trace
 from meshplan.models import mlp_small
+from meshplan.profiling.calibrate import op_workload, profile_graph
+from meshplan.profiling.comm_profiler import fit_alpha_beta
+from meshplan.profiling.op_profiler import time_op
 
 
 def _profile(**kw) -> Profile:

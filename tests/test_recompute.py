@@ -15,8 +15,8 @@ import pytest
 from _parity import build, check_parity, plan_kwargs, rank_worker
 
 import meshplan
-from meshplan.plans.plan import Plan
 from meshplan.planner.planner import MemoryBudgetError
+from meshplan.plans.plan import Plan
 from meshplan.runtime.launch import run_local
 
 

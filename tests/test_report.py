@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import meshplan
-from meshplan.models import MLP
 from meshplan.inspect.summary import grouped_units
+from meshplan.models import MLP
 
 # Runs before the report's own script: records uncaught errors and console.error/warn into the DOM,
 # which `--dump-dom` then shows (chromium's own stderr logging of console lines is checked too).

@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshplan.cost_model.regions import region_cost
 from meshplan.cost_model.presets import get_cluster
+from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Node, TensorMeta, TensorRef
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.moe import MOE_OP

@@ -13,8 +13,8 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Partial, Replicate, Shard
 from meshplan.ir.trace import trace
 from meshplan.models.hf import hf_model
-from meshplan.plans.plan import Plan
 from meshplan.planner.strategies import generate
+from meshplan.plans.plan import Plan
 from meshplan.plans.strategy import Strategy
 from meshplan.runtime.launch import run_local
 

@@ -144,7 +144,7 @@ class Profile:
 
     pipeline_action_s: Mapping[int, float] = field(default_factory=dict)
     """world size -> seconds the pipelining runtime spends per schedule action (one stage's forward or
-    backward of one microbatch) beyond the stage's work and sends (cost_model/pipeline_overhead.py)."""
+    backward of one microbatch) beyond the stage's work and sends (profiling/pipeline_overhead.py)."""
     dtensor_optimizer_s: Mapping[str, float] = field(default_factory=dict)
     """optimizer name -> extra seconds of `optimizer.step()` per parameter that is a DTensor (torch's foreach
     ops dispatch through DTensor; the runtime keeps plain parameters only where every one is replicated)."""

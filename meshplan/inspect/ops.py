@@ -17,9 +17,9 @@ from torch import nn
 
 from meshplan.cost_model.compute import is_view, op_flops
 from meshplan.cost_model.moe import node_flops as moe_node_flops
-from meshplan.ir.moe import MOE_TARGET
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.moe import MOE_TARGET
 from meshplan.ir.placement import Replicate
 from meshplan.ir.trace import trace
 from meshplan.planner.strategies import UnsupportedOpWarning, generate

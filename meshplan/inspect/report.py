@@ -14,9 +14,9 @@ import html
 import json
 
 from meshplan.cost_model.memory import format_bytes
+from meshplan.inspect.summary import comm_volume, format_seconds, grouped_units, layer_of
 from meshplan.ir.placement import Partial, Placements, Shard, fmt
 from meshplan.plans.plan import Plan
-from meshplan.inspect.summary import comm_volume, format_seconds, grouped_units, layer_of
 
 SHARD_COLOURS = ("#2f6fdf", "#2a9d5c", "#8e44ad", "#16a3a3", "#c0392b", "#7f8c2d")
 """Hue of Shard(0), Shard(1), ... (cycled for higher dims)."""

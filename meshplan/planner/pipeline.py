@@ -34,9 +34,9 @@ from meshplan.cost_model.schedules import SCHEDULES, actions_per_microbatch, che
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.precision import MixedPrecision
+from meshplan.planner.planner import PlanOptions, make_plan
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.plans.plan import Plan
-from meshplan.planner.planner import PlanOptions, make_plan
 from meshplan.planner.stage_profile import (
     PRE, POST, Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, tied_grad_bytes,
 )
@@ -211,7 +211,7 @@ def evaluate(units: list[Unit], *, p: int, d: int, t: int, m: int, schedule: str
     link = cluster.link_for_axis(mesh, 0)
     p2p = 2 * collective_time("send_recv", int(cut_bytes), 2, link) if p > 1 else 0.0
     # the runtime's own cost of a stage's actions per microbatch, measured with their handshakes
-    # (cost_model/pipeline_overhead.py): the cut's sends then cost their bytes only
+    # (profiling/pipeline_overhead.py): the cut's sends then cost their bytes only
     per_action = cluster.profile.pipeline_action(p * d * t) if p > 1 and cluster.profile else 0.0
     action = actions_per_microbatch(schedule) * per_action
     if per_action:

@@ -17,19 +17,19 @@ from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
-from meshplan.planner.constraints import Annotations, constrain
 from meshplan.planner.alternatives import record_alternatives
+from meshplan.planner.constraints import Annotations, constrain
 from meshplan.planner.neighbourhood import PAIR_LIMIT, Solved, Subset, coarsening, embedded, layout_pairs, merged
 from meshplan.planner.neighbourhood import search as neighbourhood_search
 from meshplan.planner.offload import OffloadOptions, add_offload_options, check_offload
-from meshplan.plans.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
 from meshplan.planner.problem import INFEASIBLE_S, Tables, build_tables, grad_flows, node_memory, transfer_memory
 from meshplan.planner.propagation import propagate
 from meshplan.planner.recompute import check_recompute, internal_outputs, recompute_groups
 from meshplan.planner.solver import InfeasiblePlan, Solution, SolveTimeout, evaluate, solve
 from meshplan.planner.strategies import generate
-from meshplan.plans.strategy import Strategy
 from meshplan.planner.tying import tie_repeated_layers
+from meshplan.plans.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
+from meshplan.plans.strategy import Strategy
 from meshplan.progress import phase
 
 log = logging.getLogger("meshplan")

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshplan.cost_model.compute import is_view
-from meshplan.cost_model.kernels import kernel_time
 from meshplan.cost_model.estimate import compute_time, grad_sync_time, local_bytes, optimizer_step_time, transfer_times
+from meshplan.cost_model.kernels import kernel_time
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import InfeasibleRedistribution
@@ -22,8 +22,8 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Replicate
 from meshplan.planner.recompute import RecomputeGroup, RecomputeTerms
 from meshplan.planner.solver import Edge, Problem
-from meshplan.plans.strategy import Strategy
 from meshplan.planner.tying import Tying, tie_repeated_layers
+from meshplan.plans.strategy import Strategy
 from meshplan.progress import timed
 
 INFEASIBLE_S = 1e9

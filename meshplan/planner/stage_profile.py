@@ -16,8 +16,8 @@ from meshplan.cost_model.estimate import local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.ir.graph import Graph
 from meshplan.ir.placement import Replicate
-from meshplan.plans.plan import Plan
 from meshplan.planner.problem import node_memory, transfer_memory
+from meshplan.plans.plan import Plan
 
 PRE, POST = "pre", "post"
 

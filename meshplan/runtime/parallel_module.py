@@ -19,8 +19,8 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Replicate, local_shape, to_dtensor
 from meshplan.ir.trace import TracedProgram
-from meshplan.plans.plan import InputChoice, Plan
 from meshplan.planner.rules.random import is_random
+from meshplan.plans.plan import InputChoice, Plan
 from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.grad_buckets import GradBuckets

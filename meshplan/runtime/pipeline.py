@@ -34,16 +34,16 @@ from torch.utils import _pytree as pytree
 from meshplan.cost_model.schedules import TORCH_SCHEDULE_CLASS
 from meshplan.ir.graph import Graph
 from meshplan.ir.placement import local_shape
+from meshplan.planner.rules.random import is_random
 from meshplan.plans.plan import Plan
 from meshplan.runtime.collectives import MeshComm
-from meshplan.planner.rules.random import is_random
 from meshplan.runtime.local_view import local_view
 from meshplan.runtime.offload import make_optimizer
 from meshplan.runtime.parallel_module import (
     ParallelModule, _owner, as_dtensor, check_same_plan, default_weights, group_device, replicated_everywhere, shard_tensor,
 )
-from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.rewrite import local_program
+from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.stage_grads import StageGradSync, SyncingStage
 from meshplan.runtime.stage_split import StageProgram, example_values, node_stages, split_program, unit_stages
 from meshplan.runtime.weights import WeightSource

@@ -21,9 +21,9 @@ import torch.fx as fx
 
 from meshplan.ir.graph import Graph
 from meshplan.ir.placement import local_shape
-from meshplan.plans.plan import Plan
-from meshplan.plans.pipeline import PipelinePlan
 from meshplan.planner.stage_profile import unit_names, unit_of_nodes
+from meshplan.plans.pipeline import PipelinePlan
+from meshplan.plans.plan import Plan
 from meshplan.runtime.collectives import scale_grad
 from meshplan.runtime.rewrite import SOURCE, Recomputed, Redistribute
 

@@ -22,8 +22,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from meshplan.ir.placement import Placements, Shard
 from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.placement import Placements, Shard
 from meshplan.plans.plan import ParamChoice
 from meshplan.runtime.collectives import MeshComm
 

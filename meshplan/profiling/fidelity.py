@@ -195,7 +195,7 @@ def _measure_world(rank: int, world: int, plans_json: list[str], cfgs: list[GPTC
         for _ in range(warmup):
             step()
         runs.append((pmodel, opt, step, []))
-    from meshplan.cost_model.comm_profiler import measure_contention
+    from meshplan.profiling.comm_profiler import measure_contention
 
     per_round = max(1, steps // rounds)
     contention = []
@@ -428,7 +428,7 @@ def plot(rows: list[Row], path: str, title: str) -> None:
 def calibrate(*, quick: bool = False, out=None, out_of_sample: bool = False, log=print):
     """Measure this machine for the benchmark: each model's op shapes on every world of its cases
     (`profile_model`) and collectives + contention on those numbers of local processes (`profile_comm`)."""
-    from meshplan.calibrate import profile_model
+    from meshplan.profiling.calibrate import profile_model
 
     all_cases = out_of_sample_cases(quick) if out_of_sample else cases(quick)
     batch = QUICK_BATCH if quick else BATCH
@@ -450,7 +450,7 @@ def calibrate(*, quick: bool = False, out=None, out_of_sample: bool = False, log
 
 
 def _comm_profile(worlds: tuple[int, ...], quick: bool):
-    from meshplan.calibrate import profile_comm
+    from meshplan.profiling.calibrate import profile_comm
 
     sizes = (4 * 2**10, 64 * 2**10, 2**20) if quick else tuple(4 * 2**10 * 4**k for k in range(7))  # up to 16 MiB
     return profile_comm(worlds, sizes=sizes, reps=3 if quick else 5)

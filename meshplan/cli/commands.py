@@ -224,7 +224,8 @@ def _plan(args: argparse.Namespace) -> int:
     import warnings
 
     import meshplan
-    from meshplan.progress import enabled, phase
+    from meshplan.cli.progress import enabled
+    from meshplan.progress import phase
 
     kwargs: dict = {}
     if args.memory is not None:
@@ -310,13 +311,13 @@ def _ops(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> object:
-    from meshplan.demo import run_demo  # lazy: keeps `meshplan --help` fast
+    from meshplan.cli.demo import run_demo  # lazy: keeps `meshplan --help` fast
 
     return run_demo(devices=args.devices, steps=args.steps, model=args.model)
 
 
 def _profile_compute(args: argparse.Namespace) -> int:
-    from meshplan.calibrate import profile_model
+    from meshplan.profiling.calibrate import profile_model
 
     model, inputs, kwargs = load_factory(args.target)
     profile = profile_model(model, inputs, tuple(args.devices), example_kwargs=kwargs, cluster=args.cluster, out=args.out)
@@ -326,8 +327,8 @@ def _profile_compute(args: argparse.Namespace) -> int:
 
 
 def _profile_comm(args: argparse.Namespace) -> int:
-    from meshplan.calibrate import profile_comm, profile_comm_torchrun
-    from meshplan.cost_model.comm_profiler import FULL_SIZES, QUICK_SIZES
+    from meshplan.profiling.calibrate import profile_comm, profile_comm_torchrun
+    from meshplan.profiling.comm_profiler import FULL_SIZES, QUICK_SIZES
     from meshplan.runtime.launch import is_torchrun
 
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
@@ -361,7 +362,7 @@ def _profile_show(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from meshplan import fidelity
+    from meshplan.profiling import fidelity
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

@@ -9,7 +9,7 @@ fit includes the contention between them (on a CPU: for cores, too). Per size th
 mean over repetitions of the slowest rank; `fit_alpha_beta` then fits alpha + bytes * beta with
 relative weights, so that 4 KB and 256 MB messages count alike.
 
-It also measures what the pipelining runtime costs per schedule action (cost_model/pipeline_overhead.py),
+It also measures what the pipelining runtime costs per schedule action (profiling/pipeline_overhead.py),
 what an optimizer step costs more per parameter when parameters are DTensors, and compute contention: the same small training-like workload on rank 0 alone and on
 all ranks at once; the ratio is how much slower each rank computes when the world runs together
 (about world / cores when ranks outnumber cores).
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from meshplan.cost_model.collectives import COLLECTIVE_KINDS
-from meshplan.cost_model.op_profiler import OPTIMIZERS, Timer, dtensor_optimizer_overhead
-from meshplan.cost_model.pipeline_overhead import measure_action_overhead
 from meshplan.cost_model.profile import CollectiveFit, Profile, axis_label, device_name, torch_version
+from meshplan.profiling.op_profiler import OPTIMIZERS, Timer, dtensor_optimizer_overhead
+from meshplan.profiling.pipeline_overhead import measure_action_overhead
 
 FULL_SIZES: tuple[int, ...] = tuple(4 * 2**10 * 4**k for k in range(10))
 """4 KiB, 16 KiB, ..., 256 MiB (bytes of the full tensor, as `collective_time` counts them)."""

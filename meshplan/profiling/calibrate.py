@@ -1,0 +1,216 @@
+"""Measure a model's ops on this device for every shape its candidate plans would run.
+
+    profile = profile_model(model, (tokens,), devices=(2, 4))   # every mesh of 2 and 4 devices
+    profile.save("cpu.json");  meshplan.plan(model, 4, (tokens,), profile="cpu.json")
+
+`profile_model` traces the model, lists the candidate strategies of every op on every mesh the
+planner would search, collects the distinct (op, local input shapes, local output shapes, dtype)
+they produce and times each once (`profiling/op_profiler.py`). It composes ir, planner and
+cost_model, so it sits beside `api.py` rather than inside the cost model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from meshplan.cost_model.estimate import measured_seconds
+from meshplan.profiling.op_profiler import (OPTIMIZERS, copy_rate, grad_call_overhead, make_tensor, op_overhead, optimizer_rate,
+                                             time_op, time_program)
+from meshplan.cost_model.profile import Profile, device_name, op_key, profile_path, save_merged, torch_version
+from meshplan.ir.graph import Graph, TensorMeta
+from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.placement import local_shape
+from meshplan.progress import phase
+
+log = logging.getLogger("meshplan")
+
+
+def _local(meta: TensorMeta | None, layout, mesh_shape: tuple[int, ...]) -> TensorMeta | None:
+    if meta is None or layout is None:
+        return meta
+    return TensorMeta(local_shape(meta.shape, layout, mesh_shape), meta.dtype)
+
+
+def op_workload(graph: Graph, meshes: Iterable[MeshSpec]) -> dict[str, tuple[str, tuple, tuple, tuple]]:
+    """key -> (node name, local input metas, input needs-grad flags, local output metas): one entry
+    per distinct op on local shapes over every candidate strategy on every mesh (and one device)."""
+    from meshplan.planner.strategies import UnsupportedOpWarning, generate
+
+    work: dict[str, tuple[str, tuple, tuple, tuple]] = {}
+
+    def add(node, ins, outs) -> None:
+        key = op_key(node.target, ins, outs)
+        if key not in work:
+            needs = tuple(graph[r.node].grad(r.index) for r in node.inputs)
+            work[key] = (node.name, ins, needs, outs)
+
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    for node in ops:  # one device: global shapes (what a replicated strategy also runs)
+        add(node, tuple(graph.meta(r) for r in node.inputs), node.outputs)
+    for mesh in meshes:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnsupportedOpWarning)
+            cands = generate(graph, mesh)
+        for node in ops:
+            in_metas = [graph.meta(r) for r in node.inputs]
+            for s in cands.by_node[node.name]:
+                ins = tuple(_local(m, p, mesh.shape) for m, p in zip(in_metas, s.inputs))
+                outs = tuple(_local(m, p, mesh.shape) for m, p in zip(node.outputs, s.outputs))
+                add(node, ins, outs)
+    return work
+
+
+def profile_graph(
+    graph: Graph, meshes: Iterable[MeshSpec], *, cluster: str = "cpu", device: str | torch.device | None = None,
+    threads: int | None = 1, budget_s: float = 0.05,
+) -> Profile:
+    """Time every op of `graph` on every local shape its candidates on `meshes` produce, and the
+    optimizer step on the graph's parameter sizes."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fx_nodes = {n.name: n for n in graph.fx.gm.graph.nodes}
+    work = op_workload(graph, meshes)
+    before = torch.get_num_threads()
+    if threads is not None and dev.type == "cpu":
+        torch.set_num_threads(threads)  # as each rank of run_local / torchrun on CPU runs
+    try:
+        timings = {}
+        failed = []
+        grad_call = grad_call_overhead(dev)
+        for i, (key, (name, ins, needs, outs)) in enumerate(work.items()):
+            if i % 20 == 0:
+                phase(f"timing op {i + 1}/{len(work)}")
+            out_shape = outs[0].shape if outs and outs[0] is not None else None
+            try:
+                timings[key] = time_op(fx_nodes[name], ins, needs, out_shape, device=dev, budget_s=budget_s, grad_call_s=grad_call)
+            except (RuntimeError, ValueError, TypeError, IndexError) as e:  # an op that rejects made-up values
+                failed.append(f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        if failed:
+            log.warning("%d op shapes could not be timed (the roofline prices them): %s", len(failed), "; ".join(failed[:5]))
+        overhead, copy = op_overhead(dev), copy_rate(dev)
+        node_overhead = program_overhead(graph, timings, dev)
+        numels = [n.out.numel for n in graph.nodes if n.kind == "param" and n.grad(0)]
+        optimizers = {name: optimizer_rate(name, dev, numels) for name in OPTIMIZERS}
+    finally:
+        torch.set_num_threads(before)
+    return Profile(
+        device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=threads or before,
+        ops=timings, copy_seconds_per_byte=copy, op_overhead_s=overhead, optimizer_steps=optimizers, node_overhead_s=node_overhead,
+    )
+
+
+def program_overhead(graph: Graph, timings: dict, device: torch.device) -> float | None:
+    """Seconds per op run that the graph's one-device program takes beyond its ops' isolated timings
+    (`Profile.node_overhead_s`): the program is timed forward + backward on made-up inputs and
+    parameters, the same way the op profiler makes its tensors. None if an op of it was not timed
+    or the program cannot run on them."""
+    iso, runs = 0.0, 0
+    for node in graph.nodes:
+        if node.kind != "op":
+            continue
+        t = timings.get(op_key(node.target, [graph.meta(r) for r in node.inputs], node.outputs))
+        if t is None:
+            log.warning("in-program overhead not measured: op %s (%s) has no timing", node.name, node.target)
+            return None
+        backward = any(node.requires_grad)  # as the planner asks cost_model.estimate.compute_time
+        iso += measured_seconds(t, backward)
+        runs += 2 if backward else 1
+    args = []
+    for ph in graph.fx.gm.graph.nodes:
+        if ph.op != "placeholder":
+            continue
+        if ph.name in graph.fx.constants:
+            args.append(graph.fx.constants[ph.name])
+        else:
+            node = graph[ph.name]
+            args.append(make_tensor(node.out, device, requires_grad=node.kind == "param" and node.grad(0)))
+    try:
+        measured = time_program(graph.fx.gm, args)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:  # made-up values an op rejects
+        log.warning("in-program overhead not measured: the one-device program failed on made-up inputs: %s", str(e).splitlines()[0][:200])
+        return None
+    per_run = max(measured - iso, 0.0) / max(runs, 1)
+    log.info("one-device program: %.2f ms measured, %.2f ms by its ops' profiles: %.1f us per op run (%d runs)",
+             measured * 1e3, iso * 1e3, per_run * 1e6, runs)
+    return per_run
+
+
+def profile_model(
+    model: nn.Module, example_inputs: tuple = (), devices: Sequence[int] = (2, 4), *, example_kwargs: dict | None = None,
+    cluster: str = "cpu", out: str | os.PathLike | None = None, budget_s: float = 0.05, mixed_precision: str = "auto",
+) -> Profile:
+    """Profile `model`'s ops for every mesh of each device count in `devices` (as `meshplan.plan`
+    would search them, in the precision it would trace them in). With `out` (a path, or "local" for
+    this machine's database file), the measurements are merged into that file."""
+    from meshplan.planner.meshes import resolve_mesh
+    from meshplan.cost_model.presets import get_cluster
+    from meshplan.ir.precision import resolve_precision
+    from meshplan.ir.trace import trace
+
+    preset = get_cluster(cluster)
+    for d in devices:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+            raise ValueError(f"devices must be positive ints; got {d!r} in {tuple(devices)!r}")
+    meshes = [m for d in devices for m in resolve_mesh(d, devices_per_node=preset.devices_per_node)]
+    phase(f"tracing {type(model).__name__}")
+    precision = resolve_precision(mixed_precision, auto=preset.device.default_precision)
+    graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs,
+                  precision=precision)
+    profile = profile_graph(graph, meshes, cluster=preset.name, budget_s=budget_s)
+    if out is not None:
+        path = profile_path() if str(out) == "local" else out
+        profile = save_merged(profile, path)
+        log.info("profile written to %s", path)
+    return profile
+
+
+def _comm_worker(rank: int, world: int, cluster: str, sizes: tuple[int, ...], reps: int) -> dict:
+    from meshplan.profiling.comm_profiler import measure_cluster
+
+    return measure_cluster(cluster=cluster, sizes=sizes, reps=reps).to_json()
+
+
+def profile_comm(
+    worlds: Sequence[int] = (2, 4), *, cluster: str = "cpu", sizes: Sequence[int] | None = None, reps: int = 5,
+    out: str | os.PathLike | None = None, timeout: float = 1800.0,
+) -> Profile:
+    """Measure collectives and compute contention on `worlds` local gloo processes each
+    (`runtime.launch.run_local`); merge into `out` ("local": this machine's database file)."""
+    from meshplan.profiling.comm_profiler import FULL_SIZES
+    from meshplan.runtime.launch import run_local
+
+    sizes = tuple(sizes or FULL_SIZES)
+    profile: Profile | None = None
+    for w in worlds:
+        if not isinstance(w, int) or isinstance(w, bool) or w < 2:
+            raise ValueError(f"worlds must be ints >= 2 (a collective needs two ranks); got {w!r} in {tuple(worlds)!r}")
+        phase(f"collectives on {w} local processes")
+        got = Profile.from_json(run_local(w, _comm_worker, cluster, sizes, reps, timeout=timeout)[0])
+        profile = got if profile is None else profile.merged(got)
+    assert profile is not None, "no world measured"
+    if out is not None:
+        profile = save_merged(profile, profile_path() if str(out) == "local" else out)
+    return profile
+
+
+def profile_comm_torchrun(*, cluster: str, sizes: Sequence[int], reps: int, out: str | os.PathLike | None) -> Profile:
+    """Under torchrun: measure on the launched group; rank 0 merges into `out`."""
+    import torch.distributed as dist
+
+    from meshplan.profiling.comm_profiler import measure_cluster
+    from meshplan.runtime.launch import init_torchrun_group
+
+    if torch.cuda.is_available():  # before the group exists, so NCCL binds this rank's GPU
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        init_torchrun_group()
+    profile = measure_cluster(cluster=cluster, sizes=tuple(sizes), reps=reps)
+    if out is not None and dist.get_rank() == 0:
+        profile = save_merged(profile, profile_path() if str(out) == "local" else out)
+    dist.barrier()
+    return profile
