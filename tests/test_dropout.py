@@ -10,9 +10,9 @@ import torch
 from _parity import STEPS, loss_fn, megatron_layouts
 
 import meshplan
+from meshplan.ir.op_kinds import is_random
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig
-from meshplan.planner.rules.random import is_random
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import ParallelModule, shard_tensor

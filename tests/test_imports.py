@@ -80,3 +80,26 @@ def test_the_graph_sees_lazy_and_type_checking_imports():
     assert ("meshplan.inspect.methods", "meshplan.plans.plan") in graph.edges  # under TYPE_CHECKING
     assert ("meshplan.plans.plan", "meshplan.plans.check") in graph.edges  # inside Plan.from_json
     assert not any(b.startswith("meshplan.inspect") for a, b in graph.edges if a.startswith("meshplan.plans"))
+
+
+LAYERS = (
+    ("meshplan.progress", "meshplan.models"),
+    ("meshplan.ir",),
+    ("meshplan.cost_model",),
+    ("meshplan.plans",),
+    ("meshplan.planner", "meshplan.runtime"),  # the runtime reads plans, never the planner
+    ("meshplan.inspect", "meshplan.api"),
+    ("meshplan",),
+    ("meshplan.profiling",),
+    ("meshplan.cli", "meshplan.calibrate"),  # calibrate: the deprecated name of profiling.calibrate
+    ("meshplan.__main__",),
+)
+"""Packages from the bottom up: each imports only packages of the layers below it (README, Layout)."""
+
+
+def test_packages_import_only_the_layers_below():
+    layer = {pkg: i for i, pkgs in enumerate(LAYERS) for pkg in pkgs}
+    graph = import_graph()
+    assert set(map(_package, graph)) == set(layer), "a package is missing from LAYERS"
+    upward = sorted({(a, b) for a, b in graph.edges if layer[_package(a)] <= layer[_package(b)] and _package(a) != _package(b)})
+    assert not upward, f"imports that do not point down the layers: {upward}"

@@ -34,12 +34,11 @@ from meshplan.cost_model.schedules import SCHEDULES, actions_per_microbatch, che
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.precision import MixedPrecision
+from meshplan.ir.units import POST, PRE
 from meshplan.planner.planner import PlanOptions, make_plan
+from meshplan.planner.stage_profile import Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, tied_grad_bytes
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.plans.plan import Plan
-from meshplan.planner.stage_profile import (
-    PRE, POST, Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, tied_grad_bytes,
-)
 
 log = logging.getLogger("meshplan")
 

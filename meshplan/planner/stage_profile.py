@@ -16,11 +16,9 @@ from meshplan.cost_model.estimate import local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.ir.graph import Graph
 from meshplan.ir.placement import Replicate
+from meshplan.ir.units import POST, PRE, unit_names, unit_of_nodes
 from meshplan.planner.problem import node_memory, transfer_memory
 from meshplan.plans.plan import Plan
-
-PRE, POST = "pre", "post"
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Unit:
@@ -55,23 +53,6 @@ class Unit:
 
     def __hash__(self) -> int:
         return hash(self.name)
-
-
-def unit_of_nodes(graph: Graph) -> dict[str, str]:
-    """Op, input and output node -> unit name; parameters are placed by their consumers."""
-    order = [n for n in graph.nodes if n.kind in ("op", "input", "output", "constant")]
-    layer_idx = [i for i, n in enumerate(order) if n.layer is not None]
-    first, last = (layer_idx[0], layer_idx[-1]) if layer_idx else (len(order), len(order))
-    out = {}
-    for i, n in enumerate(order):
-        out[n.name] = n.layer if n.layer is not None else (PRE if i < first else POST)
-    return out
-
-
-def unit_names(graph: Graph) -> list[str]:
-    units = unit_of_nodes(graph)
-    names = list(dict.fromkeys(units.values()))
-    return [PRE, *[n for n in names if n not in (PRE, POST)], POST]
 
 
 def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Unit]:

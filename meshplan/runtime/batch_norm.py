@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from meshplan.cost_model.batch_norm import sync_axes
-from meshplan.planner.rules.batch_norm import BATCH_NORM
+from meshplan.ir.op_kinds import BATCH_NORM
 from meshplan.runtime.collectives import MeshComm, all_reduce, collective
 from meshplan.runtime.regions import register_region_runtime
 

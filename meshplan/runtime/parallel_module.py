@@ -17,9 +17,9 @@ from torch.utils import _pytree as pytree
 
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.op_kinds import is_random
 from meshplan.ir.placement import Placements, Replicate, local_shape, to_dtensor
 from meshplan.ir.trace import TracedProgram
-from meshplan.planner.rules.random import is_random
 from meshplan.plans.plan import InputChoice, Plan
 from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm

@@ -33,8 +33,8 @@ from torch.utils import _pytree as pytree
 
 from meshplan.cost_model.schedules import TORCH_SCHEDULE_CLASS
 from meshplan.ir.graph import Graph
+from meshplan.ir.op_kinds import is_random
 from meshplan.ir.placement import local_shape
-from meshplan.planner.rules.random import is_random
 from meshplan.plans.plan import Plan
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.local_view import local_view

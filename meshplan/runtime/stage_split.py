@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from meshplan.ir.graph import Graph
 from meshplan.ir.placement import local_shape
-from meshplan.planner.stage_profile import unit_names, unit_of_nodes
+from meshplan.ir.units import unit_names, unit_of_nodes
 from meshplan.plans.pipeline import PipelinePlan
 from meshplan.plans.plan import Plan
 from meshplan.runtime.collectives import scale_grad

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from meshplan.ir.op_kinds import BATCH_NORM
 from meshplan.ir.placement import Replicate, Shard
 from meshplan.planner.rules.registry import Row, register_rule
-
-aten = torch.ops.aten
-BATCH_NORM = aten._native_batch_norm_legit_functional.default
 
 
 @register_rule(BATCH_NORM)

@@ -1,0 +1,25 @@
+"""A graph's units, the pieces pipeline stages are cut from: everything before the first repeated layer
+("pre": embeddings), each repeated layer (`layers.k`), everything after the last ("post": final norm, head)."""
+
+from __future__ import annotations
+
+from meshplan.ir.graph import Graph
+
+PRE, POST = "pre", "post"
+
+
+def unit_of_nodes(graph: Graph) -> dict[str, str]:
+    """Op, input and output node -> unit name; parameters are placed by their consumers."""
+    order = [n for n in graph.nodes if n.kind in ("op", "input", "output", "constant")]
+    layer_idx = [i for i, n in enumerate(order) if n.layer is not None]
+    first, last = (layer_idx[0], layer_idx[-1]) if layer_idx else (len(order), len(order))
+    out = {}
+    for i, n in enumerate(order):
+        out[n.name] = n.layer if n.layer is not None else (PRE if i < first else POST)
+    return out
+
+
+def unit_names(graph: Graph) -> list[str]:
+    units = unit_of_nodes(graph)
+    names = list(dict.fromkeys(units.values()))
+    return [PRE, *[n for n in names if n not in (PRE, POST)], POST]
