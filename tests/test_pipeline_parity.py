@@ -297,3 +297,51 @@ def test_a_loss_that_is_a_view_reaches_the_schedule_as_its_own_tensor():
     loss.detach_()  # what torch's stage_backward_input does
     plain = torch.ones(3, requires_grad=True).sum()
     assert PipelineRunner._loss(SimpleNamespace(loss_fn=lambda o, target: o), plain, None) is plain
+
+
+def _mlp():
+    from meshplan.models.mlp import MLP
+
+    torch.manual_seed(0)
+    return MLP(8, 8, 8, depth=4), torch.randn(16, 8)
+
+
+def _mlp_loss(out, _target):
+    return out.square().mean()
+
+
+def _mlp_step(rank, world, plan):
+    model, x = _mlp()
+    runner = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan, loss_fn=_mlp_loss)
+    loss = runner.step(x, target=x)
+    return None if loss is None else float(loss), {n: local_of(p.grad).clone() for n, p in runner.named_parameters()}
+
+
+def test_units_between_layers_stay_in_program_order():
+    """The MLP's GELUs are functional calls between its `ModuleList` layers, outside every layer: each belongs to
+    the layer before it, so the units (and stage cuts) follow the program."""
+    from meshplan.ir.units import unit_names, unit_of_nodes
+
+    model, x = _mlp()
+    graph = trace(model, (x,))
+    names, of = unit_names(graph), unit_of_nodes(graph)
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    positions = [names.index(of[n.name]) for n in ops]
+    assert positions == sorted(positions), [(n.name, of[n.name]) for n in ops]
+    assert {of[n.name] for n in ops if n.target == "aten.gelu.default"} == {f"layers.{k}" for k in range(4)}  # 5 Linears, 4 GELUs
+
+
+@pytest.mark.multiprocess
+def test_an_mlp_with_functional_activations_between_its_layers_pipelines_with_parity():
+    """Cutting between such layers used to fail ("the cut is not in program order"): the GELUs were put after the last layer."""
+    model, x = _mlp()
+    plan = meshplan.plan(model, 2, (x,), pipeline=meshplan.PipelineOptions(degrees=(2,), schedules=("1f1b",), microbatch_sizes=(8,)))
+    assert plan.pipeline.degree == 2 and plan.pipeline.microbatches == 2
+    results = run_local(2, _mlp_step, plan, timeout=600)
+    ref = _mlp_loss(model(x), x)
+    ref.backward()
+    losses = [loss for loss, _ in results if loss is not None]
+    assert losses and all(abs(loss - ref.item()) < 1e-6 for loss in losses)
+    for _, grads in results:
+        for name, g in grads.items():
+            torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, rtol=1e-5, atol=1e-7)
