@@ -8,12 +8,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, compute_time, grad_sync_axes, local_bytes
+from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, grad_sync_axes, local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, parse_bytes
 from meshplan.cost_model.model_flops import model_flops
 from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
 from meshplan.cost_model.redistribution import backward_steps, redistribution_steps
-from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
@@ -180,16 +179,17 @@ def make_plan(
     recomputed = {layer: g.name for g in groups if g.name in solution.recompute for layer in g.layers}
     internal = internal_outputs(graph) if recomputed else set()
     rematerialised: dict[str, float] = {}  # recomputed layer -> bytes it holds again during its backward
+    # every price and size below is the tables' (the solver's own numbers), read at the chosen strategy
     for node in graph.nodes:
         s = chosen[node.name]
-        cost = tables.unit_costs[rep[node.name]][raw[node.name]]
-        node_mem = node_memory(node, s, shape, options.optimizer, weight_cast=node.name in graph.weight_casts)
+        r, i = rep[node.name], choice[node.name]
+        cost = tables.unit_costs[r][raw[node.name]]
+        node_mem = tables.memory[r][i]
         if node.name in offloaded:
             node_mem = dataclasses.replace(node_mem, optimizer=0)
-            host_s += offload_from.host_s[rep[node.name]][choice[node.name]]
+            host_s += offload_from.host_s[r][i]
         if node.kind == "op" and node.layer in recomputed:
-            in_metas = [graph.meta(r) for r in node.inputs]
-            cost += compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False, in_layouts=s.inputs)
+            cost += tables.forward_s[r][i]
             if node.name in internal:
                 rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + node_mem.activations
                 node_mem = dataclasses.replace(node_mem, activations=0)
@@ -213,7 +213,7 @@ def make_plan(
             memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=held)
             transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t, recompute=again))
         if node.kind == "op":
-            region = region_cost(node, [graph.meta(r) for r in node.inputs], s.inputs, s.outputs, shape, cluster, backward=any(node.requires_grad))
+            region = tables.regions[r][i] if r in tables.regions else None
             if region is not None:  # a region op's own collectives are communication, listed in the plan
                 compute_s, comm_s, cost = compute_s + region.compute_s, comm_s + region.comm_s, region.compute_s
                 nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost, region.forward, region.backward))
@@ -225,7 +225,7 @@ def make_plan(
             trainable = node.kind == "param" and node.grad(0)
             step = 0.0  # ParamChoice.time_s keeps the gradient sync (+ the host step when offloaded)
             if trainable:
-                device_step = tables.optimizer_s[rep[node.name]][choice[node.name]]
+                device_step = tables.optimizer_s[r][i]
                 if node.name in offloaded:  # the cost holds the host step in place of the device's
                     cost += device_step
                 else:

@@ -16,7 +16,7 @@ from meshplan.cost_model.kernels import kernel_time
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import InfeasibleRedistribution
-from meshplan.cost_model.regions import region_cost
+from meshplan.cost_model.regions import RegionCost, region_cost
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Replicate
@@ -82,14 +82,6 @@ def node_memory(node: Node, strategy: Strategy, mesh_shape: tuple[int, ...], opt
     return MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
 
 
-def op_time(node: Node, in_metas: list[TensorMeta], s: Strategy, shape: tuple[int, ...], cluster: ClusterPreset, *, backward: bool) -> float:
-    """Seconds of one op node under strategy `s`: compute, plus the collectives a region op runs itself."""
-    region = region_cost(node, in_metas, s.inputs, s.outputs, shape, cluster, backward=backward)
-    if region is not None:
-        return region.total_s
-    return compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=backward, in_layouts=s.inputs)
-
-
 def transfer_memory(meta: TensorMeta, src: Placements, dst: Placements, consumer: Node, mesh_shape: tuple[int, ...]) -> int:
     """A resharded copy feeding an op that needs gradients stays alive for its backward (this is
     where an all-gathered ZeRO/FSDP parameter is held)."""
@@ -117,6 +109,13 @@ class Tables:
     optimizer_s: dict[str, list[float]] = field(default_factory=dict)
     """Trainable parameter class representative -> one member's `optimizer.step()` seconds per
     strategy on the device (included in `unit_costs`)."""
+    memory: dict[str, list[MemoryBreakdown]] = field(default_factory=dict)
+    """Class representative -> one member's bytes per device per strategy, by kind (their total, times the
+    class size, is the problem's node memory)."""
+    regions: dict[str, list[RegionCost | None]] = field(default_factory=dict)
+    """Region op class representative -> its cost per strategy (compute and its own collectives)."""
+    forward_s: dict[str, list[float]] = field(default_factory=dict)
+    """Op class representative inside a layer -> its forward seconds per strategy (what recomputing it adds)."""
     _moves: dict[TensorMeta, dict[tuple, tuple[float, float] | None]] = field(default_factory=dict)
 
     def move_time(self, meta: TensorMeta, src: Placements, dst: Placements, backward: bool) -> float | None:
@@ -170,6 +169,9 @@ def build_tables(
     unit_costs: dict[str, list[float]] = {}
     optimizer_s: dict[str, list[float]] = {}
     node_mem: dict[str, list[float]] = {}
+    breakdowns: dict[str, list[MemoryBreakdown]] = {}
+    regions: dict[str, list[RegionCost | None]] = {}
+    forward_s: dict[str, list[float]] = {}
     for node in graph.nodes:
         if rep[node.name] != node.name:
             continue
@@ -177,10 +179,14 @@ def build_tables(
         if node.kind == "op":
             in_metas = [graph.meta(r) for r in node.inputs]
             grad = any(node.requires_grad)
+            own = [region_cost(node, in_metas, s.inputs, s.outputs, shape, cluster, backward=grad) for s in strategies]
+            if any(r is not None for r in own):
+                regions[node.name] = own
             costs = [
-                op_time(node, in_metas, s, shape, cluster, backward=grad)
+                (r.total_s if r is not None else compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad,
+                                                              in_layouts=s.inputs))
                 + (kernel_time(s.kernel, s.outputs, node.outputs, shape, cluster, backward=grad) if s.kernel else 0.0)
-                for s in strategies
+                for s, r in zip(strategies, own)
             ]
         elif node.kind == "param" and node.grad(0):
             # the step updates each device's local shard: sharding a parameter divides its step; a sharded
@@ -195,15 +201,15 @@ def build_tables(
             costs = [0.0] * len(strategies)
         unit_costs[node.name] = costs
         cast = node.name in graph.weight_casts
-        node_mem[node.name] = [float(node_memory(node, s, shape, optimizer, weight_cast=cast).total * count[node.name]) for s in strategies]
+        breakdowns[node.name] = [node_memory(node, s, shape, optimizer, weight_cast=cast) for s in strategies]
+        node_mem[node.name] = [float(m.total * count[node.name]) for m in breakdowns[node.name]]
         if terms.unit_of(node.name) is not None:
-            terms.add_node(
-                node.name,
-                [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False, in_layouts=s.inputs) for s in strategies],
-                [float(node_memory(node, s, shape, optimizer, weight_cast=cast).activations) for s in strategies],
-            )
+            forward_s[node.name] = [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False, in_layouts=s.inputs)
+                                    for s in strategies]
+            terms.add_node(node.name, forward_s[node.name], [float(m.activations) for m in breakdowns[node.name]])
     node_costs = {name: [c * count[name] for c in costs] for name, costs in unit_costs.items()}
-    tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget), tying, unit_costs, shape, cluster, optimizer_s)
+    tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget), tying, unit_costs, shape, cluster, optimizer_s,
+                    memory=breakdowns, regions=regions, forward_s=forward_s)
 
     # every graph edge, as an edge between the classes it joins, counted as often as it occurs
     occurrences: dict[tuple, list[str | None]] = {}  # edge key -> the consumer's layer, per occurrence
