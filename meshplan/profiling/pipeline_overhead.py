@@ -34,11 +34,12 @@ def measure_action_overhead(*, steps: int = 15, warmup: int = 3) -> float:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     groups = [dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]  # every rank creates every group
     paired = rank < 2 * (world // 2)
-    if paired:
-        torch.manual_seed(0)
-        stage = PipelineStage(torch.nn.Linear(WIDTH, WIDTH, device=device), rank % 2, 2, device, group=groups[rank // 2])
+    if paired:  # the values do not matter; the caller's random state is left as it was
+        with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
+            layer = torch.nn.Linear(WIDTH, WIDTH, device=device)
+        stage = PipelineStage(layer, rank % 2, 2, device, group=groups[rank // 2])
         schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=lambda out, _: out.sum())
-        x = torch.randn(MICROBATCHES, WIDTH, device=device)
+        x = torch.ones(MICROBATCHES, WIDTH, device=device)
 
     def step() -> float:
         dist.barrier()
