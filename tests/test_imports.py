@@ -6,9 +6,12 @@ Every import counts, wherever it is written: at the top, inside a function (lazy
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
 from pathlib import Path
 
 import networkx as nx
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "meshplan"
 
@@ -103,3 +106,13 @@ def test_packages_import_only_the_layers_below():
     assert set(map(_package, graph)) == set(layer), "a package is missing from LAYERS"
     upward = sorted({(a, b) for a, b in graph.edges if layer[_package(a)] <= layer[_package(b)] and _package(a) != _package(b)})
     assert not upward, f"imports that do not point down the layers: {upward}"
+
+
+def test_the_old_calibrate_module_still_works_and_warns():
+    """`meshplan.calibrate` (documented before the profilers moved to meshplan/profiling) is a deprecated alias."""
+    sys.modules.pop("meshplan.calibrate", None)
+    with pytest.warns(DeprecationWarning, match="meshplan.profiling.calibrate"):
+        old = importlib.import_module("meshplan.calibrate")
+    from meshplan.profiling import calibrate
+
+    assert old.profile_model is calibrate.profile_model and old.profile_comm is calibrate.profile_comm
