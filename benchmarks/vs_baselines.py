@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this che
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 import meshplan

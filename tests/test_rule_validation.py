@@ -24,9 +24,8 @@ from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Node, TensorMeta, TensorRef
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.moe import MOE_OP
-from meshplan.ir.op_kinds import BATCH_NORM
-from meshplan.ir.op_kinds import RANDOM_OPS
-from meshplan.ir.placement import Partial, Replicate, Shard
+from meshplan.ir.op_kinds import BATCH_NORM, RANDOM_OPS
+from meshplan.ir.placement import Partial, Shard
 from meshplan.planner.rules import RULES
 from meshplan.planner.strategies import _compute_op_strategies, _device_mesh
 from meshplan.runtime.regions import REGION_RUNTIMES
