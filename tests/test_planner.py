@@ -187,3 +187,38 @@ def test_the_optimizer_step_is_priced_on_each_local_shard():
     assert 0 < fsdp.optimizer_s < 0.6 * dp.optimizer_s  # each rank steps half of every parameter
     assert dp.step_time_s == pytest.approx(dp.compute_s + dp.comm_s + dp.optimizer_s, rel=1e-12)
     assert Plan.from_json(dp.to_json()).optimizer_s == dp.optimizer_s
+
+
+def test_the_dtensor_cost_swap_is_undone_when_two_threads_plan_at_once():
+    """Candidate generation swaps DTensor's redistribute_cost for zeros while it asks DTensor's rules. Two planning
+    threads must not restore each other's zeros as the original: B enters while A holds the swap, A leaves first."""
+    import threading
+
+    from torch.distributed.tensor._ops import utils as dt_utils
+
+    from meshplan.planner.strategies import _without_dtensor_costs
+
+    original = dt_utils.redistribute_cost
+    a_in, a_out, b_in, b_out = (threading.Event() for _ in range(4))
+
+    def a():
+        with _without_dtensor_costs():
+            a_in.set()
+            a_out.wait(10)
+
+    def b():
+        a_in.wait(10)
+        with _without_dtensor_costs():
+            b_in.set()
+            b_out.wait(10)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    a_in.wait(10)
+    b_in.wait(0.5)  # without the lock B is inside by now; with it, B waits for A
+    a_out.set()
+    threads[0].join(10)
+    b_out.set()
+    threads[1].join(10)
+    assert dt_utils.redistribute_cost is original

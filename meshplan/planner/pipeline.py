@@ -214,7 +214,7 @@ def evaluate(units: list[Unit], *, p: int, d: int, t: int, m: int, schedule: str
     per_action = cluster.profile.pipeline_action(p * d * t) if p > 1 and cluster.profile else 0.0
     action = actions_per_microbatch(schedule) * per_action
     if per_action:
-        p2p -= 2 * collective_time("send_recv", 1, 2, link)
+        p2p = max(0.0, p2p - 2 * collective_time("send_recv", 1, 2, link))
     parts = partition(units, p, m, schedule, budget=budget, p2p_s=p2p, action_s=action, virtual=virtual, pins=pins, recompute=recompute)
     if parts is None:
         return None

@@ -293,7 +293,7 @@ def _from_op_strategy(
     return out
 
 
-_COST_SWAP = threading.Lock()
+_COST_SWAP = threading.RLock()  # re-entrant: a nested swap restores its own original
 
 
 def _zero_cost(*_) -> float:
@@ -309,11 +309,11 @@ def _without_dtensor_costs():
     restore the zeros as the original), and a torch that no longer has the function plans with its
     costs, slower but the same. A DTensor op another thread dispatches meanwhile sees zero
     redistribution costs (its strategy choice, not its numbers, may differ)."""
-    original = getattr(dt_utils, "redistribute_cost", None)
-    if original is None:
-        yield
-        return
-    with _COST_SWAP:
+    with _COST_SWAP:  # read the original under the lock: another thread may hold the zeros in its place
+        original = getattr(dt_utils, "redistribute_cost", None)
+        if original is None:
+            yield
+            return
         dt_utils.redistribute_cost = _zero_cost
         try:
             yield
