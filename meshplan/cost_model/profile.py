@@ -163,13 +163,11 @@ class Profile:
 
     def slowdown(self, world: int) -> float:
         """Compute contention at `world` ranks: measured, else the nearest smaller measured world, else 1."""
-        known = [w for w in self.contention if w <= world]
-        return self.contention[max(known)] if known else 1.0
+        return _at_world(self.contention, world, 1.0)
 
     def pipeline_action(self, world: int) -> float:
         """Seconds per pipeline schedule action at `world` ranks: measured, else the nearest smaller measured world, else 0."""
-        known = [w for w in self.pipeline_action_s if w <= world]
-        return self.pipeline_action_s[max(known)] if known else 0.0
+        return _at_world(self.pipeline_action_s, world, 0.0)
 
     def collective(self, kind: str, group: int, world: int, axis: str = "") -> CollectiveFit | None:
         """The fit for `kind` on groups of `group` ranks: measured on this mesh axis (`axis_label`)
@@ -283,6 +281,12 @@ class Profile:
             f"{len(self.ops)} op timings, {len(self.collectives)} collective fits ({self.backend or '-'}), contention {per}, "
             f"in-program overhead {'not measured' if self.node_overhead_s is None else f'{self.node_overhead_s * 1e6:.1f} us per op'}"
         )
+
+
+def _at_world(by_world: Mapping[int, float], world: int, default: float) -> float:
+    """The value measured at `world` ranks, else at the nearest smaller measured world, else `default`."""
+    known = [w for w in by_world if w <= world]
+    return by_world[max(known)] if known else default
 
 
 def _str(v: Any) -> str:

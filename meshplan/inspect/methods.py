@@ -49,4 +49,4 @@ def report(self: Plan, path: str) -> str:
 def attach_reading_methods(cls: type) -> None:
     """Give the Plan class its reading methods (called once, by `meshplan/__init__.py`)."""
     cls.summary, cls.explain, cls.diff, cls.code, cls.report = summary, explain, diff, code, report
-    cls.__str__ = lambda self: summary(self)
+    cls.__str__ = summary

@@ -14,14 +14,14 @@ def unit_of_nodes(graph: Graph) -> dict[str, str]:
     An op outside every layer that runs between two of them (a functional activation between the
     `nn.Linear`s of a `ModuleList`) belongs to the layer before it, so units stay in program order."""
     order = [n for n in graph.nodes if n.kind in ("op", "input", "output", "constant")]
-    layer_idx = [i for i, n in enumerate(order) if n.layer is not None]
-    first, last = (layer_idx[0], layer_idx[-1]) if layer_idx else (len(order), len(order))
+    # ops after the last layer are `post`; with no layers at all everything is `pre`
+    last = max((i for i, n in enumerate(order) if n.layer is not None), default=len(order))
     out = {}
     current = PRE
     for i, n in enumerate(order):
         if n.layer is not None:
             current = n.layer
-        out[n.name] = current if first <= i <= last else (PRE if i < first else POST)
+        out[n.name] = current if i <= last else POST
     return out
 
 

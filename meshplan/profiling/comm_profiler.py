@@ -10,9 +10,10 @@ mean over repetitions of the slowest rank; `fit_alpha_beta` then fits alpha + by
 relative weights, so that 4 KB and 256 MB messages count alike.
 
 It also measures what the pipelining runtime costs per schedule action (profiling/pipeline_overhead.py),
-what an optimizer step costs more per parameter when parameters are DTensors, and compute contention: the same small training-like workload on rank 0 alone and on
-all ranks at once; the ratio is how much slower each rank computes when the world runs together
-(about world / cores when ranks outnumber cores).
+what an optimizer step costs more per parameter when parameters are DTensors, and compute
+contention: the same small training-like workload on rank 0 alone and on all ranks at once; the
+ratio is how much slower each rank computes when the world runs together (about world / cores when
+ranks outnumber cores).
 """
 
 from __future__ import annotations
@@ -265,11 +266,11 @@ def measure_cluster(
         for axis in range(len(shape)):  # every axis: two axes of one size may sit on different links
             fits += measure_axis(tuple(shape), axis, sizes=sizes, kinds=kinds, reps=reps)
     contention = measure_contention() if world > 1 else 1.0
-    action = measure_action_overhead() if world > 1 else None
+    actions = {world: measure_action_overhead()} if world > 1 else {}
     dtensor_optimizer = _dtensor_optimizer_overheads()
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return Profile(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=torch.get_num_threads(),
-        collectives=tuple(fits), contention={world: contention}, backend=str(dist.get_backend()), pipeline_action_s={world: action} if action is not None else {},
+        collectives=tuple(fits), contention={world: contention}, backend=str(dist.get_backend()), pipeline_action_s=actions,
         dtensor_optimizer_s=dtensor_optimizer,
     )

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from meshplan.cost_model.profile import OpTiming
 from meshplan.ir.graph import TensorMeta
@@ -192,8 +192,7 @@ def optimizer_rate(name: str = "adam", device: torch.device | str = "cpu", numel
     quarter of them (sharded), so that cache behaviour matches; 8 x 64 Ki elements without them.
     Each configuration keeps its fastest run: a step of several ms spans several scheduler time
     slices, and what the profile holds is the undisturbed time (contention is applied on top)."""
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer {name!r} cannot be timed; allowed: {', '.join(OPTIMIZERS)}")
+    _check_optimizer(name)
     device = torch.device(device)
     timer = Timer(device)
 
@@ -201,8 +200,7 @@ def optimizer_rate(name: str = "adam", device: torch.device | str = "cpu", numel
         params = [torch.nn.Parameter(torch.randn(max(int(n), 1), device=device)) for n in shapes]
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = OPTIMIZERS[name](params)
-        return min([timer(opt.step) for _ in range(runs + 2)][2:])
+        return _fastest_step(name, params, timer, runs)
 
     per_tensor = step_time([16] * 32) / 32
     sizes = [list(numels)] if numels else [[2**16] * 8]
@@ -216,20 +214,23 @@ def dtensor_optimizer_overhead(name: str, mesh, runs: int = 9) -> float:
     (each of torch's foreach ops then dispatches through DTensor's sharding propagation): 32 tiny
     parameters sharded over the mesh's first axis against 32 plain ones of the same local size, the
     fastest run of each. Runs on this rank alone (an optimizer step over DTensors communicates nothing)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if name not in OPTIMIZERS:
-        raise ValueError(f"optimizer {name!r} cannot be timed; allowed: {', '.join(OPTIMIZERS)}")
+    _check_optimizer(name)
     device = torch.device(mesh.device_type)
     timer = Timer(device)
-
-    def step_time(params: list[torch.nn.Parameter]) -> float:
-        for p in params:
-            p.grad = torch.ones_like(p)  # not random: DTensor warns about random ops on a CPU mesh
-        opt = OPTIMIZERS[name](params)
-        return min([timer(opt.step) for _ in range(runs + 2)][2:])
-
     plain = [torch.nn.Parameter(torch.randn(16, device=device)) for _ in range(32)]
     sharded = [torch.nn.Parameter(DTensor.from_local(torch.randn(16, device=device), mesh, [Shard(0)] * mesh.ndim, run_check=False))
                for _ in range(32)]
-    return max(step_time(sharded) - step_time(plain), 0.0) / 32
+    for p in plain + sharded:
+        p.grad = torch.ones_like(p)  # not random: DTensor warns about random ops on a CPU mesh
+    return max(_fastest_step(name, sharded, timer, runs) - _fastest_step(name, plain, timer, runs), 0.0) / 32
+
+
+def _check_optimizer(name: str) -> None:
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer {name!r} cannot be timed; allowed: {', '.join(OPTIMIZERS)}")
+
+
+def _fastest_step(name: str, params: list[torch.nn.Parameter], timer: Timer, runs: int) -> float:
+    """The fastest of `runs` `optimizer.step()`s over `params` (gradients set), after two warm-up steps."""
+    opt = OPTIMIZERS[name](params)
+    return min([timer(opt.step) for _ in range(runs + 2)][2:])
