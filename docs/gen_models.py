@@ -62,7 +62,7 @@ FLOP shares count forward FLOPs on whole tensors (`meshplan.cost_model.compute.o
 
 - **Vocabulary parallelism.** DTensor's masked-partial rules for `embedding` and `gather` are
   candidates: the table is split along the vocabulary, the ids arrive whole and each device looks
-  up only its own rows (`Strategy.kernel == "masked"`, `meshplan/runtime/kernels.py`), giving a
+  up only its own rows (`Strategy.kernel == "masked"`, `meshplan/regions/masked_lookup.py`), giving a
   partial sum that is all-reduced or reduce-scattered like any other. `_log_softmax` split along
   its softmax dim runs as a kernel that all-reduces the row max and the row sum of exponentials
   (and the gradient's row sum in backward) instead of gathering the logits, as torch's

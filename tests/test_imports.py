@@ -91,6 +91,7 @@ LAYERS = (
     ("meshplan.cost_model",),
     ("meshplan.plans",),
     ("meshplan.planner", "meshplan.runtime"),  # the runtime reads plans, never the planner
+    ("meshplan.regions",),  # region op plugins: each has a rule, a cost and a per-rank module; the registry is in ir
     ("meshplan.inspect", "meshplan.api"),
     ("meshplan",),
     ("meshplan.profiling",),

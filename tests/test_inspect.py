@@ -208,12 +208,25 @@ def test_plan_file_is_deterministic_and_reloads(mlp_plans, tmp_path):
     again.save(str(tmp_path / "again.json"))
     assert path.read_bytes() == (tmp_path / "again.json").read_bytes()
     d = json.loads(path.read_text())
-    assert d["version"] == 2 and "seconds" not in d["solver"]
+    assert d["version"] == 3 and "seconds" not in d["solver"]
     w = next(p for p in d["params"] if p["fqns"] == ["layers.0.weight"])
     assert w["device_matrix"] == [2, 2] and from_tensor_map((2, 2), tuple(tuple(e) if isinstance(e, list) else e for e in w["tensor_map"])) == parse(w["layout"])
     loaded = meshplan.load_plan(str(path), model, (x,), devices=4)
     assert loaded == plan and loaded.hash() == plan.hash() and loaded.solver.seconds is None
     assert str(loaded.explain("layers.1")) == str(plan.explain("layers.1"))
+
+
+def test_version_2_files_load_unless_a_kernel_lacks_its_collectives(mlp_plans):
+    """Version 3 lists the vocabulary-parallel log-softmax's all-reduces on its node; a version-2 file means
+    the same unless it has such a kernel, whose collectives it did not list."""
+    _, _, plan, _ = mlp_plans
+    d = json.loads(plan.to_json())
+    d["version"] = 2
+    assert Plan.from_json(json.dumps(d)) == plan
+    node = d["nodes"][0]
+    node["strategy"]["kernel"] = "log_softmax(dim=1)"
+    with pytest.raises(ValueError, match=rf"schema version 2 is not supported \(it runs {node['name']} without listing their collectives"):
+        Plan.from_json(json.dumps(d))
 
 
 def test_load_plan_errors(mlp_plans, tmp_path):
@@ -230,7 +243,7 @@ def test_load_plan_errors(mlp_plans, tmp_path):
     d = json.loads(path.read_text())
     d["version"] = 1
     (tmp_path / "old.json").write_text(json.dumps(d))
-    with pytest.raises(ValueError, match="schema version 1 is not supported; this meshplan reads version 2"):
+    with pytest.raises(ValueError, match="schema version 1 is not supported; this meshplan reads version 3"):
         meshplan.load_plan(str(tmp_path / "old.json"), model, (x,))
     d["version"] = 2
     d["params"][0]["tensor_map"] = [0, -1] if d["params"][0]["tensor_map"] == [-1, -1] else [-1, -1]

@@ -12,12 +12,12 @@ from _moe import BATCH, SEQ, build_mixtral, mixtral_config, plan_traced, train
 
 import meshplan
 from meshplan.cost_model.collectives import collective_time
-from meshplan.cost_model.moe import moe_cost
 from meshplan.cost_model.presets import get_cluster
-from meshplan.ir.moe import MOE_TARGET, moe_reference
 from meshplan.ir.placement import Partial, Replicate, Shard
 from meshplan.ir.trace import trace
 from meshplan.plans.plan import Plan
+from meshplan.plans.strategy import Strategy
+from meshplan.regions.moe import MOE_REGION, MOE_TARGET, moe_reference
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
@@ -66,9 +66,9 @@ def test_expert_parallel_cost_prices_its_all_to_alls():
     metas = [graph.meta(r) for r in node.inputs]
     cluster = get_cluster("h100")
     r, s = (Replicate(),), (Shard(0),)
-    dp = moe_cost(node, metas, [s, r, r, r], [s], (4,), cluster, backward=True)
-    ep = moe_cost(node, metas, [s, r, s, s], [s], (4,), cluster, backward=True)
-    split = moe_cost(node, metas, [r, r, s, s], [(Partial(),)], (4,), cluster, backward=True)
+    dp = MOE_REGION.cost(node, metas, Strategy((s, r, r, r), (s,)), (4,), cluster, backward=True)
+    ep = MOE_REGION.cost(node, metas, Strategy((s, r, s, s), (s,)), (4,), cluster, backward=True)
+    split = MOE_REGION.cost(node, metas, Strategy((r, r, s, s), ((Partial(),),)), (4,), cluster, backward=True)
     assert dp.forward == () and split.forward == () and dp.comm_s == 0.0
     assert [c.kind for c in ep.forward] == ["all_to_all"] * 3 and [c.kind for c in ep.backward] == ["all_to_all"] * 2
     routed = BATCH * SEQ // 4 * 2 * 32 * 4  # local tokens x top_k x hidden x fp32

@@ -45,7 +45,7 @@ def _hf_gpt2(layers: int, **kw):
 
 
 def _hf_mixtral(layers: int):
-    """Each MoE block traces as one meshplan region op (ir/moe.py)."""
+    """Each MoE block traces as one meshplan region op (meshplan/regions/moe.py)."""
     cfg = tf.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
                            router_jitter_noise=0.0, use_cache=False, attn_implementation="sdpa")

@@ -20,15 +20,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.cost_model.presets import get_cluster
-from meshplan.cost_model.regions import region_cost
 from meshplan.ir.graph import Node, TensorMeta, TensorRef
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.moe import MOE_OP
-from meshplan.ir.op_kinds import BATCH_NORM, RANDOM_OPS
+from meshplan.ir.op_kinds import RANDOM_OPS
 from meshplan.ir.placement import Partial, Shard
+from meshplan.ir.regions import RegionOp, region_op
 from meshplan.planner.rules import RULES
 from meshplan.planner.strategies import _compute_op_strategies, _device_mesh
-from meshplan.runtime.regions import REGION_RUNTIMES
+from meshplan.regions import BUILTIN_REGIONS
+from meshplan.regions.batch_norm import BATCH_NORM
+from meshplan.regions.moe import MOE_OP
 
 aten = torch.ops.aten
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
@@ -88,18 +89,17 @@ def validate(op, args: tuple, n: int, *, seed: int = 0, rtol: float = 1e-5, atol
     checked = 0
     for s in strategies:
         metas = [TensorMeta.of(a) for a in args if isinstance(a, torch.Tensor)]
-        own = region_cost(node, metas, s.inputs, s.outputs, mesh.shape, get_cluster("cpu"), backward=False)
+        region = region_op(op)
+        own = region.cost(node, metas, s, mesh.shape, get_cluster("cpu"), backward=False) if region is not None else None
         if (own is not None and own.forward) or s.kernel:
             continue  # collectives of its own (a region's, or a kernel's): validated on real processes (module docstring)
         locals_ = []
         for rank in range(n):
             local = _local_inputs(args, s.inputs, n, rank)
             torch.manual_seed(seed)  # every rank holds the same generator state (runtime/parallel_module.py)
-            if op in REGION_RUNTIMES:
-                comm = SimpleNamespace(mesh=mesh, coord=mesh.coordinate(rank), rank=rank)
-                out = REGION_RUNTIMES[op](s, comm, tuple(a for a in args if not isinstance(a, torch.Tensor)))(*local)
-            else:
-                out = op(*local)
+            comm = SimpleNamespace(mesh=mesh, coord=mesh.coordinate(rank), rank=rank)
+            module = region.local_module(s, comm, args) if region is not None else None
+            out = (module or op)(*local)
             locals_.append(out if isinstance(out, (tuple, list)) else (out,))
         for i, (want, p) in enumerate(zip(whole, s.outputs)):
             if p is None or not isinstance(want, torch.Tensor):
@@ -189,8 +189,9 @@ def test_log_softmax_rules(n, rows, cols, three_d, last):
 
 
 def test_every_registered_rule_has_a_validation():
-    """A new rule in meshplan/planner/rules/ must get a generator above."""
+    """A new rule in meshplan/planner/rules/ or a new region op's rule must get a generator above."""
     covered = {str(op) for op in (aten.convolution.default, BATCH_NORM, aten.scaled_dot_product_attention.default, MOE_OP, aten.copy.default, aten._log_softmax.default)}
     covered |= {str(op) for op in RANDOM_OPS}
-    missing = set(RULES) - covered
+    ruled = set(RULES) | {str(op) for region in BUILTIN_REGIONS if type(region).rule is not RegionOp.rule for op in region.ops}
+    missing = ruled - covered
     assert not missing, f"rules without a validation: {sorted(missing)}"

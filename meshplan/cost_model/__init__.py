@@ -1,6 +1,5 @@
 """Analytic cost model: compute roofline, alpha-beta collectives, resharding steps, memory."""
 
-from meshplan.cost_model import batch_norm as _batch_norm, moe as _moe  # noqa: F401  (register region costs)
 from meshplan.cost_model.collectives import COLLECTIVE_KINDS, LOCAL_KINDS, collective_time
 from meshplan.cost_model.compute import BACKWARD_FACTOR, is_view, op_bytes, op_flops, op_time, roofline_time
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, optimizer_state_bytes

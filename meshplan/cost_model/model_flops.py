@@ -3,8 +3,9 @@
 MFU = model FLOPs / (devices x peak FLOP/s of the compute dtype x step time). Model FLOPs count the
 matmuls, convolutions and attention of the forward, three times where a gradient flows (the
 backward runs two matmuls of each forward one), as Megatron-LM does (Narayanan et al. 2021, which
-counts attention and the logits; the 6 N tokens rule of thumb leaves attention out). Recomputation
-and everything elementwise are left out: MFU measures useful work, not work done.
+counts attention and the logits; the 6 N tokens rule of thumb leaves attention out), plus what a
+region op reports (the moe op's router and routed experts). Recomputation and everything
+elementwise are left out: MFU measures useful work, not work done.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import Counter
 
 from meshplan.cost_model.compute import BACKWARD_FACTOR, is_dense, op_flops
 from meshplan.ir.graph import Graph
+from meshplan.ir.regions import region_op
 
 
 def model_flops(graph: Graph) -> tuple[float, str]:
@@ -20,9 +22,15 @@ def model_flops(graph: Graph) -> tuple[float, str]:
     total = 0.0
     by_dtype: Counter = Counter()
     for node in graph.nodes:
-        if node.kind != "op" or not is_dense(node.target):
+        if node.kind != "op":
             continue
-        flops = op_flops(node.target, [graph.meta(r) for r in node.inputs], list(node.outputs))
+        metas = [graph.meta(r) for r in node.inputs]
+        region = region_op(node.target)  # a region op that knows its FLOPs (the moe op's experts) counts them
+        flops = region.flops(node, metas) if region is not None else None
+        if flops is None:
+            if not is_dense(node.target):
+                continue
+            flops = op_flops(node.target, metas, list(node.outputs))
         flops *= 1.0 + (BACKWARD_FACTOR if any(node.requires_grad) else 0.0)
         total += flops
         by_dtype[node.outputs[0].dtype if node.outputs and node.outputs[0] is not None else "float32"] += flops

@@ -1,11 +1,6 @@
-"""ATen ops that the layers above treat apart from the rest: random ops and batch norm in training.
-
-- Random ops (dropout masks, noise) are drawn whole on every device from one generator state, so a
-  plan reproduces the single-device draw (planner/rules/random.py says why; the runtime seeds them).
-- Batch norm in training normalises with batch statistics: sharding the batch needs synchronised
-  statistics, the op's own collectives (planner/rules/batch_norm.py, cost_model/batch_norm.py,
-  runtime/batch_norm.py).
-"""
+"""Random ATen ops, which the layers above treat apart from the rest: dropout masks and noise are
+drawn whole on every device from one generator state, so a plan reproduces the single-device draw
+(planner/rules/random.py says why; the runtime seeds them)."""
 
 from __future__ import annotations
 
@@ -30,5 +25,3 @@ def is_random(target: str) -> bool:
 
 RANDOM_NAMES = frozenset(str(op) for op in RANDOM_OPS)
 
-
-BATCH_NORM = aten._native_batch_norm_legit_functional.default

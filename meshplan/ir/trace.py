@@ -26,7 +26,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 from torch.export.graph_signature import InputKind, InputSpec, OutputKind
 
-from meshplan.ir import moe as _moe  # noqa: F401  (registers the moe region)
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
 from meshplan.ir.precision import MixedPrecision, cast_for_tracing
 from meshplan.ir.regions import regions_patched

@@ -4,7 +4,7 @@ DTensor marks the lookup `embedding(weight Shard(0) on the vocabulary, ids)` wit
 the ids arrive whole, each device looks up only the ids in its own rows (the others give zeros),
 and the results are partial sums. meshplan writes that as an ordinary layout plus a kernel: the ids
 (and gather's index) are `Replicate()` on that axis, the output `Partial("sum")`, and the strategy's
-`kernel="masked"` tells the runtime to shift and mask the ids locally (`runtime/kernels.py`). The
+`kernel="masked"` tells the runtime to shift and mask the ids locally (`regions/masked_lookup.py`). The
 partial output then moves like any other (all-reduce, or reduce-scatter into a sequence shard).
 """
 

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 
 from meshplan.cost_model.compute import is_view
 from meshplan.cost_model.estimate import compute_time, grad_sync_time, local_bytes, optimizer_step_time, transfer_times
-from meshplan.cost_model.kernels import kernel_time
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import InfeasibleRedistribution
-from meshplan.cost_model.regions import RegionCost, region_cost
+from meshplan.cost_model.regions import RegionCost
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Replicate
+from meshplan.ir.regions import region_op
 from meshplan.planner.recompute import RecomputeGroup, RecomputeTerms
 from meshplan.planner.solver import Edge, Problem
 from meshplan.planner.tying import Tying, tie_repeated_layers
@@ -179,13 +179,13 @@ def build_tables(
         if node.kind == "op":
             in_metas = [graph.meta(r) for r in node.inputs]
             grad = any(node.requires_grad)
-            own = [region_cost(node, in_metas, s.inputs, s.outputs, shape, cluster, backward=grad) for s in strategies]
+            region = region_op(node.target)
+            own = [region.cost(node, in_metas, s, shape, cluster, backward=grad) if region is not None else None for s in strategies]
             if any(r is not None for r in own):
                 regions[node.name] = own
             costs = [
-                (r.total_s if r is not None else compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad,
-                                                              in_layouts=s.inputs))
-                + (kernel_time(s.kernel, s.outputs, node.outputs, shape, cluster, backward=grad) if s.kernel else 0.0)
+                r.total_s if r is not None else compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=grad,
+                                                             in_layouts=s.inputs)
                 for s, r in zip(strategies, own)
             ]
         elif node.kind == "param" and node.grad(0):

@@ -30,8 +30,9 @@ from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlacehold
 from meshplan.ir.graph import Graph, Node, TensorMeta
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Partial, Placements, Replicate, Shard, from_dtensor, is_even, to_dtensor
+from meshplan.ir.regions import region_op
 from meshplan.planner.masked import from_mask_partial, is_mask_partial
-from meshplan.planner.rules import KEEP, RULES
+from meshplan.planner.rules import RULES
 from meshplan.plans.strategy import Strategy
 from meshplan.progress import timed
 
@@ -181,8 +182,10 @@ def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmes
     rows: list | None = None
     source = "dtensor"
     prop = DTensor._op_dispatcher.sharding_propagator
-    if str(op) in RULES:
-        rows, source = RULES[str(op)](args, kwargs), "meshplan"
+    region = region_op(op)
+    own = RULES[str(op)](args, kwargs) if str(op) in RULES else region.rule(args, kwargs) if region is not None else None
+    if own is not None:
+        rows, source = own, "meshplan"
     elif op in prop.op_single_dim_strategy_funcs:
         meta = torch.utils._pytree.tree_map(lambda x: _dt_meta(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         try:
@@ -192,8 +195,7 @@ def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmes
             return []
     if rows is not None:
         expanded = _expand_rows(rows, node, in_metas, mesh, source, rejected)
-        keep = KEEP.get(str(op)) if source == "meshplan" else None
-        return [s for s in expanded if keep(s)] if keep else expanded
+        return [s for s in expanded if region.keep(s)] if region is not None and source == "meshplan" else expanded
     if op in prop.op_strategy_funcs:
         return _from_op_strategy(prop.op_strategy_funcs[op], op, args, kwargs, node, in_metas, mesh, dmesh, rejected, errors)
     return []

@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 from collections import Counter
 from dataclasses import dataclass
 
-from meshplan.cost_model.kernels import kernel_steps
 from meshplan.cost_model.memory import MemoryBreakdown
 from meshplan.cost_model.redistribution import CommStep
+from meshplan.ir.graph import layer_of
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, fmt, parse
 from meshplan.ir.precision import MixedPrecision
@@ -26,8 +25,9 @@ from meshplan.plans.alternatives import NodeAlternatives
 from meshplan.plans.pipeline import PipelinePlan, decode_pipeline
 from meshplan.plans.strategy import Strategy
 
-SCHEMA_VERSION = 2
-"""2: alternatives per node (explain), dtype and MindSpore tensor map per parameter, no solve time in the file."""
+SCHEMA_VERSION = 3
+"""2: alternatives per node (explain), dtype and MindSpore tensor map per parameter, no solve time in the file.
+3: a sharded kernel's own collectives (vocabulary-parallel log-softmax) are listed on its node, like every region op's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,8 @@ class NodeChoice:
     time_s: float
     """Predicted compute seconds per step on one device (forward + backward)."""
     forward_comm: tuple[CommStep, ...] = ()
-    """Collectives the op runs itself in forward (region ops such as the moe op under expert parallelism)."""
+    """Collectives the op runs itself in forward (region ops, ir/regions.py: the moe op under expert
+    parallelism, SyncBN, the vocabulary-parallel log-softmax); again in backward when its layer is recomputed."""
     backward_comm: tuple[CommStep, ...] = ()
     """Collectives the op runs itself in backward."""
 
@@ -202,22 +203,17 @@ class Plan:
     def collectives(self, *, include_grad_sync: bool = True) -> Counter:
         """Collectives of one training step: Counter of 'forward:all_gather', 'backward:all_reduce', ..."""
         c: Counter = Counter()
+        recomputed = set(self.recompute)
         for n in self.nodes:
             c.update(f"forward:{s.kind}" for s in n.forward_comm if s.communicates)
             c.update(f"backward:{s.kind}" for s in n.backward_comm if s.communicates)
+            if layer_of(n.module_path) in recomputed:
+                c.update(f"recompute:{s.kind}" for s in n.forward_comm if s.communicates)
         for t in self.transfers:
             c.update(f"forward:{s.kind}" for s in t.forward if s.communicates)
             c.update(f"backward:{s.kind}" for s in t.backward if s.communicates)
             if t.recompute:
                 c.update(f"recompute:{s.kind}" for s in t.forward if s.communicates)
-        for n in self.nodes:  # collectives inside sharded kernels (vocabulary-parallel log-softmax)
-            if n.strategy.kernel:
-                fwd, bwd = kernel_steps(n.strategy.kernel, n.strategy.outputs, [None], self.mesh.shape)
-                c.update(f"forward:{s.kind}" for s in fwd)
-                c.update(f"backward:{s.kind}" for s in bwd)
-                layer = re.match(r"^(.*?\.\d+)(\.|$)", n.module_path)
-                if layer and layer.group(1) in self.recompute:
-                    c.update(f"recompute:{s.kind}" for s in fwd)
         if include_grad_sync:
             c.update("grad_sync:all_reduce" for _ in self.buckets)
         return c
@@ -258,9 +254,12 @@ class Plan:
             d = json.loads(text)
         except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ValueError(f"plan file is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+        if isinstance(d, dict) and d.get("version") == 2 and not _kernels_without_comm(d):
+            d = {**d, "version": SCHEMA_VERSION}  # version 3 only adds what a version-2 plan without such kernels lacks
         if not isinstance(d, dict) or d.get("version") != SCHEMA_VERSION:
             got = d.get("version") if isinstance(d, dict) else type(d).__name__
-            raise ValueError(f"plan schema version {got!r} is not supported; this meshplan reads version {SCHEMA_VERSION}")
+            why = f" (it runs {', '.join(_kernels_without_comm(d))} without listing their collectives: plan again)" if got == 2 else ""
+            raise ValueError(f"plan schema version {got!r} is not supported{why}; this meshplan reads version {SCHEMA_VERSION}")
         try:
             plan = _decode_plan(d)
         except KeyError as e:
@@ -280,6 +279,14 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan(model={self.model!r}, mesh={self.mesh!r}, hash={self.hash()!r}, step_time_s={self.step_time_s:.3e})"
+
+
+def _kernels_without_comm(d: dict) -> list[str]:
+    """Nodes of a version-2 plan file whose sharded kernel communicates (vocabulary-parallel log-softmax)
+    but, as version 2 did, lists no collectives on the node."""
+    nodes = d.get("nodes") if isinstance(d.get("nodes"), list) else []
+    return [str(n.get("name")) for n in nodes if isinstance(n, dict) and isinstance(n.get("strategy"), dict)
+            and str(n["strategy"].get("kernel", "")).startswith("log_softmax") and not n.get("forward_comm")]
 
 
 def _encode(obj):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from meshplan.ir.placement import Placements, fmt, parse
 
+
 @dataclass(frozen=True, slots=True)
 class Strategy:
     """Layouts (one placement per mesh axis) of a node's tensor inputs and outputs."""
@@ -17,9 +18,9 @@ class Strategy:
     source: str = "dtensor"
     """Where the rule came from: dtensor, meshplan (our registry), fallback (replicate) or leaf."""
     kernel: str = ""
-    """Non-empty when the op does not run as its plain local op but as a sharded kernel
-    (`runtime/kernels.py`): 'masked' (vocabulary-parallel lookups: DTensor's MaskPartial) or
-    'log_softmax(dim=d)' (max/sum all-reduces inside the op, `cost_model/kernels.py`)."""
+    """Non-empty when the op does not run as its plain local op but as a sharded kernel, built by the
+    op's region op (`meshplan/regions/`): 'masked' (vocabulary-parallel lookups: DTensor's MaskPartial)
+    or 'log_softmax(dim=d)' (max/sum all-reduces inside the op, listed on its node in the plan)."""
 
     def __str__(self) -> str:
         ins = ",".join(fmt(p) for p in self.inputs)

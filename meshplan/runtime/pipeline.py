@@ -32,7 +32,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, sum_reducer
 from torch.utils import _pytree as pytree
 
 from meshplan.cost_model.schedules import TORCH_SCHEDULE_CLASS
-from meshplan.ir.graph import Graph
+from meshplan.ir.graph import Graph, layer_of
 from meshplan.ir.op_kinds import is_random
 from meshplan.ir.placement import local_shape
 from meshplan.plans.plan import Plan
@@ -349,15 +349,24 @@ class PipelineRunner:
 
     def expected_collectives(self) -> Counter:
         """What the plan lists for this rank's stages in one step: each microbatch's moves (forward, backward,
-        recompute) of the ops its stages hold, its gradient buckets and tied-weight sums."""
+        recompute) of the ops its stages hold and those ops' own collectives, its gradient buckets and tied-weight sums."""
         m, last = self.pipe.microbatches, len(self.pipe.stages) - 1
         mine = set(self.mine)
         c: Counter = Counter()
+        recomputed = set(self.plan.recompute)
         for t in self.plan.transfers:
             stage = last if t.consumer == "output" else self.stage_of_node[t.consumer]
             if stage not in mine:
                 continue
             for phase, steps in (("forward", t.forward), ("backward", t.backward), ("recompute", t.forward if t.recompute else ())):
+                for s in steps:
+                    if s.communicates:
+                        c[f"{phase}:{s.kind}"] += m
+        for n in self.plan.nodes:  # region ops' own collectives (ir/regions.py)
+            if self.stage_of_node[n.name] not in mine:
+                continue
+            again = n.forward_comm if layer_of(n.module_path) in recomputed else ()
+            for phase, steps in (("forward", n.forward_comm), ("backward", n.backward_comm), ("recompute", again)):
                 for s in steps:
                     if s.communicates:
                         c[f"{phase}:{s.kind}"] += m

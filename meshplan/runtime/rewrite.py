@@ -20,13 +20,11 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.ir.graph import layer_of
 from meshplan.ir.placement import local_shape
+from meshplan.ir.regions import region_op
 from meshplan.ir.trace import STRIDE_SAFE, TracedProgram
 from meshplan.plans.plan import Plan, Transfer
-from meshplan.runtime import batch_norm as _batch_norm, moe as _moe  # noqa: F401  (register region runtimes)
 from meshplan.runtime.collectives import MeshComm, StepFunction, scale_grad
-from meshplan.runtime.kernels import local_kernel
 from meshplan.runtime.local_view import local_view
-from meshplan.runtime.regions import REGION_RUNTIMES
 
 SOURCE = "meshplan_source"
 """fx meta key on rewritten nodes: the traced node an op came from, or the consumer a move feeds."""
@@ -104,20 +102,14 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
             env[n] = tag(graph.call_function(operator.getitem, (env[n.args[0]], n.args[1])), layer.get(n.args[0].name))
         elif n.op == "call_function":
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), moved(n.name))
-            if n.target in REGION_RUNTIMES:  # a region op: this rank's part, built from its strategy
-                name = f"region_{len(root._modules)}"
-                static = tuple(a for a in args if not isinstance(a, fx.Node))
-                root.add_module(name, REGION_RUNTIMES[n.target](strategy[n.name], comm, static))
-                env[n] = graph.call_module(name, tuple(args), kwargs)
-                continue
             args = _localise_shape(n, list(args), out_layout.get(n.name), plan.mesh.shape)
             if isinstance(kwargs.get("device"), torch.device):
                 # a tensor made inside the model lands on this rank's device, wherever the model was traced (meta, cpu)
                 kwargs = {**kwargs, "device": comm.device}
-            kernel = local_kernel(n, strategy.get(n.name), comm)
-            if kernel is not None:  # a sharded kernel (vocabulary-parallel lookup, log-softmax) in place of the op
-                name = f"kernel_{len(root._modules)}"
-                root.add_module(name, kernel)
+            local = _region_module(n, strategy.get(n.name), comm)
+            if local is not None:  # a region op (moe, SyncBN, a sharded kernel): this rank's part, built from its strategy
+                name = f"region_{len(root._modules)}"
+                root.add_module(name, local)
                 env[n] = tag(graph.call_module(name, tuple(args), kwargs), layer.get(n.name))
             else:
                 env[n] = tag(graph.call_function(STRIDE_SAFE.get(n.target, n.target), tuple(args), kwargs), layer.get(n.name))
@@ -162,6 +154,18 @@ def _checkpoint_layers(gm: fx.GraphModule, in_layer: dict[str, list[fx.Node]]) -
         name = f"recompute_{i}"
         gm.add_submodule(name, Recomputed(lay, getattr(gm, name)))
     gm.recompile()
+
+
+def _region_module(n: fx.Node, strategy, comm: MeshComm) -> nn.Module | None:
+    """The region op's per-rank module for fx node `n` (ir/regions.py), or None for the plain op."""
+    region = region_op(n.target)
+    local = None
+    if region is not None and strategy is not None:
+        local = region.local_module(strategy, comm, fx.node.map_arg(n.args, lambda a: a.meta.get("val")))
+    if local is None and strategy is not None and strategy.kernel:
+        raise ValueError(f"{n.name} ({n.target}): the plan runs it as the sharded kernel {strategy.kernel!r}, and no region op "
+                         "registered for this op builds that kernel; running the plain op on shards would give wrong numbers")
+    return local
 
 
 def _localise_shape(n: fx.Node, args: list, layouts, mesh_shape: tuple[int, ...]) -> list:

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from meshplan.ir.placement import Replicate, Shard
-from meshplan.planner.rules.registry import Row, register_rule, tensor_args
-
-aten = torch.ops.aten
+from meshplan.planner.rules.registry import Row, tensor_args
 
 
-@register_rule(aten.scaled_dot_product_attention.default)
 def sdpa_rule(args, kwargs) -> list[Row]:
     q, k, v, *rest = tensor_args(args, kwargs)
     mask = rest[0] if rest else None

@@ -10,12 +10,9 @@ from __future__ import annotations
 import torch
 
 from meshplan.ir.placement import Partial, Replicate, Shard
-from meshplan.planner.rules.registry import Row, register_rule
-
-aten = torch.ops.aten
+from meshplan.planner.rules.registry import Row
 
 
-@register_rule(aten.convolution.default)
 def conv_rule(args, kwargs) -> list[Row]:
     x, weight, bias = args[0], args[1], args[2]
     transposed, groups = args[6], args[8]

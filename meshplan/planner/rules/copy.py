@@ -3,15 +3,10 @@
 
 from __future__ import annotations
 
-import torch
-
 from meshplan.ir.placement import Partial, Replicate, Shard
-from meshplan.planner.rules.registry import Row, register_rule, tensor_args
-
-aten = torch.ops.aten
+from meshplan.planner.rules.registry import Row, tensor_args
 
 
-@register_rule(aten.copy.default)
 def copy_rule(args, kwargs) -> list[Row]:
     dst, src = tensor_args(args, kwargs)[:2]
     lead = dst.ndim - src.ndim  # src broadcasts from the right

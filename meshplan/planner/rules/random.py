@@ -11,10 +11,8 @@ matmuls around it); see docs/regions.md.
 
 from __future__ import annotations
 
-from meshplan.ir.op_kinds import RANDOM_OPS
-from meshplan.planner.rules.registry import Row, register_rule
+from meshplan.planner.rules.registry import Row
 
 
-@register_rule(*RANDOM_OPS)
 def random_rule(args, kwargs) -> list[Row]:
     return []  # only the replicated strategy (the generator adds it for every op)
