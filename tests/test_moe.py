@@ -107,6 +107,8 @@ def _plans(graph):
     for layer in model.model.layers:  # tokens enter each moe block split over every device
         meshplan.shard(layer.mlp, in_strategy=((4, 1, 1),))
     plans["expert parallel (4,)"] = plan_traced(model, graph, (4,), param_layouts={"*.experts.*": "S(0)"})
+    # each layer's forward, the token exchanges included, runs again in backward
+    plans["expert parallel (4,), recomputed"] = plan_traced(model, graph, (4,), param_layouts={"*.experts.*": "S(0)"}, recompute="always")
     plans["data x expert parallel (2,2)"] = plan_traced(model, graph, (2, 2), param_layouts={"*.experts.*": "RS(0)"})
     return plans
 
@@ -149,3 +151,4 @@ def test_mixtral_parity_under_expert_parallel_plans():
                 torch.testing.assert_close(local, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} rank {rank} {fqn}: {m}")
             assert dict(counts) == expected, f"{name}: rank {rank} ran {dict(counts)}, the plan lists {expected}"
     assert plans["expert parallel (4,)"].collectives()["forward:all_to_all"] == 6
+    assert plans["expert parallel (4,), recomputed"].collectives()["recompute:all_to_all"] == 6
