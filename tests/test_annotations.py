@@ -156,6 +156,11 @@ def test_styles_act_on_the_tp_axis_only():
     assert lay["layers.1.weight"].endswith("S(1)") and lay["layers.1.bias"].endswith("R")
 
 
+def test_placements_are_dtensors_own_types():
+    assert meshplan.Shard is DS and meshplan.Replicate is DR and meshplan.Partial is torch.distributed.tensor.Partial
+    assert fmt((DS(0), DR(), meshplan.Partial(), meshplan.Partial("avg"))) == "S(0)RPP(avg)"
+
+
 def test_parameter_plan_with_dtensor_placements_and_layouts():
     model, x, _ = build("gpt")
     layout = Layout((2, 2), ("dp", "tp"))
@@ -210,6 +215,9 @@ def test_impossible_annotations_are_value_errors():
         meshplan.shard(model.layers[0], parameter_plan={"wieght": (2, 1)})
     with pytest.raises(ValueError, match="in_strategy\\[0\\]: layout 'x' is not understood|cannot parse placements 'x'"):
         meshplan.shard(model.layers[0], in_strategy=("x",))
+    # DTensor's placement types are meshplan's: the kinds meshplan does not execute are refused where they enter
+    with pytest.raises(ValueError, match=r"layers.0.weight.*DTensor placement Partial\(max\) is not supported; allowed: Shard\(d\), Replicate\(\), Partial\('sum'\|'avg'\)"):
+        _plan(model, x, devices=2, mesh_shape=(2,), parameter_plan={"layers.0.weight": (meshplan.Partial("max"),)})
 
 
 def test_wrong_arity_of_a_strategy_names_the_module():

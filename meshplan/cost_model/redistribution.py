@@ -87,7 +87,7 @@ def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple
         return []
     n = len(mesh_shape)
     for a in range(n):
-        if isinstance(dst[a], Partial) and src[a] != dst[a] and (isinstance(src[a], Partial) or dst[a].op != "sum"):
+        if isinstance(dst[a], Partial) and src[a] != dst[a] and (isinstance(src[a], Partial) or dst[a].reduce_op != "sum"):
             raise InfeasibleRedistribution(f"cannot reach {dst[a]} from {src[a]} on mesh axis {a}")
 
     # Axes to unshard: those whose shard changes, plus inner axes sharing a dim with an axis that
@@ -131,9 +131,9 @@ def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple
             continue
         c, t = cur[a], dst[a]
         if isinstance(c, Partial) and isinstance(t, Replicate):
-            step("all_reduce", a, reduce=c.op)
+            step("all_reduce", a, reduce=c.reduce_op)
         elif isinstance(c, Partial) and isinstance(t, Shard):
-            step("reduce_scatter", a, dim=t.dim, reduce=c.op)
+            step("reduce_scatter", a, dim=t.dim, reduce=c.reduce_op)
         elif isinstance(c, Replicate) and isinstance(t, Shard):
             step("chunk", a, dim=t.dim)
         elif isinstance(c, Replicate) and isinstance(t, Partial):

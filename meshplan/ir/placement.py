@@ -1,58 +1,48 @@
-"""Placements of a tensor on a device mesh, the same model as DTensor's.
+"""Placements of a tensor on a device mesh: DTensor's own types, with meshplan's compact text form.
 
-`Shard(dim)`, `Replicate()` and `Partial(op)` per mesh axis. A tensor's layout on an n-axis mesh is a
-tuple of n placements (`Placements`), printed compactly as `S(0)R` or `RP`.
+`Shard(dim)`, `Replicate()` and `Partial(reduce_op)` per mesh axis are
+`torch.distributed.tensor`'s classes, used as they are. A tensor's layout on an n-axis mesh is a
+tuple of n placements (`Placements`), printed compactly as `S(0)R` or `RP`. meshplan executes only
+even `Shard`s, `Replicate` and sum/avg `Partial`s: DTensor's other kinds (strided shards, masked
+partials, max/min partials) are converted or rejected where they enter (`executable`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Union
 
-from torch.distributed.tensor import placement_types as dt
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """The tensor is split evenly along tensor dimension `dim` over the mesh axis."""
-
-    dim: int
-
-    def __str__(self) -> str:
-        return f"S({self.dim})"
-
-
-@dataclass(frozen=True, slots=True)
-class Replicate:
-    """Every device of the mesh axis holds the whole tensor."""
-
-    def __str__(self) -> str:
-        return "R"
-
-
-@dataclass(frozen=True, slots=True)
-class Partial:
-    """Every device holds a partial value; the tensor is their sum (or average)."""
-
-    op: str = "sum"
-
-    def __post_init__(self) -> None:
-        if self.op not in ("sum", "avg"):
-            raise ValueError(f"Partial op {self.op!r} is not supported; allowed: 'sum', 'avg'")
-
-    def __str__(self) -> str:
-        return "P" if self.op == "sum" else "P(avg)"
-
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 Placement = Union[Shard, Replicate, Partial]
 Placements = tuple[Placement, ...]
 
+PARTIAL_OPS = ("sum", "avg")
+"""The reductions of a partial value meshplan executes."""
+
+
+def executable(p: object) -> Placement | None:
+    """`p` when meshplan executes it (Shard, Replicate, Partial sum/avg), else None (strided shards, masked or max/min partials)."""
+    if type(p) is Shard or type(p) is Replicate:
+        return p
+    if type(p) is Partial and p.reduce_op in PARTIAL_OPS:
+        return p
+    return None
+
+
+def short(p: Placement) -> str:
+    """`S(0)`, `R`, `P` (a sum) or `P(avg)`."""
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return "R"
+
 
 def fmt(placements: Placements) -> str:
     """Compact form: `S(0)R`."""
-    return "".join(str(p) for p in placements)
+    return "".join(short(p) for p in placements)
 
 
 def parse(text: str) -> Placements:
@@ -102,22 +92,3 @@ def is_even(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[in
         if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
             return False
     return all(s % shard_factor(placements, mesh_shape, d) == 0 for d, s in enumerate(shape))
-
-
-def to_dtensor(p: Placement) -> dt.Placement:
-    if isinstance(p, Shard):
-        return dt.Shard(p.dim)
-    if isinstance(p, Partial):
-        return dt.Partial(p.op)
-    return dt.Replicate()
-
-
-def from_dtensor(p: dt.Placement) -> Placement | None:
-    """DTensor placement -> ours; None for kinds meshplan does not execute (strided, masked, max/min)."""
-    if type(p) is dt.Shard:
-        return Shard(p.dim)
-    if type(p) is dt.Replicate:
-        return Replicate()
-    if type(p) is dt.Partial and p.reduce_op in ("sum", "avg"):
-        return Partial(p.reduce_op)
-    return None

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import placement_types as dt
 
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.placement import Partial, Placement, Replicate, Shard, fmt, from_dtensor, parse
+from meshplan.ir.placement import Partial, Placement, Replicate, Shard, executable, fmt, parse
 
 NONE_ALIAS = "None"
 """MindSpore's alias for a tensor dim that is not split."""
@@ -256,9 +256,7 @@ def to_placements(spec, shape: tuple[int, ...], mesh: MeshSpec, what: str) -> Ma
 
 
 def _own(p, what: str) -> Placement:
-    if isinstance(p, (Shard, Replicate, Partial)):
-        return p
-    own = from_dtensor(p)
+    own = executable(p)
     if own is None:
         raise AnnotationError(f"{what}: DTensor placement {p!r} is not supported; allowed: Shard(d), Replicate(), Partial('sum'|'avg')")
     return own

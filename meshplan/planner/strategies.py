@@ -29,7 +29,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlacehold
 
 from meshplan.ir.graph import Graph, Node, TensorMeta
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.placement import Partial, Placements, Replicate, Shard, from_dtensor, is_even, to_dtensor
+from meshplan.ir.placement import Partial, Placements, Replicate, Shard, executable, is_even
 from meshplan.ir.regions import region_op
 from meshplan.planner.masked import from_mask_partial, is_mask_partial
 from meshplan.planner.rules import RULES
@@ -220,13 +220,11 @@ def _expand_rows(rows: list, node: Node, in_metas: list[TensorMeta], mesh: MeshS
                 conv.append(None)
             elif isinstance(p, _ShardingPlaceholder):
                 conv.append(Shard(p.dim))
-            elif isinstance(p, (Shard, Replicate, Partial)):
-                conv.append(p)
             elif is_mask_partial(p):
                 conv.append(from_mask_partial(p, is_input=i >= n_out))
             else:
-                conv.append(from_dtensor(p) or "skip")
-        if "skip" in conv or any(isinstance(p, Partial) and p.op == "avg" for p in conv[n_out:]):
+                conv.append(executable(p) or "skip")
+        if "skip" in conv or any(isinstance(p, Partial) and p.reduce_op == "avg" for p in conv[n_out:]):
             continue
         if conv not in axis_rows:
             axis_rows.append(conv)
@@ -248,7 +246,7 @@ def _from_op_strategy(
 ) -> list[Strategy]:
     def as_strategy(t):
         meta = TensorMeta.of(t)
-        specs = [OpSpec(DTensorSpec(dmesh, tuple(to_dtensor(p) for p in ps), _dt_meta(t))) for ps in layouts(meta, mesh, partial=True)]
+        specs = [OpSpec(DTensorSpec(dmesh, ps, _dt_meta(t))) for ps in layouts(meta, mesh, partial=True)]
         return OpStrategy(specs)
 
     def convert(x):
@@ -324,7 +322,7 @@ def _without_dtensor_costs():
 
 
 def _conv(placements, *, is_input: bool = False) -> Placements | bool:
-    conv = tuple(from_mask_partial(p, is_input=is_input) if is_mask_partial(p) else from_dtensor(p) for p in placements)
+    conv = tuple(from_mask_partial(p, is_input=is_input) if is_mask_partial(p) else executable(p) for p in placements)
     return False if any(p is None for p in conv) else conv
 
 

@@ -18,7 +18,7 @@ from meshplan.cost_model.memory import MemoryBreakdown
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.ir.graph import layer_of
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.placement import Placements, fmt, parse
+from meshplan.ir.placement import Partial, Placements, Replicate, Shard, fmt, parse
 from meshplan.ir.precision import MixedPrecision
 from meshplan.ir.tensor_map import from_tensor_map, to_tensor_map
 from meshplan.plans.alternatives import NodeAlternatives
@@ -292,7 +292,7 @@ def _kernels_without_comm(d: dict) -> list[str]:
 def _encode(obj):
     if isinstance(obj, Strategy):
         return obj.to_json()
-    if isinstance(obj, tuple) and obj and all(hasattr(p, "__dataclass_fields__") and type(p).__name__ in ("Shard", "Replicate", "Partial") for p in obj):
+    if isinstance(obj, tuple) and obj and all(isinstance(p, (Shard, Replicate, Partial)) for p in obj):
         return fmt(obj)
     if dataclasses.is_dataclass(obj):
         return {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from meshplan.ir.placement import Partial, to_dtensor
+from meshplan.ir.placement import Partial
 from meshplan.plans.plan import ParamChoice
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
@@ -73,7 +73,7 @@ def _view(local: torch.Tensor, p: ParamChoice, mesh: DeviceMesh) -> DTensor:
     if any(isinstance(q, Partial) for q in p.layout):
         raise AssertionError(f"parameter {p.fqns[0]} has a partial layout {p.layout}; parameters are never partial")
     shape = torch.Size(p.shape)
-    return DTensor.from_local(local, mesh, [to_dtensor(q) for q in p.layout], run_check=False,
+    return DTensor.from_local(local, mesh, list(p.layout), run_check=False,
                               shape=shape, stride=torch.empty(shape, device="meta").stride())
 
 
@@ -103,7 +103,7 @@ def _local_part(value: torch.Tensor, p: ParamChoice, pmodel, what: str) -> torch
     if tuple(value.shape) != tuple(p.shape):
         raise ValueError(f"{what} has shape {list(value.shape)} but this model's {p.fqns[0]} is {list(p.shape)}")
     if isinstance(value, DTensor):
-        want = [to_dtensor(q) for q in p.layout]
+        want = list(p.layout)
         if list(value.placements) == want and value.device_mesh.shape == tuple(pmodel.plan.mesh.shape):
             return value.to_local()
         value = value.full_tensor()  # another layout: gather, then take our block

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.op_kinds import is_random
-from meshplan.ir.placement import Placements, Replicate, local_shape, to_dtensor
+from meshplan.ir.placement import Placements, Replicate, local_shape
 from meshplan.ir.trace import TracedProgram
 from meshplan.plans.plan import InputChoice, Plan
 from meshplan.runtime import collectives
@@ -41,7 +41,7 @@ def distribute(whole: torch.Tensor, layout: Placements, comm: MeshComm) -> DTens
 def as_dtensor(local: torch.Tensor, layout: Placements, shape: tuple[int, ...], comm: MeshComm) -> DTensor:
     """`local`, this rank's contiguous block of a whole tensor of `shape`, as a DTensor with `layout`."""
     stride = torch.empty(shape, device="meta").stride()  # the whole tensor's, as `local` is contiguous
-    return DTensor.from_local(local, comm.device_mesh, [to_dtensor(q) for q in layout], run_check=False,
+    return DTensor.from_local(local, comm.device_mesh, list(layout), run_check=False,
                               shape=torch.Size(shape), stride=stride)
 
 
