@@ -17,6 +17,18 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.regions import region_op
 
 
+def node_flops(node, in_metas, *, dense_only: bool = False) -> float:
+    """Forward FLOPs of an op node: what its region op reports (`op_flops` cannot see the moe op's top_k),
+    else `op_flops`; with `dense_only`, 0 for ops that are not matmul-like."""
+    region = region_op(node.target)
+    flops = region.flops(node, in_metas) if region is not None else None
+    if flops is not None:
+        return flops
+    if dense_only and not is_dense(node.target):
+        return 0.0
+    return op_flops(node.target, in_metas, list(node.outputs))
+
+
 def model_flops(graph: Graph) -> tuple[float, str]:
     """(model FLOPs of one training step of `graph`, the dtype most of them run in)."""
     total = 0.0
@@ -24,13 +36,9 @@ def model_flops(graph: Graph) -> tuple[float, str]:
     for node in graph.nodes:
         if node.kind != "op":
             continue
-        metas = [graph.meta(r) for r in node.inputs]
-        region = region_op(node.target)  # a region op that knows its FLOPs (the moe op's experts) counts them
-        flops = region.flops(node, metas) if region is not None else None
-        if flops is None:
-            if not is_dense(node.target):
-                continue
-            flops = op_flops(node.target, metas, list(node.outputs))
+        flops = node_flops(node, [graph.meta(r) for r in node.inputs], dense_only=True)
+        if not flops:
+            continue
         flops *= 1.0 + (BACKWARD_FACTOR if any(node.requires_grad) else 0.0)
         total += flops
         by_dtype[node.outputs[0].dtype if node.outputs and node.outputs[0] is not None else "float32"] += flops

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from meshplan.cost_model.compute import is_view, op_flops
+from meshplan.cost_model.compute import is_view
+from meshplan.cost_model.model_flops import node_flops
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
-from meshplan.ir.regions import region_op
 from meshplan.ir.placement import Replicate
 from meshplan.ir.trace import trace
 from meshplan.planner.strategies import UnsupportedOpWarning, generate
@@ -113,11 +113,7 @@ def graph_ops(graph: Graph, mesh: MeshSpec, *, model: str = "model") -> OpsRepor
     for n in graph.nodes:
         if n.kind != "op":
             continue
-        metas = [graph.meta(r) for r in n.inputs]
-        region = region_op(n.target)
-        flops = region.flops(n, metas) if region is not None else None
-        flops = op_flops(n.target, metas, list(n.outputs)) if flops is None else flops
-        rows.append((n, flops, cands.by_node[n.name]))
+        rows.append((n, node_flops(n, [graph.meta(r) for r in n.inputs]), cands.by_node[n.name]))
     total = sum(f for _, f, _ in rows)
     ops = tuple(
         OpInfo(

@@ -14,6 +14,7 @@ RuleFn = Callable[[Sequence[object], dict], list[Row]]
 
 RULES: dict[str, RuleFn] = {}
 
+
 def register_rule(*ops: object) -> Callable[[RuleFn], RuleFn]:
     """Register `fn` as the rule of each op (an OpOverload or its string name)."""
 
