@@ -86,7 +86,6 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
         raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
     shape = plan.mesh.shape
     out_layout = {n.name: n.strategy.outputs for n in plan.nodes}
-    in_layout = {n.name: n.strategy.inputs for n in plan.nodes}
     out_layout.update({p.node: (p.layout,) for p in plan.params})
     out_layout.update({i.name: (i.layout,) for i in plan.inputs})
     moved = {(t.consumer, t.position): t for t in plan.transfers if t.forward}
@@ -112,7 +111,6 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     last_read: dict[object, int] = {}
     saved_until: dict[object, int] = {}  # root -> smallest index of an op that saved it (freed in backward there)
     ops = [n for n in graph.nodes if n.kind == "op"]
-    index = {n.name: i for i, n in enumerate(ops)}
 
     def tensor_in(node, pos: int, ref: TensorRef) -> object:
         if (node.name, pos) in moved:

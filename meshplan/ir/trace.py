@@ -222,7 +222,7 @@ def _decompose_in_place(gm: fx.GraphModule) -> bool:
 def _trace_decomposition(call, metas: list, table: dict) -> fx.GraphModule:
     """make_fx of `call` on fake tensors like `metas`, on their own device: a decomposition may move
     tensors between devices (`to(device=cpu)`), which meta examples cannot do."""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with FakeTensorMode(allow_non_fake_inputs=True):
         examples = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device) for m in metas]
     return make_fx(call, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
 

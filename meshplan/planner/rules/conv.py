@@ -14,7 +14,7 @@ from meshplan.planner.rules.registry import Row
 
 
 def conv_rule(args, kwargs) -> list[Row]:
-    x, weight, bias = args[0], args[1], args[2]
+    bias = args[2]
     transposed, groups = args[6], args[8]
     r = Replicate()
     has_bias = isinstance(bias, torch.Tensor)
