@@ -109,7 +109,8 @@ def plan(
         measured = resolve_profile(profile, cluster if isinstance(cluster, str) or cluster is None else cluster.name, default)
         cluster_preset = get_cluster(cluster or (measured.cluster if measured is not None else default)).with_profile(measured)
     precision = resolve_precision(mixed_precision, auto=cluster_preset.device.default_precision)
-    annotated = bool(param_layouts or input_layouts or parameter_plan or parallelize_plan)
+    shard_annotations = module_annotations(model)  # meshplan.shard on submodules: layout annotations too
+    annotated = bool(param_layouts or input_layouts or parameter_plan or parallelize_plan or shard_annotations)
     if pipeline == MULTI_NODE:
         pipeline = multi_node_pipeline(devices, mesh_shape, mode, annotated, cluster_preset)
     if pipeline is not None or stage_config:
@@ -128,7 +129,7 @@ def plan(
         input_layouts=dict(input_layouts or {}), optimizer=optimizer, memory_budget=memory_budget, search=search,
         recompute=recompute, offload=offload, time_limit_s=float(time_limit_s),
         annotations=Annotations(
-            parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=module_annotations(model)
+            parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=shard_annotations
         ),
     )
     phase(f"tracing {type(model).__name__}")

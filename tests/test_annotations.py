@@ -220,6 +220,19 @@ def test_impossible_annotations_are_value_errors():
         _plan(model, x, devices=2, mesh_shape=(2,), parameter_plan={"layers.0.weight": (meshplan.Partial("max"),)})
 
 
+def test_shard_annotations_are_never_dropped_by_the_pipeline_search():
+    """meshplan.shard counts as a layout annotation: an explicit pipeline search refuses it, and the default
+    call on devices spanning nodes (which would search pipelines) plans without a pipeline and keeps it."""
+    model, x, _ = build("mlp")
+    meshplan.shard(model.layers[0], parameter_plan={"weight": (2, 1)})
+    with pytest.raises(ValueError, match="pipeline search takes an int `devices` and mode='auto' without mesh_shape or layout "
+                                         "annotations; got .*, layout annotations; pass pipeline=None"):
+        _plan(model, x, devices=4, pipeline="auto")
+    plan = _plan(model, x, devices=16, cluster="h100")  # two 8-device nodes: the default would search pipelines
+    assert plan.pipeline is None
+    assert any(isinstance(p, Shard) and p.dim == 0 for p in plan.params[[q.fqns[0] for q in plan.params].index("layers.0.weight")].layout)
+
+
 def test_wrong_arity_of_a_strategy_names_the_module():
     model, x, _ = build("gpt")
     meshplan.shard(model.layers[0].attn, in_strategy=((2, 1, 1), (2, 1, 1)))

@@ -4,20 +4,26 @@ is traced, planned, priced, listed in the plan and trains with parity on gloo ra
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import meshplan
 from meshplan.cost_model.estimate import steps_time
+from meshplan.cost_model.memory import MemoryBreakdown
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.cost_model.regions import RegionCost
 from meshplan.ir.placement import Shard
 from meshplan.ir.regions import REGION_OPS, KernelRow, RegionOp, region_op
+from meshplan.ir.trace import trace
+from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.runtime.collectives import all_reduce, collective, forward_phase
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.pipeline import PipelineRunner
 
 STEPS = 3
 
@@ -215,3 +221,81 @@ def test_a_user_region_op_trains_with_parity_and_runs_what_the_plan_lists():
             want = shard_tensor(dict(net.named_parameters())[fqn].detach(), layouts[fqn], plan.mesh, rank)
             torch.testing.assert_close(local, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {fqn}: {m}")
         assert dict(counts) == expected
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.norm = RowNormalize()
+
+    def forward(self, x):
+        return self.norm(torch.sigmoid(self.fc(x)) + 0.5)
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _stack_and_data():
+    torch.manual_seed(0)
+    model = Stack()
+    g = torch.Generator().manual_seed(1)
+    return model, torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+MICROBATCHES = 2
+
+
+def _pipelined_kernel_plan():
+    """Two 1F1B stages of 2 devices each; in both, the rows reach the op split along their last dim (the kernel).
+    The pipeline search refuses annotations, so the stage plan is planned at the microbatch size and cut by hand."""
+    model, x, _ = _stack_and_data()
+    for layer in model.layers:
+        meshplan.shard(layer.norm, in_strategy=((1, 2),))
+    stage_plan = meshplan.plan(model, 2, (x[: len(x) // MICROBATCHES],), cluster="cpu")
+    zero = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
+    stages = tuple(PipelineStage(index=k, device=k, units=units, modules=(units[0],), time_s=0.0, recompute=False, memory=zero)
+                   for k, units in enumerate((("pre", "layers.0"), ("layers.1", "post"))))
+    pipe = PipelinePlan(degree=2, schedule="1f1b", microbatches=MICROBATCHES, chunks=1, stages=stages, step_s=0.0, bubble_s=0.0,
+                        bubble_fraction=0.0, p2p_s=0.0)
+    return dataclasses.replace(stage_plan, pipeline=pipe)
+
+
+def _pipeline_rank(rank: int, world: int, plan):
+    model, x, y = _stack_and_data()
+    runner = PipelineRunner(model, trace(model, (x[: len(x) // MICROBATCHES],)), plan, nn.functional.mse_loss)
+    runner.reset_collective_counts()
+    loss = runner.step(x, target=y)
+    grads = {n: local_of(p.grad).clone() for n, p in runner.named_parameters()}
+    return None if loss is None else float(loss), grads, runner.local, runner.collective_counts(), runner.expected_collectives()
+
+
+@pytest.mark.multiprocess
+def test_a_region_op_in_pipeline_stages_runs_what_the_stage_plans_list():
+    plan = _pipelined_kernel_plan()
+    assert [n.strategy.kernel for n in plan.nodes if n.target == str(ROW_NORMALIZE)] == ["row_normalize(dim=1)"] * 2
+    model, x, y = _stack_and_data()
+    reference = nn.functional.mse_loss(model(x), y)
+    reference.backward()
+    layouts = {p.fqns[0]: p.layout for p in plan.params}
+    results = run_local(4, _pipeline_rank, plan, timeout=300)
+    losses = [r[0] for r in results if r[0] is not None]
+    assert losses and all(abs(v - reference.item()) < 1e-5 for v in losses)
+    seen = set()
+    for rank, (_, grads, local, counts, expected) in enumerate(results):
+        for name, g in grads.items():
+            want = shard_tensor(dict(model.named_parameters())[name].grad, layouts[name], plan.mesh, local)
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+            seen.add(name)
+        assert expected["forward:all_reduce"] >= plan.pipeline.microbatches  # the kernel's own, once per microbatch
+        assert dict(counts) == dict(expected), f"rank {rank} ran {dict(counts)}, the plan lists {dict(expected)}"
+    assert seen == {n for n, _ in model.named_parameters()}
