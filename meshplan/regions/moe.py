@@ -41,6 +41,8 @@ from meshplan.ir.placement import Partial, Replicate, Shard, local_shape, shard_
 from meshplan.ir.regions import RegionOp, Row
 from meshplan.runtime.collectives import MeshComm, collective, forward_phase, wait
 
+# ---------------------------------------------------------------- the op on one device
+
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 """Expert activations the op supports, by the name its `act` argument takes."""
 
@@ -130,6 +132,8 @@ MOE_TARGET = str(MOE_OP)
 """The op's name as graph nodes and plans spell it."""
 
 
+# ---------------------------------------------------------------- strategies and cost
+
 COUNT_ITEMSIZE = 8
 """Token counts travel as int64."""
 
@@ -147,6 +151,8 @@ def moe_flops(tokens: int, hidden: int, inter: int, experts: int, top_k: int) ->
     """Forward FLOPs: router [T,H]x[H,E], and per routed pair gate_up [H -> 2I] and down [I -> H]."""
     return 2.0 * tokens * hidden * experts + tokens * top_k * (2.0 * hidden * 2 * inter + 2.0 * inter * hidden + 3.0 * inter)
 
+
+# ---------------------------------------------------------------- this rank's part
 
 def _exchange(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: str) -> torch.Tensor:
     return wait(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
@@ -219,6 +225,8 @@ class MoEShard(nn.Module):
         axis = self.expert_axis if self.expert_axis is not None else "-"
         return f"{kind} (axis {axis}), top_k={self.top_k}, act={self.act}"
 
+
+# ---------------------------------------------------------------- the region op: Hugging Face's block traced as the op
 
 def _activation_name(fn: object) -> str:
     kind = type(fn).__name__.lower()
