@@ -22,6 +22,11 @@ from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 
+WIDE = 256
+"""Experts' intermediate size at which expert parallelism still pays with recomputed layers on the CPU preset (at
+the default 64, gathering the experts is cheaper than rerunning the all-to-alls)."""
+
+
 @functools.lru_cache(maxsize=1)
 def _traced():
     model, tokens = build_mixtral()
@@ -79,6 +84,40 @@ def test_expert_parallel_cost_prices_its_all_to_alls():
     assert dp.compute_s > ep.compute_s  # same FLOPs, but data parallel reads every expert's weights
 
 
+@functools.lru_cache(maxsize=1)
+def _traced_wide():
+    model, tokens = build_mixtral(intermediate_size=WIDE)
+    return trace(model, (tokens,))
+
+
+def _expert_parallel_plan(graph, recompute: str, **kw):
+    """Tokens enter each moe block split over 4 devices, experts split: expert parallel, with `recompute`."""
+    model, _ = build_mixtral(intermediate_size=WIDE)
+    for layer in model.model.layers:
+        meshplan.shard(layer.mlp, in_strategy=((4, 1, 1),))
+    return plan_traced(model, graph, (4,), param_layouts={"*.experts.*": "S(0)"}, recompute=recompute, **kw)
+
+
+def test_a_recomputed_moe_layer_prices_its_forward_and_its_token_exchanges_again():
+    graph = _traced_wide()
+    keep, again = _expert_parallel_plan(graph, "never"), _expert_parallel_plan(graph, "always")
+    assert again.recompute and [n.strategy for n in keep.nodes] == [n.strategy for n in again.nodes]
+    cluster = get_cluster("cpu")
+    rerun_comm = 0.0
+    for a, b in zip(keep.nodes, again.nodes):
+        if a.target != MOE_TARGET:
+            continue
+        assert b.strategy.inputs[2] == (Shard(0),)  # expert parallel
+        node = graph[a.name]
+        forward = MOE_REGION.cost(node, [graph.meta(r) for r in node.inputs], b.strategy, (4,), cluster, backward=False)
+        assert [s.kind for s in forward.forward] == ["all_to_all"] * 3 and forward.comm_s > 0
+        assert b.time_s == pytest.approx(a.time_s + forward.compute_s)  # the experts run again in backward
+        rerun_comm += forward.comm_s  # and so do the token exchanges
+    moves_again = sum(t.time_s for t in again.transfers) - sum(t.time_s for t in keep.transfers)
+    assert again.comm_s - keep.comm_s == pytest.approx(moves_again + rerun_comm)
+    assert again.collectives()["recompute:all_to_all"] == 6
+
+
 def test_the_planner_chooses_expert_parallelism_when_it_pays():
     """Experts of 2 x 1024 x 4096 on 8 H100s: replicating them costs more gradient all-reduce and
     memory than moving the routed tokens all-to-all."""
@@ -107,14 +146,12 @@ def _plans(graph):
     for layer in model.model.layers:  # tokens enter each moe block split over every device
         meshplan.shard(layer.mlp, in_strategy=((4, 1, 1),))
     plans["expert parallel (4,)"] = plan_traced(model, graph, (4,), param_layouts={"*.experts.*": "S(0)"})
-    # each layer's forward, the token exchanges included, runs again in backward
-    plans["expert parallel (4,), recomputed"] = plan_traced(model, graph, (4,), param_layouts={"*.experts.*": "S(0)"}, recompute="always")
     plans["data x expert parallel (2,2)"] = plan_traced(model, graph, (2, 2), param_layouts={"*.experts.*": "RS(0)"})
     return plans
 
 
-def _worker(rank, world, graph, plans):
-    model, tokens = build_mixtral()
+def _worker(rank, world, graph, plans, overrides):
+    model, tokens = build_mixtral(**overrides)
     out = {}
     for name, plan in plans.items():
         pmodel = ParallelModule(model, graph, plan)
@@ -135,8 +172,23 @@ def test_mixtral_parity_under_expert_parallel_plans():
     split = _moe_strategies(plans["experts split, tokens replicated (4,)"])
     assert all(s.outputs[0] == (Partial(),) for s in split), split
 
-    model, tokens = build_mixtral()
-    results = run_local(4, _worker, graph, plans, timeout=900)
+    _check_parity(graph, plans, {})
+    assert plans["expert parallel (4,)"].collectives()["forward:all_to_all"] == 6
+
+
+@pytest.mark.multiprocess
+def test_mixtral_parity_under_expert_parallelism_with_recomputed_layers():
+    """Each layer's forward, the token exchanges included, runs again in backward, as the plan lists."""
+    graph = _traced_wide()
+    plan = _expert_parallel_plan(graph, "always")
+    assert plan.collectives()["recompute:all_to_all"] == 6
+    _check_parity(graph, {"expert parallel (4,), recomputed": plan}, {"intermediate_size": WIDE})
+
+
+def _check_parity(graph, plans: dict, overrides: dict) -> None:
+    """Every plan trains 3 steps on 4 gloo ranks like one process and runs the collectives it lists."""
+    model, tokens = build_mixtral(**overrides)
+    results = run_local(4, _worker, graph, plans, overrides, timeout=900)
     reference = train(model, tokens)
     ref_params = dict(model.named_parameters())
     for name, plan in plans.items():
@@ -150,5 +202,3 @@ def test_mixtral_parity_under_expert_parallel_plans():
                 want = shard_tensor(ref_params[fqn].detach(), layouts[fqn], plan.mesh, rank)
                 torch.testing.assert_close(local, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} rank {rank} {fqn}: {m}")
             assert dict(counts) == expected, f"{name}: rank {rank} ran {dict(counts)}, the plan lists {expected}"
-    assert plans["expert parallel (4,)"].collectives()["forward:all_to_all"] == 6
-    assert plans["expert parallel (4,), recomputed"].collectives()["recompute:all_to_all"] == 6

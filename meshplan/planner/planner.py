@@ -215,7 +215,11 @@ def make_plan(
         if node.kind == "op":
             region = tables.regions[r][i] if r in tables.regions else None
             if region is not None:  # a region op's own collectives are communication, listed in the plan
-                compute_s, comm_s, cost = compute_s + region.compute_s, comm_s + region.comm_s, region.compute_s
+                cost = region.compute_s
+                if node.layer in recomputed:  # its forward again, own collectives included
+                    rerun = tables.regions_forward[r][i]
+                    cost, comm_s = cost + rerun.compute_s, comm_s + rerun.comm_s
+                compute_s, comm_s = compute_s + cost, comm_s + region.comm_s
                 nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost, region.forward, region.backward))
             else:
                 compute_s += cost

@@ -114,6 +114,8 @@ class Tables:
     class size, is the problem's node memory)."""
     regions: dict[str, list[RegionCost | None]] = field(default_factory=dict)
     """Region op class representative -> its cost per strategy (compute and its own collectives)."""
+    regions_forward: dict[str, list[RegionCost | None]] = field(default_factory=dict)
+    """The same for a region op inside a layer, forward only: what recomputing it adds, its own collectives included."""
     forward_s: dict[str, list[float]] = field(default_factory=dict)
     """Op class representative inside a layer -> its forward seconds per strategy (what recomputing it adds)."""
     _moves: dict[TensorMeta, dict[tuple, tuple[float, float] | None]] = field(default_factory=dict)
@@ -171,6 +173,7 @@ def build_tables(
     node_mem: dict[str, list[float]] = {}
     breakdowns: dict[str, list[MemoryBreakdown]] = {}
     regions: dict[str, list[RegionCost | None]] = {}
+    regions_forward: dict[str, list[RegionCost | None]] = {}
     forward_s: dict[str, list[float]] = {}
     for node in graph.nodes:
         if rep[node.name] != node.name:
@@ -204,12 +207,18 @@ def build_tables(
         breakdowns[node.name] = [node_memory(node, s, shape, optimizer, weight_cast=cast) for s in strategies]
         node_mem[node.name] = [float(m.total * count[node.name]) for m in breakdowns[node.name]]
         if terms.unit_of(node.name) is not None:
-            forward_s[node.name] = [compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False, in_layouts=s.inputs)
-                                    for s in strategies]
+            again = [region.cost(node, in_metas, s, shape, cluster, backward=False) for s in strategies] if node.name in regions else []
+            if again:  # a region op runs its own forward collectives again too
+                regions_forward[node.name] = again
+            forward_s[node.name] = [
+                r.total_s if r is not None else compute_time(node.target, in_metas, node.outputs, s.outputs, shape, cluster, backward=False,
+                                                             in_layouts=s.inputs)
+                for s, r in zip(strategies, again or [None] * len(strategies))
+            ]
             terms.add_node(node.name, forward_s[node.name], [float(m.activations) for m in breakdowns[node.name]])
     node_costs = {name: [c * count[name] for c in costs] for name, costs in unit_costs.items()}
     tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget), tying, unit_costs, shape, cluster, optimizer_s,
-                    memory=breakdowns, regions=regions, forward_s=forward_s)
+                    memory=breakdowns, regions=regions, regions_forward=regions_forward, forward_s=forward_s)
 
     # every graph edge, as an edge between the classes it joins, counted as often as it occurs
     occurrences: dict[tuple, list[str | None]] = {}  # edge key -> the consumer's layer, per occurrence
