@@ -88,6 +88,12 @@ def test_a_mesh_that_fails_is_skipped_and_the_plan_says_which_and_why(monkeypatc
         meshplan.plan(model, (2, 2, 2), x, cluster="cpu")
 
 
+def test_a_mesh_given_by_shape_names_no_axis_pp():
+    """The mesh is the intra-op grid; a pipeline is its own section of the plan, never a mesh axis."""
+    assert MeshSpec((2, 2, 2)).axis_names == ("dp0", "dp1", "tp")
+    assert MeshSpec((2, 4)).axis_names == ("dp", "tp") and MeshSpec((8,)).axis_names == ("dp",)
+
+
 def test_coarsening_merges_adjacent_axes_or_permutes_them():
     assert coarsening((2, 2, 2), (4, 2)) == [(0, 1), (2,)]
     assert coarsening((2, 2, 2), (2, 4)) == [(0,), (1, 2)]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DEFAULT_AXIS_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("pp", "dp", "tp")}
+DEFAULT_AXIS_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp0", "dp1", "tp")}
+"""Names of a mesh given by shape alone. A mesh is the intra-op sharding grid (a pipeline is a separate section of
+the plan), so no axis is called pp; three axes are named as the mesh search names them."""
 
 
 @dataclass(frozen=True, slots=True)
