@@ -19,7 +19,7 @@ from meshplan.ir.placement import Shard
 from meshplan.ir.regions import REGION_OPS, KernelRow, RegionOp, region_op
 from meshplan.ir.trace import trace
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
-from meshplan.runtime.collectives import all_reduce, collective, forward_phase
+from meshplan.runtime.collectives import all_reduce_axes, forward_phase
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
@@ -65,10 +65,7 @@ class _SplitRowNormalize(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, comm, axes):
-        phase = forward_phase()
-        s = x.sum(-1, keepdim=True)
-        for a in axes:
-            s = collective(comm, phase, "all_reduce", lambda: "row sums", all_reduce, s, comm.group_name(a))
+        s = all_reduce_axes(x.sum(-1, keepdim=True), comm, axes, forward_phase(), "row sums")
         y = x / s
         ctx.save_for_backward(y, s)
         ctx.comm, ctx.axes = comm, axes
@@ -77,9 +74,7 @@ class _SplitRowNormalize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         y, s = ctx.saved_tensors
-        t = (grad * y).sum(-1, keepdim=True)
-        for a in ctx.axes:
-            t = collective(ctx.comm, "backward", "all_reduce", lambda: "row sums of grad * y", all_reduce, t, ctx.comm.group_name(a))
+        t = all_reduce_axes((grad * y).sum(-1, keepdim=True), ctx.comm, ctx.axes, "backward", "row sums of grad * y")
         return (grad - t) / s, None, None
 
 

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 
 DEFAULT_AXIS_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp0", "dp1", "tp")}
-"""Names of a mesh given by shape alone. A mesh is the intra-op sharding grid (a pipeline is a separate section of
-the plan), so no axis is called pp; three axes are named as the mesh search names them."""
+"""Names of a mesh given by shape alone, searched or not. A mesh is the intra-op sharding grid (a pipeline is a
+separate section of the plan), so no axis is called pp; the solver decides what each axis carries."""
 
 
 @dataclass(frozen=True, slots=True)

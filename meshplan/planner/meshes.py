@@ -34,17 +34,12 @@ def resolve_mesh(
         raise ValueError(f"devices must be a positive int, a mesh shape tuple or a DeviceMesh; got {devices!r}")
     if mesh_shape is not None:
         shape = tuple(int(s) for s in mesh_shape)
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         if n != devices:
             raise ValueError(f"mesh_shape {shape} has {n} devices but devices={devices}; their product must equal devices")
         return [MeshSpec(shape, names)]
-    return [MeshSpec(shape, names if len(names) == len(shape) else SEARCH_AXIS_NAMES.get(len(shape), ())) for shape in mesh_shapes(devices, devices_per_node)]
-
-
-SEARCH_AXIS_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp0", "dp1", "tp")}
-"""Names of searched meshes: the solver decides what each axis carries; the inner one is the fast link."""
+    # searched meshes keep the given names where they fit, else MeshSpec's defaults (the solver decides what each axis carries)
+    return [MeshSpec(shape, names if len(names) == len(shape) else ()) for shape in mesh_shapes(devices, devices_per_node)]
 
 
 def mesh_shapes(devices: int, devices_per_node: int | None = None, max_axes: int = 3) -> list[tuple[int, ...]]:

@@ -20,6 +20,7 @@ from meshplan.ir.units import POST, PRE, unit_names, unit_of_nodes
 from meshplan.planner.problem import node_memory, transfer_memory
 from meshplan.plans.plan import Plan
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Unit:
     """The smallest piece a stage is built of, on one device of a stage's sub-mesh."""

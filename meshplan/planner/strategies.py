@@ -220,10 +220,8 @@ def _expand_rows(rows: list, node: Node, in_metas: list[TensorMeta], mesh: MeshS
                 conv.append(None)
             elif isinstance(p, _ShardingPlaceholder):
                 conv.append(Shard(p.dim))
-            elif is_mask_partial(p):
-                conv.append(from_mask_partial(p, is_input=i >= n_out))
             else:
-                conv.append(executable(p) or "skip")
+                conv.append(_as_run(p, is_input=i >= n_out) or "skip")
         if "skip" in conv or any(isinstance(p, Partial) and p.reduce_op == "avg" for p in conv[n_out:]):
             continue
         if conv not in axis_rows:
@@ -321,8 +319,14 @@ def _without_dtensor_costs():
             dt_utils.redistribute_cost = original
 
 
+def _as_run(p, *, is_input: bool):
+    """A DTensor placement as meshplan runs it: a masked partial as its kernel's layout (planner/masked.py), a kind
+    meshplan does not execute as None."""
+    return from_mask_partial(p, is_input=is_input) if is_mask_partial(p) else executable(p)
+
+
 def _conv(placements, *, is_input: bool = False) -> Placements | bool:
-    conv = tuple(from_mask_partial(p, is_input=is_input) if is_mask_partial(p) else executable(p) for p in placements)
+    conv = tuple(_as_run(p, is_input=is_input) for p in placements)
     return False if any(p is None for p in conv) else conv
 
 

@@ -46,6 +46,11 @@ class NodeChoice:
     backward_comm: tuple[CommStep, ...] = ()
     """Collectives the op runs itself in backward."""
 
+    def collectives(self, recomputed: set[str]) -> list[str]:
+        """'phase:kind' of each collective the op runs itself in one step, given the plan's recomputed layers."""
+        again = self.forward_comm if layer_of(self.module_path) in recomputed else ()
+        return _phased(self.forward_comm, self.backward_comm, again)
+
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
@@ -64,6 +69,10 @@ class Transfer:
     time_s: float
     recompute: bool = False
     """The consumer's layer is recomputed: the forward steps run again during backward."""
+
+    def collectives(self) -> list[str]:
+        """'phase:kind' of each collective of this move in one step."""
+        return _phased(self.forward, self.backward, self.forward if self.recompute else ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,15 +214,9 @@ class Plan:
         c: Counter = Counter()
         recomputed = set(self.recompute)
         for n in self.nodes:
-            c.update(f"forward:{s.kind}" for s in n.forward_comm if s.communicates)
-            c.update(f"backward:{s.kind}" for s in n.backward_comm if s.communicates)
-            if layer_of(n.module_path) in recomputed:
-                c.update(f"recompute:{s.kind}" for s in n.forward_comm if s.communicates)
+            c.update(n.collectives(recomputed))
         for t in self.transfers:
-            c.update(f"forward:{s.kind}" for s in t.forward if s.communicates)
-            c.update(f"backward:{s.kind}" for s in t.backward if s.communicates)
-            if t.recompute:
-                c.update(f"recompute:{s.kind}" for s in t.forward if s.communicates)
+            c.update(t.collectives())
         if include_grad_sync:
             c.update("grad_sync:all_reduce" for _ in self.buckets)
         return c
@@ -254,11 +257,12 @@ class Plan:
             d = json.loads(text)
         except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ValueError(f"plan file is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
-        if isinstance(d, dict) and d.get("version") == 2 and not _kernels_without_comm(d):
+        unlisted = _kernels_without_comm(d) if isinstance(d, dict) and d.get("version") == 2 else []
+        if isinstance(d, dict) and d.get("version") == 2 and not unlisted:
             d = {**d, "version": SCHEMA_VERSION}  # version 3 only adds what a version-2 plan without such kernels lacks
         if not isinstance(d, dict) or d.get("version") != SCHEMA_VERSION:
             got = d.get("version") if isinstance(d, dict) else type(d).__name__
-            why = f" (it runs {', '.join(_kernels_without_comm(d))} without listing their collectives: plan again)" if got == 2 else ""
+            why = f" (it runs {', '.join(unlisted)} without listing their collectives: plan again)" if unlisted else ""
             raise ValueError(f"plan schema version {got!r} is not supported{why}; this meshplan reads version {SCHEMA_VERSION}")
         try:
             plan = _decode_plan(d)
@@ -279,6 +283,12 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan(model={self.model!r}, mesh={self.mesh!r}, hash={self.hash()!r}, step_time_s={self.step_time_s:.3e})"
+
+
+def _phased(forward: tuple[CommStep, ...], backward: tuple[CommStep, ...], again: tuple[CommStep, ...]) -> list[str]:
+    """'forward:kind', 'backward:kind' and 'recompute:kind' of the steps that communicate."""
+    return [f"{phase}:{s.kind}" for phase, steps in (("forward", forward), ("backward", backward), ("recompute", again))
+            for s in steps if s.communicates]
 
 
 def _kernels_without_comm(d: dict) -> list[str]:

@@ -22,7 +22,7 @@ from meshplan.cost_model.redistribution import CommStep
 from meshplan.cost_model.regions import RegionCost
 from meshplan.ir.placement import Replicate, Shard, local_shape
 from meshplan.ir.regions import RegionOp, Row
-from meshplan.runtime.collectives import MeshComm, all_reduce, collective, forward_phase
+from meshplan.runtime.collectives import MeshComm, all_reduce_axes, forward_phase
 
 BATCH_NORM = torch.ops.aten._native_batch_norm_legit_functional.default
 
@@ -33,11 +33,7 @@ def sync_axes(x_layout) -> tuple[int, ...]:
 
 
 def _all_reduce(t: torch.Tensor, comm: MeshComm, axes: tuple[int, ...], phase: str) -> torch.Tensor:
-    for a in axes:
-        t = collective(comm, phase, "all_reduce",
-                       lambda: f"{phase} batch-norm statistics all_reduce over mesh axis {comm.mesh.axis_names[a]}",
-                       all_reduce, t, comm.group_name(a))
-    return t
+    return all_reduce_axes(t, comm, axes, phase, "batch-norm statistics all_reduce")
 
 
 class SyncBatchNorm(torch.autograd.Function):

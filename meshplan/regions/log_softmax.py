@@ -22,7 +22,7 @@ from meshplan.cost_model.redistribution import CommStep
 from meshplan.cost_model.regions import RegionCost
 from meshplan.ir.placement import Shard, local_shape
 from meshplan.ir.regions import KernelRow, RegionOp, Row
-from meshplan.runtime.collectives import MeshComm, all_reduce, collective, forward_phase
+from meshplan.runtime.collectives import MeshComm, all_reduce_axes, forward_phase
 
 LOG_SOFTMAX = torch.ops.aten._log_softmax.default
 
@@ -41,12 +41,7 @@ def split_axes(strategy) -> tuple[int, ...]:
 
 
 def _all_reduce(t: torch.Tensor, axes: tuple[int, ...], comm: MeshComm, phase: str, op: str = "sum") -> torch.Tensor:
-    """`t` reduced over each mesh axis in `axes` in turn (a new tensor)."""
-    for a in axes:
-        t = collective(comm, phase, "all_reduce",
-                       lambda: f"{phase} all_reduce inside a sharded log_softmax over mesh axis {comm.mesh.axis_names[a]}",
-                       all_reduce, t, comm.group_name(a), op)
-    return t
+    return all_reduce_axes(t, comm, axes, phase, "all_reduce inside a sharded log_softmax", op)
 
 
 class _ShardedLogSoftmax(torch.autograd.Function):

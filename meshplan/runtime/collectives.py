@@ -196,6 +196,15 @@ def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
     return wait(funcol.all_reduce(x, op, group))
 
 
+def all_reduce_axes(x: torch.Tensor, comm: MeshComm, axes: tuple[int, ...], phase: str, what: str, op: str = "sum") -> torch.Tensor:
+    """`x` reduced over each mesh axis in `axes` in turn (a new tensor), each a counted, guarded collective
+    whose error reads '{phase} {what} over mesh axis {name}'."""
+    for a in axes:
+        x = collective(comm, phase, "all_reduce", lambda: f"{phase} {what} over mesh axis {comm.mesh.axis_names[a]}",
+                       all_reduce, x, comm.group_name(a), op)
+    return x
+
+
 def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str) -> torch.Tensor:
     """Execute one step on the local tensor (no autograd: callers wrap this)."""
     n = comm.mesh.shape[step.axis]

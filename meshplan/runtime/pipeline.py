@@ -32,7 +32,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, sum_reducer
 from torch.utils import _pytree as pytree
 
 from meshplan.cost_model.schedules import TORCH_SCHEDULE_CLASS
-from meshplan.ir.graph import Graph, layer_of
+from meshplan.ir.graph import Graph
 from meshplan.ir.op_kinds import is_random
 from meshplan.ir.placement import local_shape
 from meshplan.plans.plan import Plan
@@ -354,22 +354,12 @@ class PipelineRunner:
         mine = set(self.mine)
         c: Counter = Counter()
         recomputed = set(self.plan.recompute)
-        for t in self.plan.transfers:
-            stage = last if t.consumer == "output" else self.stage_of_node[t.consumer]
-            if stage not in mine:
-                continue
-            for phase, steps in (("forward", t.forward), ("backward", t.backward), ("recompute", t.forward if t.recompute else ())):
-                for s in steps:
-                    if s.communicates:
-                        c[f"{phase}:{s.kind}"] += m
-        for n in self.plan.nodes:  # region ops' own collectives (ir/regions.py)
-            if self.stage_of_node[n.name] not in mine:
-                continue
-            again = n.forward_comm if layer_of(n.module_path) in recomputed else ()
-            for phase, steps in (("forward", n.forward_comm), ("backward", n.backward_comm), ("recompute", again)):
-                for s in steps:
-                    if s.communicates:
-                        c[f"{phase}:{s.kind}"] += m
+        per_microbatch = [t.collectives() for t in self.plan.transfers
+                    if (last if t.consumer == "output" else self.stage_of_node[t.consumer]) in mine]
+        per_microbatch += [n.collectives(recomputed) for n in self.plan.nodes if self.stage_of_node[n.name] in mine]  # region ops' own
+        for kinds in per_microbatch:
+            for k in kinds:
+                c[k] += m
         held = set(self._params())
         c["grad_sync:all_reduce"] += sum(1 for b in self.plan.buckets if held & set(b.params))
         c["tied_sync:all_reduce"] += sum(1 for name in self.tied if name in held)
