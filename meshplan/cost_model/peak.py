@@ -10,7 +10,10 @@ every gradient resident at once, this walks the step as the runtime runs it:
   is freed after its last forward reader unless an op saved it for backward (`SAVED`);
 - backward, in reverse: each op allocates the gradients of its inputs, then frees its output
   gradients and the tensors only it saved; parameter gradients stay until the optimizer step;
-- the optimizer step adds its per-parameter temporaries (`STEP_TEMPORARIES`).
+- the optimizer step adds its per-parameter temporaries (`STEP_TEMPORARIES`);
+- a recomputed layer (`plan.recompute`, run under `torch.utils.checkpoint`) keeps only its inputs
+  through forward; its backward starts by running its forward again, which brings back what its
+  ops save, each freed at its op's backward as before.
 
 The result is the highest total reached. A resharded copy is the tensor a move leaves behind;
 while a move runs, its collectives' scratch buffers come on top (`collective_scratch_bytes`).
@@ -60,6 +63,9 @@ class PeakMemory:
     """Parameters, optimizer state (+ bucket buffers in `grads`) held for the whole step."""
     phase: str
     """Where the peak is: forward, backward or optimizer."""
+    at_peak: MemoryBreakdown
+    """What is held at the peak (its total is `peak`): parameters, gradients (bucket buffers and the parameter
+    gradients accumulated so far), optimizer state, and activations with every temporary."""
 
     def __str__(self) -> str:
         return f"peak {format_bytes(self.peak)} in {self.phase} (resident {self.resident})"
@@ -111,6 +117,9 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     last_read: dict[object, int] = {}
     saved_until: dict[object, int] = {}  # root -> smallest index of an op that saved it (freed in backward there)
     ops = [n for n in graph.nodes if n.kind == "op"]
+    recomputed: dict[str, dict[object, int]] = {layer: {} for layer in plan.recompute}  # layer -> {key made again: saving op}
+    rerun_at = {max(i for i, n in enumerate(ops) if n.layer == layer): layer for layer in plan.recompute
+                if any(n.layer == layer for n in ops)}  # its backward starts at its last op: the forward runs again there
 
     def tensor_in(node, pos: int, ref: TensorRef) -> object:
         if (node.name, pos) in moved:
@@ -138,14 +147,23 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
             keep_in, keep_out = SAVED.get(_name(node.target), (tuple(range(len(ins))), ()))
             kept = [ins[p] for p in keep_in if p < len(ins)]
             kept += [root.get(("ref", node.name, j), ("ref", node.name, j)) for j in keep_out if j < len(node.outputs)]
+            again = node.layer if node.layer in recomputed else None
             for key in kept:
-                saved_until[key] = min(saved_until.get(key, i), i)
+                if again is not None and key in born and ops[born[key]].layer == again:  # made inside: made again
+                    rerun = recomputed[again]
+                    rerun[key] = min(rerun.get(key, i), i)
+                else:  # a checkpointed layer keeps its inputs
+                    saved_until[key] = min(saved_until.get(key, i), i)
     for ref in graph.output.inputs:  # the loss (outputs) live to the end of forward and into backward
         key = root.get(("ref", ref.node, ref.index), ("ref", ref.node, ref.index))
         saved_until[key] = min(saved_until.get(key, len(ops)), -1)
 
+    for rerun in recomputed.values():  # a tensor a later op keeps anyway is never freed, so never made again
+        for key in [k for k in rerun if k in saved_until]:
+            del rerun[key]
+
     base = resident.total
-    level, peak, where = 0, 0, "forward"
+    level, peak, where, grads_at_peak = 0, 0, "forward", 0
     live: set = set()
     for i in range(len(ops)):  # forward
         scratch = 0
@@ -154,7 +172,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
             live.add(key)
             level += size[key]
         if base + level + scratch > peak:
-            peak, where = base + level + scratch, "forward"
+            peak, where, grads_at_peak = base + level + scratch, "forward", 0
         for key in [k for k in live if last_read.get(k, born[k]) <= i and k not in saved_until]:
             live.discard(key)
             level -= size[key]
@@ -181,6 +199,11 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
 
     for i in range(len(ops) - 1, -1, -1):  # backward
         node = ops[i]
+        for key, until in recomputed.get(rerun_at.get(i), {}).items():  # the checkpointed forward runs again
+            if key not in live:
+                live.add(key)
+                level += size[key]
+            saved_until[key] = until
         if not any(node.requires_grad) or is_view(node.target):
             continue
         sent_back = []
@@ -196,7 +219,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
                 sent_back.append(key)
                 scratch = max(scratch, scratch_bwd.get(key, 0))
         if base + level + param_grads + scratch > peak:
-            peak, where = base + level + param_grads + scratch, "backward"
+            peak, where, grads_at_peak = base + level + param_grads + scratch, "backward", param_grads
         for key in [("ref", node.name, j) for j in range(len(node.outputs))] + sent_back:
             if key in grads:  # consumed by this op's backward (or sent back by the dual step)
                 level -= grads.pop(key)
@@ -209,5 +232,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     biggest = max(numels, default=0) * 4
     at_step = base + param_grads + STEP_TEMPORARIES.get(optimizer, 0) * biggest
     if at_step > peak:
-        peak, where = at_step, "optimizer"
-    return PeakMemory(peak=int(peak), resident=resident, phase=where)
+        peak, where, grads_at_peak = at_step, "optimizer", param_grads
+    grads = resident.grads + grads_at_peak
+    at_peak = MemoryBreakdown(params=param_bytes, grads=grads, optimizer=state, activations=int(peak) - param_bytes - grads - state)
+    return PeakMemory(peak=int(peak), resident=resident, phase=where, at_peak=at_peak)

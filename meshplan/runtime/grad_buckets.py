@@ -88,8 +88,12 @@ class GradBuckets:
             if id(param) not in self._reduced_before:
                 self._reduced_before[id(param)] = None if param.grad is None else local_of(param.grad).clone()
             return
+        if param.grad is None:  # autograd stores `grad` itself as .grad (holding it here would make it store a copy)
+            self._new[id(param)] = None
+            self._earlier[id(param)] = None
+            return
         self._new[id(param)] = local_of(grad)
-        self._earlier[id(param)] = None if param.grad is None else local_of(param.grad).clone()
+        self._earlier[id(param)] = local_of(param.grad).clone()
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if self._deferring:
@@ -107,7 +111,10 @@ class GradBuckets:
     @torch.no_grad()
     def _unreduced(self, p: torch.Tensor) -> torch.Tensor:
         """What `p` contributes to this reduction, and (in `_kept`) the reduced part its `.grad` keeps."""
+        fresh = id(p) in self._new
         new = self._new.pop(id(p), None)
+        if fresh and new is None:  # the first gradient of this backward is .grad itself
+            new = local_of(p.grad)
         earlier = self._earlier[id(p)] if id(p) in self._earlier else local_of(p.grad)
         part = torch.zeros_like(local_of(p)) if new is None else new
         reduced = self._reduced_before.pop(id(p), _NONE)
