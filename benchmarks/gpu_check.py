@@ -143,10 +143,18 @@ def _worker(rank, world, size, device_type, plans, steps):
     return parity, measured
 
 
+def cluster_of(device: torch.device) -> str:
+    """The presets the lent device is priced with: its own card's where there is one (an H200 is not an H100)."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    return "h200" if "H200" in name else "a100" if "A100" in name else "h100"
+
+
 def run(*, device_type: str, quick: bool, out: Path, steps: int) -> dict:
     size = "quick" if quick else "full"
     device = torch.device(device_type)
-    cluster = "h100" if device_type == "cuda" else "cpu"
+    cluster = cluster_of(device)
     model, tokens = build(size)
     started = time.perf_counter()
     precision = resolve_precision("auto", auto=get_cluster(cluster).device.default_precision)
@@ -163,7 +171,7 @@ def run(*, device_type: str, quick: bool, out: Path, steps: int) -> dict:
     m = measured["profiled"]
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_name(device), "torch": torch.__version__, "model": str(MODELS[size][0]), "batch": MODELS[size][1],
+        "device": device_name(device), "cluster": cluster, "torch": torch.__version__, "model": str(MODELS[size][0]), "batch": MODELS[size][1],
         "precision": profiled.precision.name if profiled.precision else "fp32",
         "profile": {"ops_timed": len(profile.ops), "seconds": profile_seconds},
         "bf16_parity": parity,

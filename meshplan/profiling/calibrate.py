@@ -11,6 +11,7 @@ cost_model, so it sits beside `api.py` rather than inside the cost model.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import warnings
@@ -129,8 +130,16 @@ def program_overhead(graph: Graph, timings: dict, device: torch.device) -> float
         else:
             node = graph[ph.name]
             args.append(make_tensor(node.out, device, requires_grad=node.kind == "param" and node.grad(0)))
+    gm = graph.fx.gm
+    if any(isinstance(n.kwargs.get("device"), torch.device) for n in gm.graph.nodes):
+        # tensors the model makes (arange, zeros) keep the trace's device: put them on `device`, as the runtime's rewrite does
+        gm = copy.deepcopy(gm)
+        for n in gm.graph.nodes:
+            if isinstance(n.kwargs.get("device"), torch.device):
+                n.kwargs = {**n.kwargs, "device": device}
+        gm.recompile()
     try:
-        measured = time_program(graph.fx.gm, args)
+        measured = time_program(gm, args)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:  # made-up values an op rejects
         log.warning("in-program overhead not measured: the one-device program failed on made-up inputs: %s", str(e).splitlines()[0][:200])
         return None

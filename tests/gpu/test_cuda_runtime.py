@@ -18,6 +18,7 @@ from _parity import build, loss_fn, megatron_layouts  # noqa: E402
 
 import meshplan  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
+from meshplan.runtime.local_view import local_of  # noqa: E402
 from meshplan.runtime.parallel_module import shard_tensor  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -70,7 +71,8 @@ def _nccl_worker(rank, world, kind):
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), mesh_shape=(world,), mixed_precision="fp32", **kw)
     losses, norms = _train(pmodel, x.cuda(), y.cuda())
     layouts = {f: p.layout for p in pmodel.plan.params for f in p.fqns}
-    return losses, norms, {k: v.detach().to_local().cpu() for k, v in pmodel.named_parameters()}, layouts, pmodel.plan.mesh
+    # a data-parallel plan keeps plain (replicated) parameters: a plain tensor is its own local
+    return losses, norms, {k: local_of(v.detach()).cpu() for k, v in pmodel.named_parameters()}, layouts, pmodel.plan.mesh
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
