@@ -14,15 +14,20 @@ devices, next to the same call without pipelines.
 Printed per case, medians over `--runs`: total seconds next to the target, then the seconds of each
 part of planning (`meshplan.progress.collect`): trace, candidates (strategy generation), tables
 (costing), solve, and the rest ("search": the pipeline and mesh searches' own work and the plans'
-bookkeeping); then the plan's mesh, pipeline and predicted step.
+bookkeeping); then the plan's mesh, pipeline and predicted step. The runs are interleaved (one run of
+every case, then the next round, in reverse order every other round), so cases read side by side saw
+the same load on the machine. With both `own_llama8b` and `own_llama8b_dict` (the same model with its
+blocks in an `nn.ModuleDict`, as torchtitan keeps them) a last line compares their traces and plans.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 import transformers as tf
@@ -66,32 +71,62 @@ CASES = {
     "llama8b_64": ("Llama-3-8B (LlamaForCausalLM), batch 64 x 8192", hf(tf.LlamaForCausalLM, tf.LlamaConfig, LLAMA3_8B, 64, 8192), 64, 60.0),
     "own_llama8b": ("meshplan Llama, Llama-3-8B shape, batch 8 x 2048", own(Llama, LlamaConfig(
         vocab_size=128256, seq_len=2048, hidden=4096, heads=32, kv_heads=8, intermediate=14336, layers=32), 8), (8, 8), 60.0),
+    "own_llama8b_dict": ("meshplan Llama, blocks in an nn.ModuleDict, Llama-3-8B shape, batch 8 x 2048", own(Llama, LlamaConfig(
+        vocab_size=128256, seq_len=2048, hidden=4096, heads=32, kv_heads=8, intermediate=14336, layers=32, module_dict=True), 8),
+        (8, 8), 60.0),
     "own_gpt3": ("meshplan GPT, GPT-3 175B shape, batch 128 x 2048", own(GPT, GPTConfig(
         vocab_size=51200, seq_len=2048, hidden=12288, heads=96, layers=96), 128), 1024, 60.0),
 }
 
 
-def run(case: str, runs: int) -> None:
-    title, build, devices, target = CASES[case]
-    totals, parts, plan = [], [], None
-    for _ in range(runs):
-        model, tokens = build()
-        with collect() as seconds, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            t0 = time.perf_counter()
-            plan = meshplan.plan(model, devices, (tokens,), cluster="h100")
-            totals.append(time.perf_counter() - t0)
-        parts.append(seconds)
+@dataclass(slots=True)
+class Runs:
+    totals: list[float] = field(default_factory=list)
+    parts: list[dict[str, float]] = field(default_factory=list)
+    plan: object = None
+
+    def median(self, part: str) -> float:
+        return statistics.median(s.get(part, 0.0) for s in self.parts)
+
+
+def run(case: str, runs: Runs) -> None:
+    """One planning call of `case`, added to `runs`."""
+    _, build, devices, _ = CASES[case]
+    model, tokens = build()
+    gc.collect()  # the earlier runs' graphs: collected here, not inside whichever trace crosses the collector's threshold
+    with collect() as seconds, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t0 = time.perf_counter()
+        runs.plan = meshplan.plan(model, devices, (tokens,), cluster="h100")
+        runs.totals.append(time.perf_counter() - t0)
+    runs.parts.append(seconds)
+
+
+def report(case: str, runs: Runs) -> None:
+    title, _, devices, target = CASES[case]
+    totals, parts, plan = runs.totals, runs.parts, runs.plan
     total = statistics.median(totals)
-    split = {p: statistics.median(s.get(p, 0.0) for s in parts) for p in PARTS}
+    split = {p: runs.median(p) for p in PARTS}
     search = statistics.median(t - sum(s.get(p, 0.0) for p in PARTS) for t, s in zip(totals, parts))
     pipe = plan.pipeline
     shape = f"mesh {plan.mesh}" + (f" x pp {pipe.degree} ({pipe.schedule}, {pipe.microbatches} microbatches)" if pipe else "")
-    print(f"{title}, devices={devices}: {total:.1f} s (median of {runs}: {', '.join(f'{t:.1f}' for t in totals)}); "
+    print(f"{title}, devices={devices}: {total:.1f} s (median of {len(totals)}: {', '.join(f'{t:.1f}' for t in totals)}); "
           f"target {target:.0f} s -> {total / target:.2f}x ({'met' if total <= target else 'NOT met'})")
     print("  " + ", ".join(f"{p} {split[p]:.1f} s" for p in PARTS) + f", search {search:.1f} s")
     print(f"  plan: {shape}, {plan.precision.name if plan.precision else 'fp32'}, predicted step {plan.step_time_s:.3f} s, "
           f"solver {plan.solver.status}")
+
+
+def compare_containers(as_list: Runs, as_dict: Runs) -> None:
+    """The trace time of the ModuleDict form against the ModuleList form's, and whether their plans agree."""
+    def traces(r: Runs) -> str:
+        each = ", ".join(f"{s.get('trace', 0.0):.2f}" for s in r.parts)
+        return f"{r.median('trace'):.2f} s ({each})"
+
+    same = as_dict.plan.hash() == as_list.plan.hash()
+    print(f"blocks in an nn.ModuleDict vs an nn.ModuleList (meshplan Llama, Llama-3-8B shape, (8, 8)): trace {traces(as_dict)} vs "
+          f"{traces(as_list)}, medians; plans {'identical' if same else 'DIFFER'} (predicted step {as_dict.plan.step_time_s:.4f} vs "
+          f"{as_list.plan.step_time_s:.4f} s)")
 
 
 def zoo(devices: list[int]) -> None:
@@ -129,8 +164,15 @@ def main() -> None:
     if args.zoo is not None:
         zoo(args.zoo or [8, 64])
         return
-    for case in args.only or list(CASES):
-        run(case, args.runs)
+    cases = args.only or list(CASES)
+    runs = {case: Runs() for case in cases}
+    for r in range(args.runs):
+        for case in cases if r % 2 == 0 else cases[::-1]:  # A B, B A, A B: no case always runs first in its round
+            run(case, runs[case])
+    for case in cases:
+        report(case, runs[case])
+    if "own_llama8b" in runs and "own_llama8b_dict" in runs:
+        compare_containers(runs["own_llama8b"], runs["own_llama8b_dict"])
 
 
 if __name__ == "__main__":

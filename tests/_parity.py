@@ -20,11 +20,13 @@ COLWISE = {
     "gpt": ["*.q_proj.*", "*.k_proj.*", "*.v_proj.*", "*.fc1.*"],
     "llama": ["*.q_proj.weight", "*.k_proj.weight", "*.v_proj.weight", "*.gate_proj.weight", "*.up_proj.weight"],
 }
+COLWISE["llama_dict"] = COLWISE["llama"]
 ROWWISE = {
     "mlp": ["layers.1.weight"],
     "gpt": ["*.out_proj.weight", "*.fc2.weight"],
     "llama": ["*.o_proj.weight", "*.down_proj.weight"],
 }
+ROWWISE["llama_dict"] = ROWWISE["llama"]
 
 
 def build(name: str):
@@ -34,7 +36,12 @@ def build(name: str):
         x = torch.randn(BATCH, 32, generator=torch.Generator().manual_seed(1))
         y = torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(2))
         return model, x, y
-    model = GPT(GPTConfig()) if name == "gpt" else Llama(LlamaConfig())
+    if name == "gpt":
+        model = GPT(GPTConfig())
+    elif name == "llama_dict":  # torchtitan's layout: blocks in an nn.ModuleDict, enough of them to trace once and copy
+        model = Llama(LlamaConfig(layers=4, module_dict=True))
+    else:
+        model = Llama(LlamaConfig())
     tokens = torch.randint(0, 128, (BATCH, 16), generator=torch.Generator().manual_seed(1))
     return model, tokens, tokens
 

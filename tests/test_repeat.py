@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import warnings
 
 import pytest
 import torch
@@ -10,12 +12,15 @@ import transformers as tf
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
+from _parity import build, check_parity, plan_kwargs, rank_worker
 
+import meshplan
 from meshplan.ir.graph import Graph, TensorRef
 from meshplan.ir.precision import resolve_precision
-from meshplan.ir.repeat import repeated_stacks
+from meshplan.ir.repeat import Stack, repeated_stacks
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
+from meshplan.runtime.launch import run_local
 
 
 def _renamed(graph: Graph) -> list:
@@ -55,6 +60,7 @@ def _hf_mixtral(layers: int):
 MODELS = {
     "gpt": lambda: (GPT(GPTConfig(layers=5)), (torch.zeros(2, 16, dtype=torch.long),)),
     "llama": lambda: (Llama(LlamaConfig(layers=6)), (torch.zeros(2, 16, dtype=torch.long),)),
+    "llama_dict": lambda: (Llama(LlamaConfig(layers=6, module_dict=True)), (torch.zeros(2, 16, dtype=torch.long),)),
     "hf_mixtral": lambda: _hf_mixtral(4),
     "hf_llama": lambda: _hf_llama(5),
     "hf_gpt2": lambda: _hf_gpt2(4),
@@ -155,3 +161,69 @@ def test_stacks_with_different_blocks_or_shared_weights_are_not_copied() -> None
     holder = nn.Module()
     holder.mixed, holder.shared, holder.sliding, holder.indexed = mixed, shared, sliding, indexed
     assert [s.path for s in repeated_stacks(holder)] == ["indexed"]
+
+
+def test_a_module_dict_stack_traces_once_like_a_module_list(monkeypatch) -> None:
+    """torchtitan keeps its blocks in an `nn.ModuleDict` keyed "0", "1", ...: the stack is found, exported
+    with three blocks and copied, like the `nn.ModuleList` form; the IR, its layers and the plan are that form's."""
+    exported: list[int] = []
+
+    def counting(model, args, kwargs):
+        exported.append(len(model.layers))
+        return real(model, args, kwargs)
+
+    trace_module = importlib.import_module("meshplan.ir.trace")  # `meshplan.ir.trace` the attribute is the function
+    real = trace_module._export
+    monkeypatch.setattr(trace_module, "_export", counting)
+    tokens = torch.zeros(8, 16, dtype=torch.long)
+    graphs, plans = {}, {}
+    for container in (nn.ModuleList, nn.ModuleDict):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(layers=4, module_dict=container is nn.ModuleDict))
+        assert type(model.layers) is container
+        assert repeated_stacks(model) == [Stack("layers", ("0", "1", "2", "3"))]
+        graphs[container] = trace(model, (tokens,))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plans[container] = meshplan.plan(model, 4, (tokens,), mesh_shape=(2, 2))
+    assert exported == [3] * 4, "every trace exports the stack cut to three blocks, once"
+    as_list, as_dict = graphs[nn.ModuleList], graphs[nn.ModuleDict]
+    assert _renamed(as_dict) == _renamed(as_list)
+    assert as_dict.layer_groups() == as_list.layer_groups() == {"layers.*": [f"layers.{k}" for k in range(4)]}
+    assert plans[nn.ModuleDict].hash() == plans[nn.ModuleList].hash()  # same strategy for every node, same predicted step
+
+
+class _KeyedStack(nn.Module):
+    """Five identical blocks in an `nn.ModuleDict` under keys of its own, not in key order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({f"b{k}": _IndexScaled(0) for k in "zvxwy"})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+def test_a_module_dict_stack_with_other_keys_copies_under_its_own_names() -> None:
+    """The keys are the blocks' names, in the dict's order: the copies take the later blocks' parameters."""
+    model, x = _KeyedStack(), torch.randn(2, 8)
+    assert repeated_stacks(model) == [Stack("layers", ("bz", "bv", "bx", "bw", "by"))]
+    copied = trace(model, (x,))
+    assert [n.target for n in copied.nodes if n.kind == "param"] == [f"layers.b{k}.fc.{w}" for k in "zvxwy" for w in ("weight", "bias")]
+    assert _renamed(copied) == _renamed(trace(model, (x,), copy_repeated=False))
+    torch.testing.assert_close(_run(copied, model, x), model(x))
+
+
+@pytest.mark.multiprocess
+def test_parity_of_a_module_dict_llama() -> None:
+    """The runtime on a plan of the ModuleDict form (copied trace, Megatron layouts on `layers.k`): 2 gloo ranks
+    train as one process does, and run the plan's collectives."""
+    model, x, _ = build("llama_dict")
+    assert type(model.layers) is nn.ModuleDict and repeated_stacks(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        plan = meshplan.plan(model, devices=2, example_inputs=(x,), **plan_kwargs("llama_dict", "megatron", (2,)))
+    results = run_local(2, rank_worker, "llama_dict", plan, timeout=600)
+    check_parity("llama_dict", plan, results)

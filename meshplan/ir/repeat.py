@@ -2,7 +2,8 @@
 
 torch.export costs time in proportion to the ops it records, and a 96-layer transformer records
 the same layer 96 times. `trace` therefore exports the model with each stack of identical layers
-(an `nn.ModuleList` whose blocks have the same structure) cut to its first `KEPT` blocks, checks
+(an `nn.ModuleList`, or an `nn.ModuleDict` as torchtitan keeps them, whose blocks have the same
+structure; blocks in iteration order, named by their keys) cut to its first `KEPT` blocks, checks
 that the second and third blocks traced to the same program, and copies the third block's ops
 for every block after it, with that block's parameters. The result is the program a full export
 gives, up to fx node names (tests/test_repeat.py compares the IR of both for the model zoo).
@@ -43,18 +44,29 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
           "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks", "_load_state_dict_pre_hooks")
 
 
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+"""Module containers a stack can sit in. Both keep their blocks in `_modules` under string keys, in the
+order their forward iterates them (a list's keys are "0", "1", ...; a dict's are the user's, in insertion
+order), so a stack is its container's path and keys whatever the container."""
+
+
 @dataclass(frozen=True, slots=True)
 class Stack:
     path: str
-    """FQN of the `nn.ModuleList` (`model.layers`)."""
-    length: int
+    """FQN of the container (`model.layers`)."""
+    keys: tuple[str, ...]
+    """The blocks' names in the container, in iteration order: block k is the submodule `path.keys[k]`."""
+
+    @property
+    def length(self) -> int:
+        return len(self.keys)
 
     def block(self, k: int) -> str:
-        return f"{self.path}.{k}" if self.path else str(k)
+        return f"{self.path}.{self.keys[k]}" if self.path else self.keys[k]
 
 
 def repeated_stacks(model: nn.Module) -> list[Stack]:
-    """The outermost `nn.ModuleList`s of at least `MIN_LENGTH` identical blocks that own their parameters."""
+    """The outermost containers (`CONTAINERS`) of at least `MIN_LENGTH` identical blocks that own their parameters."""
     owners: dict[int, int] = {}
     for _, t in model.named_parameters(remove_duplicate=False):
         owners[id(t)] = owners.get(id(t), 0) + 1
@@ -62,16 +74,18 @@ def repeated_stacks(model: nn.Module) -> list[Stack]:
         owners[id(t)] = owners.get(id(t), 0) + 1
     found: list[Stack] = []
     for name, module in model.named_modules():
-        if type(module) is not nn.ModuleList or len(module) < MIN_LENGTH:
+        if type(module) not in CONTAINERS or len(module) < MIN_LENGTH:
             continue
         if any(name == s.path or name.startswith(s.path + ".") or not s.path for s in found):
             continue
-        blocks = list(module)
+        keys, blocks = tuple(module._modules), list(module._modules.values())
+        if any(b is None for b in blocks):
+            continue  # an emptied slot (None) is no block
         tensors = [t for b in blocks for _, t in [*b.named_parameters(remove_duplicate=False), *b.named_buffers(remove_duplicate=False)]]
         if any(owners[id(t)] != 1 for t in tensors):
             continue  # a tensor shared between blocks (or with the rest of the model) is not one block's own
         if _identical(blocks):
-            found.append(Stack(name, len(blocks)))
+            found.append(Stack(name, keys))
         else:
             log.debug("the blocks of %s differ; tracing each of them", name)
     return found
@@ -126,8 +140,12 @@ def truncated(model: nn.Module, stacks: list[Stack]) -> Iterator[None]:
         for s in stacks:
             parent, _, name = s.path.rpartition(".")
             owner = model.get_submodule(parent)
-            saved.append((owner, name, owner._modules[name]))
-            owner._modules[name] = nn.ModuleList(list(owner._modules[name])[:KEPT])
+            full = owner._modules[name]
+            cut = type(full)()
+            for key in s.keys[:KEPT]:
+                cut.add_module(key, full._modules[key])
+            saved.append((owner, name, full))
+            owner._modules[name] = cut
         yield
     finally:
         for owner, name, full in reversed(saved):
@@ -151,11 +169,12 @@ def replicate(gm: fx.GraphModule, specs: list[InputSpec], stack: Stack, path_of:
     caller then traces the whole model)."""
     ops = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     pos = {n: i for i, n in enumerate(ops)}
-    prefix = re.compile(re.escape(stack.block("")) + r"(\d+)(?:\.|$)")
+    lead = stack.path + "." if stack.path else ""
+    index = {key: k for k, key in enumerate(stack.keys[:KEPT])}
 
     def block_of(n: fx.Node) -> int | None:
-        m = prefix.match(path_of(n))
-        return int(m.group(1)) if m else None
+        path = path_of(n)
+        return index.get(path[len(lead):].partition(".")[0]) if path.startswith(lead) else None
 
     blocks = [block_of(n) for n in ops]
     starts = [blocks.index(k) if k in blocks else None for k in range(KEPT)]

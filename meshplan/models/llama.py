@@ -29,6 +29,9 @@ class LlamaConfig:
     """Base of the rotary frequencies."""
     eps: float = 1e-6
     """RMSNorm epsilon."""
+    module_dict: bool = False
+    """Hold the blocks in an `nn.ModuleDict` keyed "0", "1", ... (torchtitan's layout) instead of an
+    `nn.ModuleList`; the module paths (`layers.3.attn`) and the computation are the same."""
 
 
 class RMSNorm(nn.Module):
@@ -109,7 +112,8 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        blocks = [Block(cfg) for _ in range(cfg.layers)]
+        self.layers = nn.ModuleDict({str(i): b for i, b in enumerate(blocks)}) if cfg.module_dict else nn.ModuleList(blocks)
         self.norm = RMSNorm(cfg.hidden, cfg.eps)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         cos, sin = rotary_tables(cfg)
@@ -121,6 +125,6 @@ class Llama(nn.Module):
         x = self.embed(tokens)
         # the tables in the compute dtype, as Hugging Face's Llama does (fp32 buffers under a bf16 policy)
         cos, sin = self.cos[:s].to(x.dtype), self.sin[:s].to(x.dtype)
-        for layer in self.layers:
+        for layer in self.layers.values() if self.cfg.module_dict else self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
