@@ -63,7 +63,7 @@ def test_report_is_self_contained(report):
     assert "@import" not in text and "url(" not in text
     for section in ("Layers, coloured by placement", "Memory per device", "Pipeline schedule", "Communication volume per mesh axis"):
         assert section in text
-    assert "No pipeline stages" in text  # this plan has none
+    assert "No pipeline stages" in text and "pipeline-timeline" not in text  # this plan has none
     assert text.count('class="layer-row"') == len(grouped_units(plan))
     assert text.count("device ") >= plan.mesh.size  # one memory bar per device
 
@@ -111,8 +111,10 @@ def pipelined(report, tmp_path_factory):
                       memory=MemoryBreakdown(params=1000 * (k + 1), grads=1000, optimizer=2000, activations=5000 * (2 - k)))
         for k, units in enumerate((("pre", "layers.0"), ("layers.1", "post")))
     )
-    pipe = PipelinePlan(degree=2, schedule="1f1b", microbatches=4, chunks=1, stages=stages, step_s=0.012, bubble_s=0.003,
-                        bubble_fraction=0.25, p2p_s=2e-5)
+    # priced as the planner does: the slower rank's 2 ms per microbatch, 1F1B with p=2, m=4: a 10 ms schedule, 2 ms bubble;
+    # the step adds 2 ms of gradient all-reduce after it
+    pipe = PipelinePlan(degree=2, schedule="1f1b", microbatches=4, chunks=1, stages=stages, step_s=0.012, bubble_s=0.002,
+                        bubble_fraction=0.2, p2p_s=2e-5)
     plan = dataclasses.replace(plan, pipeline=pipe)
     return plan, plan.report(str(tmp_path_factory.mktemp("pipelined") / "plan.html"))
 
@@ -122,11 +124,74 @@ def test_report_of_a_pipelined_plan_shows_its_stages_bubble_and_per_stage_memory
     text = open(path, encoding="utf-8").read()
     assert "No pipeline stages" not in text
     assert "2 pipeline ranks x 4 devices each, schedule 1f1b, 4 microbatches" in text
-    assert "bubble 25.0% (3.000 ms of a 12.000 ms step)" in text
-    assert "bubble 3.000 ms" in text and "working 9.000 ms" in text  # the step bar: the schedule's step, not one microbatch
+    assert "bubble 20.0% (2.000 ms of a 12.000 ms step)" in text
+    assert "bubble 2.000 ms" in text and "working 10.000 ms" in text  # the step bar: the schedule's step, not one microbatch
     assert "stage 0 (pipeline rank 0)" in text and "stage 1 (pipeline rank 1)" in text  # one memory bar per stage
     assert "Peak 13.7 KiB per device" in text  # the larger stage (stage 0: 1000 + 1000 + 2000 + 10000 bytes), not plan.memory
     assert text.count("<td>1f1b</td>") == 0 and text.count("</td><td>yes</td>") == 1
+    checked = tmp_path / "checked.html"
+    checked.write_text(text.replace("<head>", "<head>" + HOOK, 1), encoding="utf-8")
+    dom = run_chromium("--dump-dom", checked.as_uri())
+    assert dom.returncode == 0 and 'data-rendered="ok"' in dom.stdout, dom.stderr[-2000:]
+    problems = re.search(r"data-problems=\"([^\"]*)\"", dom.stdout)
+    assert problems is not None and json.loads(problems.group(1).replace("&quot;", '"')) == []
+
+
+def _timeline_rows(text: str) -> dict[int, list[tuple[str, str]]]:
+    """Per pipeline rank drawn: the (kind, microbatch label) of its blocks, in order."""
+    svg = re.search(r'<svg[^>]*id="pipeline-timeline".*?</svg>', text).group(0)
+    rows = {}
+    for rank, body in re.findall(r'<g class="timeline-rank" data-rank="(\d+)">(.*?)</g>', svg):
+        rows[int(rank)] = re.findall(r'data-kind="(\w+)"><title>rank \d+: (?:\w+ of microbatch (\d+)|idle)', body)
+    return rows
+
+
+def test_report_draws_the_pipeline_schedule_as_a_timeline(pipelined):
+    """One row per pipeline rank with the blocks of the schedule that prices the plan (PipelinePlan.timeline()), an
+    axis in ms, a legend and the bubble fraction; 1F1B, p=2, m=4 under the fixture's 2 ms per microbatch."""
+    plan, path = pipelined
+    text = open(path, encoding="utf-8").read()
+    rows = _timeline_rows(text)
+    assert sorted(rows) == [0, 1]
+    kinds = [[k for k, _ in rows[r] if k not in ("send", "bubble")] for r in (0, 1)]
+    assert kinds[0] == ["forward"] * 2 + ["backward", "forward"] * 2 + ["backward"] * 2  # p - r = 2 warm-up forwards
+    assert kinds[1] == ["forward", "backward"] * 4
+    assert [mb for k, mb in rows[1] if k == "forward"] == ["0", "1", "2", "3"]
+    assert sum(k == "send" for r in (0, 1) for k, _ in rows[r]) == 8  # rank 0's four activations, rank 1's four gradients
+    assert rows[1][0] == ("bubble", "")  # rank 1 waits for the first forward
+    tl = plan.pipeline.timeline()
+    assert tl.makespan_s == pytest.approx(0.010) and tl.bubble_s == pytest.approx(plan.pipeline.bubble_s)
+    assert "schedule 10.000 ms, each rank idle 2.000 ms: bubble 20.0%" in text
+    assert "adds 2.000 ms after it (gradient all-reduces)" in text
+    assert re.search(r'<text x="[0-9.]+" y="[0-9.]+" text-anchor="middle">10</text>', text)  # the axis reaches 10 ms
+    for name in ("forward", "backward", "send to the neighbouring rank", "bubble (idle)"):
+        assert f"</svg> {name}</span>" in text
+    assert "backward for weights" not in text  # 1F1B runs the whole backward at once
+
+
+def test_report_timeline_of_a_zero_bubble_plan(report, tmp_path):
+    """ZB-V on 2 ranks (4 stages in a V): weight-backward blocks, lighter second chunks, the priced step; renders in Chromium."""
+    from meshplan.cost_model.memory import MemoryBreakdown
+    from meshplan.cost_model.schedules import schedule_time
+    from meshplan.plans.pipeline import PipelinePlan, PipelineStage
+
+    plan, _ = report
+    mem = MemoryBreakdown(params=1000, grads=1000, optimizer=2000, activations=5000)
+    stages = tuple(PipelineStage(index=k, device=(0, 1, 1, 0)[k], units=(f"layers.{k}",), modules=(f"layers.{k}",), time_s=1e-3,
+                                 recompute=False, memory=mem) for k in range(4))
+    cost = schedule_time("zbv", 2, 4, 2e-3 / 3)
+    pipe = PipelinePlan(degree=2, schedule="zbv", microbatches=4, chunks=2, stages=stages, step_s=cost.step_s, bubble_s=cost.bubble_s,
+                        bubble_fraction=cost.bubble_fraction, p2p_s=2e-5)
+    path = dataclasses.replace(plan, pipeline=pipe).report(str(tmp_path / "zbv.html"))
+    text = open(path, encoding="utf-8").read()
+    rows = _timeline_rows(text)
+    for r in (0, 1):
+        kinds = [k for k, _ in rows[r]]
+        assert kinds.count("forward") == kinds.count("backward") == kinds.count("weight") == 2 * 4  # 2 chunks x 4 microbatches
+    assert 'fill-opacity="0.55"' in text  # the second chunk of the V
+    assert f"bubble {cost.bubble_fraction:.1%}" in text and "adds" not in text  # no all-reduce after this schedule
+    for name in ("backward for inputs", "backward for weights"):
+        assert f"</svg> {name}</span>" in text
     checked = tmp_path / "checked.html"
     checked.write_text(text.replace("<head>", "<head>" + HOOK, 1), encoding="utf-8")
     dom = run_chromium("--dump-dom", checked.as_uri())

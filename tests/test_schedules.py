@@ -19,7 +19,7 @@ def test_gpipe_1f1b_bubble_is_narayanan(p, m):
         assert c.step_s == pytest.approx((m + p - 1) * 6.0)
 
 
-@pytest.mark.parametrize("p,m", CASES)
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in CASES if m >= p])  # m < p: torch's one short round, simulated (test_timeline.py)
 @pytest.mark.parametrize("v", (2, 3, 4))
 def test_interleaved_bubble_is_narayanan(p, m, v):
     assert bubble_fraction("interleaved_1f1b", p, m, virtual=v) == pytest.approx((p - 1) / (v * m + p - 1))
@@ -27,11 +27,12 @@ def test_interleaved_bubble_is_narayanan(p, m, v):
 
 
 def test_zero_bubble_formulas():
-    # ZB-H1 interleaved: (p-1)(t_f + t_b - t_w)/v; ZB-V: (p-1)(t_f + t_b - 2 t_w)/2, zero when all equal
+    # ZB-H1 interleaved: (p-1)(t_f + t_b - t_w)/v. ZB-V: the paper's (p-1)(t_f + t_b - 2 t_w)/2 is zero when all are
+    # equal, but the last rank waits (p-1) t_f/2 for the first forward under torch's order (any order: test_timeline.py)
     c = schedule_time("interleaved_zb", 4, 8, 1.0, 1.0, 1.0, virtual=2)
     assert c.bubble_s == pytest.approx(3 * 1.0 / 2)
-    assert schedule_time("zbv", 4, 8, 1.0).bubble_s == 0.0
-    assert schedule_time("zbv", 4, 8, 1.0, 2.0, 1.0).bubble_s == pytest.approx(3 * 1.0 / 2)
+    assert schedule_time("zbv", 4, 8, 1.0).bubble_s == pytest.approx(3 * 1.0 / 2)
+    assert schedule_time("zbv", 4, 8, 1.0, 2.0, 1.0).bubble_s == pytest.approx(3.0)  # unequal times: the simulated timeline
     for sched in SCHEDULES:
         assert schedule_time(sched, 1, 5, 1.0).bubble_s == 0.0  # one stage never waits
 

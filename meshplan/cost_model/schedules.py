@@ -17,8 +17,16 @@ Published formulas these follow (p stages, m microbatches, v model chunks per de
 - Interleaved zero bubble, ZB1P (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ZB-H1
   interleaved): the weight backward fills the bubble: bubble = (p - 1) * (t_f + t_b - t_w) / v,
   every device holds p microbatches' worth (the paper's p * M_B for ZB-H1).
-- ZB-V (same paper, sec. 6; two chunks per device in a V): bubble = (p - 1) * max(0, t_f + t_b -
-  2 t_w) / 2 (zero when t_f = t_b = t_w), every device holds p microbatches' worth (m >= 2p - 1).
+- ZB-V (same paper, sec. 6; two chunks per device in a V): every device holds p microbatches' worth
+  (m >= 2p - 1). The paper's bubble, (p - 1) * max(0, t_f + t_b - 2 t_w) / 2, is zero when t_f = t_b =
+  t_w, but the last device cannot start before the first microbatch's forward has passed the p - 1
+  chunks above it: torch's order leaves every device idle (p - 1) * t_f / 2, the least any order can.
+
+The step is the makespan of the timeline torch's own action order gives (`meshplan/cost_model/timeline.py`
+simulates it); the formulas above are that makespan where they hold: with t_f = t_b = t_w, for every m
+under GPipe and 1F1B, for m >= p under the interleaved schedules and m >= 2p - 1 under ZB-V
+(`tests/test_timeline.py` checks the equality on a grid). Elsewhere (unequal times, fewer microbatches)
+`schedule_time` simulates the timeline.
 
 `tests/test_schedules.py` checks the memory counts against the action lists torch's schedule
 classes generate, so the model follows the runtime, not only the papers.
@@ -46,6 +54,14 @@ def actions_per_microbatch(schedule: str) -> int:
     forward, backward for inputs and backward for weights."""
     check_schedule(schedule)
     return 3 if schedule in ("interleaved_zb", "zbv") else 2
+
+
+def check_microbatches(schedule: str, stages: int, microbatches: int, chunks: int) -> None:
+    """torch's interleaved schedules split the m microbatches into max(1, m // p) equal rounds."""
+    rounds = max(1, microbatches // stages)
+    if chunks > 1 and schedule != "zbv" and microbatches % rounds:
+        raise ValueError(f"the {schedule} schedule needs the microbatches ({microbatches}) to be a multiple of its rounds "
+                         f"max(1, m // p) = {rounds} with p = {stages} (torch's {TORCH_SCHEDULE_CLASS[schedule]})")
 
 
 def check_schedule(name: str) -> str:
@@ -90,7 +106,8 @@ class ScheduleCost:
 def schedule_time(schedule: str, stages: int, microbatches: int, t_f: float, t_b: float | None = None, t_w: float | None = None,
                   *, virtual: int = 2) -> ScheduleCost:
     """Step and bubble seconds of `schedule` with `stages` devices and `microbatches` microbatches,
-    where the slowest device spends `t_f` + `t_b` + `t_w` seconds per microbatch (all its chunks)."""
+    where the slowest device spends `t_f` + `t_b` + `t_w` seconds per microbatch (all its chunks): the
+    makespan of `meshplan.cost_model.timeline.timeline` with the same arguments."""
     check_schedule(schedule)
     p, m = stages, microbatches
     if not (isinstance(p, int) and p >= 1 and isinstance(m, int) and m >= 1):
@@ -99,14 +116,23 @@ def schedule_time(schedule: str, stages: int, microbatches: int, t_f: float, t_b
     t_w = t_f if t_w is None else t_w
     t = t_f + t_b + t_w
     v = chunks_per_device(schedule, virtual)
-    if schedule in ("gpipe", "1f1b"):
-        bubble = (p - 1) * t
-    elif schedule == "interleaved_1f1b":
-        bubble = (p - 1) * t / v
-    elif schedule == "interleaved_zb":
-        bubble = (p - 1) * max(0.0, t_f + t_b - t_w) / v
-    else:  # zbv
-        bubble = (p - 1) * max(0.0, t_f + t_b - 2 * t_w) / 2
+    check_microbatches(schedule, p, m, v)
+    if p == 1:
+        bubble = 0.0
+    elif t_f == t_b == t_w and m >= {"interleaved_1f1b": p, "interleaved_zb": p, "zbv": 2 * p - 1}.get(schedule, 1):
+        # the timeline's makespan in closed form (equal times; enough microbatches to fill the rounds / the V)
+        if schedule in ("gpipe", "1f1b"):
+            bubble = (p - 1) * t
+        elif schedule == "interleaved_1f1b":
+            bubble = (p - 1) * t / v
+        elif schedule == "interleaved_zb":
+            bubble = (p - 1) * (t_f + t_b - t_w) / v
+        else:  # zbv: the last rank waits for microbatch 0 to come down p - 1 chunks
+            bubble = (p - 1) * t_f / 2
+    else:
+        from meshplan.cost_model.timeline import makespan  # the timeline module builds on this one
+
+        bubble = max(0.0, makespan(schedule, p, m, t_f, t_b, t_w, virtual=virtual) - m * t)
     return ScheduleCost(schedule=schedule, stages=p, microbatches=m, chunks=v, step_s=m * t + bubble, bubble_s=bubble)
 
 

@@ -3,8 +3,9 @@
 Sections: the predicted step (compute / communication / bubble), the layer list coloured by
 placement (one coloured segment per mesh axis: grey R, orange P, one hue per sharded tensor dim),
 memory per device as stacked bars (per pipeline stage for a pipelined plan), the pipeline schedule
-(stages, ranks, microbatches, bubble; or a note that the plan runs as one stage), and the
-communication volume per mesh axis. Everything is read from the
+(stages, ranks, microbatches, bubble, and the schedule drawn as a timeline, one row per pipeline rank,
+from the model that prices it: `PipelinePlan.timeline()`; or a note that the plan runs as one stage),
+and the communication volume per mesh axis. Everything is read from the
 Plan alone, so `meshplan report plan.json` needs no model.
 """
 
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import html
 import json
+import math
 
 from meshplan.cost_model.memory import format_bytes
+from meshplan.cost_model.timeline import KINDS, Block, Timeline
 from meshplan.inspect.summary import comm_volume, format_seconds, grouped_units, layer_of
 from meshplan.ir.placement import Partial, Placements, Shard, fmt
 from meshplan.plans.plan import Plan
@@ -26,6 +29,10 @@ MEMORY_COLOURS = {"params": "#2f6fdf", "grads": "#2a9d5c", "optimizer": "#8e44ad
 PHASE_COLOURS = {"forward": "#2f6fdf", "backward": "#8e44ad", "grad_sync": "#2a9d5c"}
 MAX_DEVICE_BARS = 64
 """Devices drawn one bar each; larger meshes draw one bar per distinct memory figure."""
+TIMELINE_COLOURS = {"forward": "#2f6fdf", "backward": "#8e44ad", "weight": "#2a9d5c", "send": "#e67e22", "bubble": "#f2c4be"}
+MAX_TIMELINE_BLOCKS = 5000
+"""Timelines with more blocks are drawn at pixel resolution (each pixel the kind filling most of it), without
+microbatch numbers: a block would be narrower than a pixel."""
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1d2430;background:#fafbfc}
@@ -175,6 +182,7 @@ def render(plan: Plan) -> str:
             f"({pipe.bubble_s * 1e3:.3f} ms of a {pipe.step_s * 1e3:.3f} ms step), point-to-point {pipe.p2p_s * 1e6:.3g} µs per cut "
             "per microbatch.</div>"
         )
+        parts.append(_timeline_section(pipe.timeline(), pipe.step_s))
         parts.append("<table><tr><th>stage</th><th>pipeline rank</th><th>units</th><th>per microbatch</th><th>recompute</th><th>peak memory</th></tr>")
         for st in pipe.stages:
             span = st.units[0] if len(st.units) == 1 else f"{st.units[0]} .. {st.units[-1]}"
@@ -204,6 +212,100 @@ def render(plan: Plan) -> str:
     parts.append(f'<script type="application/json" id="plan-meta">{e(json.dumps({"hash": plan.hash(), "devices": mesh.size}))}</script>')
     parts.append(f"<script>{_JS}</script></body></html>")
     return "\n".join(parts)
+
+
+def _nice_step(span: float, ticks: int) -> float:
+    """A 1, 2 or 5 x 10^k step giving at most `ticks` intervals over `span`."""
+    raw = span / ticks if span > 0 else 1.0
+    mag = 10.0 ** math.floor(math.log10(raw))
+    return next(k * mag for k in (1, 2, 5, 10) if k * mag >= raw)
+
+
+def _pixel_runs(blocks: tuple[Block, ...], scale: float, width: int) -> list[tuple[int, int, str]]:
+    """(first pixel, end pixel, kind) runs: each pixel takes the kind that fills most of it."""
+    fill: list[dict[str, float]] = [{} for _ in range(width)]
+    for b in blocks:
+        x0, x1 = b.start * scale, b.end * scale
+        for col in range(max(0, int(x0)), min(width, math.ceil(x1))):
+            share = min(x1, col + 1) - max(x0, col)
+            if share > 0:
+                fill[col][b.kind] = fill[col].get(b.kind, 0.0) + share
+    runs: list[tuple[int, int, str]] = []
+    for col, f in enumerate(fill):
+        kind = max(f, key=f.get) if f else None
+        if kind is None:
+            continue
+        if runs and runs[-1][2] == kind and runs[-1][1] == col:
+            runs[-1] = (runs[-1][0], col + 1, kind)
+        else:
+            runs.append((col, col + 1, kind))
+    return runs
+
+
+def _timeline_svg(tl: Timeline) -> str:
+    """One row per pipeline rank: its forward, backward, weight-backward, send and bubble blocks on an axis in ms."""
+    e = html.escape
+    width, label_w, h, gap, axis_h = 900, 70, 24, 6, 30
+    plot_w = width - label_w - 20
+    span = tl.makespan_s
+    scale = plot_w / span if span > 0 else 0.0
+    rows_h = tl.stages * (h + gap) + gap
+    count = sum(len(row) for row in tl.rows)
+    dense = count > MAX_TIMELINE_BLOCKS
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" id="pipeline-timeline" width="{width}" height="{rows_h + axis_h}" role="img" '
+           f'aria-label="pipeline schedule {e(tl.schedule)}: {tl.stages} ranks, {tl.microbatches} microbatches">']
+    step = _nice_step(span * 1e3, 8)
+    k = 0
+    while span > 0 and k * step <= span * 1e3 * (1 + 1e-9):
+        x = label_w + k * step / 1e3 * scale
+        out.append(f'<line x1="{x:.1f}" y1="0" x2="{x:.1f}" y2="{rows_h}" stroke="#e3e6ea"/>'
+                   f'<text x="{x:.1f}" y="{rows_h + 14}" text-anchor="middle">{k * step:.4g}</text>')
+        k += 1
+    out.append(f'<text x="{width - 4}" y="{rows_h + 28}" text-anchor="end">ms</text>')
+    for r in range(tl.stages):
+        y = gap + r * (h + gap)
+        out.append(f'<text x="0" y="{y + 16}">rank {r}</text><g class="timeline-rank" data-rank="{r}">')
+        blocks = tl.rank(r)
+        if dense:
+            runs: dict[str, list[str]] = {}
+            for x0, x1, kind in _pixel_runs(blocks, scale, plot_w):
+                runs.setdefault(kind, []).append(f"M{label_w + x0} {y}h{x1 - x0}v{h}h{x0 - x1}z")
+            out += [f'<path d="{"".join(d)}" fill="{TIMELINE_COLOURS[kind]}" data-kind="{kind}"/>' for kind, d in runs.items()]
+        for b in blocks if not dense else ():
+            x, w = label_w + b.start * scale, (b.end - b.start) * scale
+            what = "idle" if b.kind == "bubble" else f"{b.kind} of microbatch {b.microbatch}, stage {b.stage} (chunk {b.chunk})"
+            faded = f' fill-opacity="{1 - 0.45 * b.chunk / (tl.chunks - 1):.2f}"' if b.chunk and tl.chunks > 1 else ""
+            out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{h}" fill="{TIMELINE_COLOURS[b.kind]}"{faded} '
+                       f'data-kind="{b.kind}"><title>rank {r}: {e(what)}, {b.start * 1e3:.4g}-{b.end * 1e3:.4g} ms</title></rect>')
+            label = str(b.microbatch)
+            if b.kind in ("forward", "backward", "weight") and w >= 6 * len(label) + 3:
+                out.append(f'<text x="{x + w / 2:.2f}" y="{y + 16}" text-anchor="middle" style="fill:#fff;font-size:11px">{label}</text>')
+        out.append("</g>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _timeline_section(tl: Timeline, step_s: float) -> str:
+    e = html.escape
+    outside = step_s - tl.makespan_s
+    rest = (f"; the plan's step of {step_s * 1e3:.3f} ms adds {outside * 1e3:.3f} ms after it (gradient all-reduces)"
+            if outside > 1e-9 * step_s else "")
+    present = {b.kind for row in tl.rows for b in row}
+    kinds = [k for k in KINDS if k in present]
+    names = {"forward": "forward", "backward": "backward" if "weight" not in kinds else "backward for inputs",
+             "weight": "backward for weights", "send": "send to the neighbouring rank", "bubble": "bubble (idle)"}
+    count = sum(len(row) for row in tl.rows)
+    dense = count > MAX_TIMELINE_BLOCKS
+    chunks = f" Each rank runs {tl.chunks} model chunks" + ("." if dense else "; later chunks are drawn lighter.") if tl.chunks > 1 else ""
+    note = (f" {count} blocks: drawn at pixel resolution, without microbatch numbers." if dense else " Numbers are microbatches.")
+    return (
+        f'<div class="muted" id="pipeline-timeline-caption">Timeline of one step under {e(tl.schedule)}, from the model that prices it: '
+        f"every rank runs the slowest rank's {(tl.t_f + tl.t_b + tl.t_w) * 1e3:.3f} ms per microbatch; schedule "
+        f"{tl.makespan_s * 1e3:.3f} ms, each rank idle {tl.bubble_s * 1e3:.3f} ms: bubble {tl.bubble_fraction:.1%}{e(rest)}."
+        f"{chunks}{note}</div>"
+        + _timeline_svg(tl)
+        + _legend([(names[k], TIMELINE_COLOURS[k]) for k in kinds])
+    )
 
 
 def _op_rows(plan: Plan) -> dict[str, list[str]]:
