@@ -66,6 +66,8 @@ class PeakMemory:
     at_peak: MemoryBreakdown
     """What is held at the peak (its total is `peak`): parameters, gradients (bucket buffers and the parameter
     gradients accumulated so far), optimizer state, and activations with every temporary."""
+    saved: int = 0
+    """Bytes still held when forward ends (what backward needs): what each further microbatch in flight adds."""
 
     def __str__(self) -> str:
         return f"peak {format_bytes(self.peak)} in {self.phase} (resident {self.resident})"
@@ -85,9 +87,15 @@ def _name(target: str) -> str:
     return re.sub(r"^aten(\.|::)", "", target).split(".", 1)[0]
 
 
-def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list | None = None) -> PeakMemory:
+def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list | None = None, nodes: set[str] | None = None,
+                 kept: set[str] | None = None) -> PeakMemory:
     """Peak bytes one device holds during a step of `plan` (a `meshplan.planner.Plan` for `graph`).
-    With `timeline` (a list), (phase, node name, bytes held once the op is done) is appended per op."""
+    With `timeline` (a list), (phase, node name, bytes held once the op is done) is appended per op.
+
+    `nodes`: walk only these ops (a pipeline stage's), and hold only the parameters they read, their optimizer
+    state and the gradient buckets made of them; tensors coming from outside cost nothing here (they arrive in
+    buffers the caller counts). `kept`: ops whose outputs stay until the end of backward (a stage's outputs, which
+    the schedule keeps for the backward of the next stage's gradient)."""
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
     shape = plan.mesh.shape
@@ -102,12 +110,17 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     def nbytes(meta, layout) -> int:
         return math.prod(local_shape(meta.shape, layout, shape)) * meta.itemsize if layout is not None else meta.nbytes
 
+    ops = [n for n in graph.nodes if n.kind == "op" and (nodes is None or n.name in nodes)]
+    read = {ref.node for n in ops for ref in n.inputs}
+
     # resident state
-    param_bytes = sum(nbytes(graph[p.node].out, p.layout) for p in plan.params)
-    trainable = [p for p in plan.params if not p.is_buffer and graph[p.node].grad(0)]
+    params = [p for p in plan.params if nodes is None or p.node in read]
+    param_bytes = sum(nbytes(graph[p.node].out, p.layout) for p in params)
+    trainable = [p for p in params if not p.is_buffer and graph[p.node].grad(0)]
     numels = [math.prod(local_shape(p.shape, p.layout, shape)) for p in trainable]
     state = OPTIMIZER_STATES[optimizer] * 4 * sum(numels)
-    buckets = sum(b.nbytes for b in plan.buckets)
+    mine = {p.node for p in params}
+    buckets = sum(b.nbytes for b in plan.buckets if any(name in mine for name in b.params))
     resident = MemoryBreakdown(params=param_bytes, grads=buckets, optimizer=state, activations=0)
 
     # tensors: a producer's output ("ref") or a resharded copy ("move"); views alias their input's root
@@ -116,7 +129,6 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     born: dict[object, int] = {}
     last_read: dict[object, int] = {}
     saved_until: dict[object, int] = {}  # root -> smallest index of an op that saved it (freed in backward there)
-    ops = [n for n in graph.nodes if n.kind == "op"]
     recomputed: dict[str, dict[object, int]] = {layer: {} for layer in plan.recompute}  # layer -> {key made again: saving op}
     rerun_at = {max(i for i, n in enumerate(ops) if n.layer == layer): layer for layer in plan.recompute
                 if any(n.layer == layer for n in ops)}  # its backward starts at its last op: the forward runs again there
@@ -145,39 +157,49 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
                 size[key], born[key] = nbytes(meta, out_layout[node.name][j]), i
         if any(node.requires_grad) and not is_view(node.target):  # a view's backward needs only shapes
             keep_in, keep_out = SAVED.get(_name(node.target), (tuple(range(len(ins))), ()))
-            kept = [ins[p] for p in keep_in if p < len(ins)]
-            kept += [root.get(("ref", node.name, j), ("ref", node.name, j)) for j in keep_out if j < len(node.outputs)]
+            saves = [ins[p] for p in keep_in if p < len(ins)]
+            saves += [root.get(("ref", node.name, j), ("ref", node.name, j)) for j in keep_out if j < len(node.outputs)]
             again = node.layer if node.layer in recomputed else None
-            for key in kept:
+            for key in saves:
                 if again is not None and key in born and ops[born[key]].layer == again:  # made inside: made again
                     rerun = recomputed[again]
                     rerun[key] = min(rerun.get(key, i), i)
                 else:  # a checkpointed layer keeps its inputs
                     saved_until[key] = min(saved_until.get(key, i), i)
-    for ref in graph.output.inputs:  # the loss (outputs) live to the end of forward and into backward
+    ends = [ref for ref in graph.output.inputs] + [TensorRef(n.name, j) for n in ops if kept and n.name in kept for j in range(len(n.outputs))]
+    for ref in ends:  # the loss (outputs) live to the end of forward and into backward
         key = root.get(("ref", ref.node, ref.index), ("ref", ref.node, ref.index))
         saved_until[key] = min(saved_until.get(key, len(ops)), -1)
-
     for rerun in recomputed.values():  # a tensor a later op keeps anyway is never freed, so never made again
         for key in [k for k in rerun if k in saved_until]:
             del rerun[key]
 
+    born_at: dict[int, list] = {}
+    for key, b in born.items():
+        born_at.setdefault(b, []).append(key)
+    freed_after: dict[int, list] = {}  # forward: a tensor no op saves goes after its last reader
+    for key, b in born.items():
+        if key not in saved_until:
+            freed_after.setdefault(max(last_read.get(key, b), b), []).append(key)
+    released_at: dict[int, list] = {}  # backward: a saved tensor goes after the backward of the first op that saved it
+    for key, until in saved_until.items():
+        if key in born:
+            released_at.setdefault(until, []).append(key)
+
     base = resident.total
     level, peak, where, grads_at_peak = 0, 0, "forward", 0
-    live: set = set()
     for i in range(len(ops)):  # forward
         scratch = 0
-        for key in [k for k, b in born.items() if b == i]:
+        for key in born_at.get(i, ()):
             scratch = max(scratch, scratch_fwd.get(key, 0))  # while the move runs, its result already allocated
-            live.add(key)
             level += size[key]
         if base + level + scratch > peak:
             peak, where, grads_at_peak = base + level + scratch, "forward", 0
-        for key in [k for k in live if last_read.get(k, born[k]) <= i and k not in saved_until]:
-            live.discard(key)
+        for key in freed_after.get(i, ()):
             level -= size[key]
         if timeline is not None:
             timeline.append(("forward", ops[i].name, base + level))
+    saved_bytes = level
 
     is_param = {n.name for n in graph.nodes if n.kind == "param"}
     grads: dict[object, int] = {}  # gradient of a tensor (root) -> bytes, alive until its producer's backward
@@ -200,10 +222,8 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     for i in range(len(ops) - 1, -1, -1):  # backward
         node = ops[i]
         for key, until in recomputed.get(rerun_at.get(i), {}).items():  # the checkpointed forward runs again
-            if key not in live:
-                live.add(key)
-                level += size[key]
-            saved_until[key] = until
+            level += size[key]
+            released_at.setdefault(until, []).append(key)
         if not any(node.requires_grad) or is_view(node.target):
             continue
         sent_back = []
@@ -223,8 +243,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
         for key in [("ref", node.name, j) for j in range(len(node.outputs))] + sent_back:
             if key in grads:  # consumed by this op's backward (or sent back by the dual step)
                 level -= grads.pop(key)
-        for key in [k for k in live if saved_until.get(k) == i]:
-            live.discard(key)
+        for key in released_at.pop(i, ()):
             level -= size[key]
         if timeline is not None:
             timeline.append(("backward", node.name, base + level + param_grads))
@@ -233,6 +252,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     at_step = base + param_grads + STEP_TEMPORARIES.get(optimizer, 0) * biggest
     if at_step > peak:
         peak, where, grads_at_peak = at_step, "optimizer", param_grads
-    grads = resident.grads + grads_at_peak
-    at_peak = MemoryBreakdown(params=param_bytes, grads=grads, optimizer=state, activations=int(peak) - param_bytes - grads - state)
-    return PeakMemory(peak=int(peak), resident=resident, phase=where, at_peak=at_peak)
+    grads_held = resident.grads + grads_at_peak
+    at_peak = MemoryBreakdown(params=param_bytes, grads=grads_held, optimizer=state,
+                              activations=int(peak) - param_bytes - grads_held - state)
+    return PeakMemory(peak=int(peak), resident=resident, phase=where, at_peak=at_peak, saved=saved_bytes)

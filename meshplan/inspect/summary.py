@@ -175,14 +175,18 @@ def format_summary(plan: Plan, *, ops: bool = False) -> str:
         )
         con.print(f"memory per device: {plan.memory}")
     else:  # the intra-op figures below are one microbatch of the whole model on one stage's sub-mesh
+        searched = plan.pipeline.searched_step_s
         con.print(
             f"predicted step {plan.step_time_s * 1e3:.3f} ms over {plan.pipeline.degree * mesh.size} devices, with bubble "
             f"{plan.bubble_s * 1e3:.3f} ms ({plan.pipeline.bubble_fraction:.1%}); peak memory per device "
             f"{format_bytes(plan.pipeline.peak_memory)}"
+            + (f" (the stage plans' own figures; the search's profile priced this configuration at {searched * 1e3:.3f} ms)"
+               if searched is not None else "")
         )
+        con.print(f"memory of the fullest pipeline rank: {plan.memory}")
         con.print(plan.pipeline.summary())
         con.print(f"one microbatch, whole model, on one stage's sub-mesh: compute {plan.compute_s * 1e3:.3f} ms + communication "
-                  f"{plan.comm_s * 1e3:.3f} ms, memory {plan.memory}")
+                  f"{plan.comm_s * 1e3:.3f} ms")
     precision = plan.precision.describe() if plan.precision else "fp32: the model's own dtypes, no casts"
     con.print(f"precision: {precision}")
     if plan.mfu is not None:

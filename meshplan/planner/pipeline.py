@@ -28,22 +28,23 @@ from torch.utils import _pytree as pytree
 
 from meshplan.cost_model.collectives import collective_time
 from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES
-from meshplan.cost_model.memory import MemoryBreakdown
+from meshplan.cost_model.memory import MemoryBreakdown, format_bytes
 from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
 from meshplan.cost_model.schedules import SCHEDULES, actions_per_microbatch, check_schedule, chunks_per_device, in_flight, schedule_time
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.precision import MixedPrecision
 from meshplan.ir.units import POST, PRE
-from meshplan.planner.planner import PlanOptions, make_plan
+from meshplan.planner.planner import UNBOUNDED, MemoryBudgetError, PlanOptions, make_plan
 from meshplan.planner.stage_profile import Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, tied_grad_bytes
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.plans.plan import Plan
 
 log = logging.getLogger("meshplan")
 
-UNBOUNDED = 2**60
-"""Memory budget handed to the intra-op solve: the pipeline search applies the real one per stage."""
+TOP_PRICED = 3
+"""Configurations (the cheapest by the searched profiles) whose real stage plans are solved and priced; the
+cheapest priced one that fits is returned."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,6 +97,8 @@ class PipelineResult:
     considered: int
     seconds: float
     solves: int
+    dropped: tuple[str, ...] = ()
+    """Configurations among the best searched whose stage plans did not fit the budget, each with why."""
 
 
 def _pins(units: list[Unit], stage_config: dict[str, int]) -> dict[int, int]:
@@ -200,10 +203,8 @@ def dp_sync_s(grad_bytes: float, data: int, mesh: tuple[int, ...], axis: int, cl
     return collective_time("all_reduce", int(grad_bytes), data, link) + (buckets - 1) * fixed
 
 
-def evaluate(units: list[Unit], *, p: int, d: int, t: int, m: int, schedule: str, cluster: ClusterPreset, budget: float,
-             virtual: int = 2, pins: dict[int, int] | None = None, dp_in_profile: bool, recompute: bool | None = None) -> PipelinePlan | None:
-    """The best cut of `units` for one (p, d, t, m, schedule), as a PipelinePlan; None if nothing fits."""
-    check_schedule(schedule)
+def _cut_prices(units: list[Unit], p: int, d: int, t: int, schedule: str, cluster: ClusterPreset) -> tuple[float, float]:
+    """(seconds a stage pays per cut it sits at, seconds per microbatch for the runtime's schedule actions)."""
     mesh = (p, d, t)
     # one cut sends the activation forward and its gradient back, between ranks d*t apart
     cut_bytes = max((u.out_bytes for u in units[:-1]), default=0)
@@ -212,12 +213,45 @@ def evaluate(units: list[Unit], *, p: int, d: int, t: int, m: int, schedule: str
     # the runtime's own cost of a stage's actions per microbatch, measured with their handshakes
     # (profiling/pipeline_overhead.py): the cut's sends then cost their bytes only
     per_action = cluster.profile.pipeline_action(p * d * t) if p > 1 and cluster.profile else 0.0
-    action = actions_per_microbatch(schedule) * per_action
     if per_action:
         p2p = max(0.0, p2p - 2 * collective_time("send_recv", 1, 2, link))
+    return p2p, actions_per_microbatch(schedule) * per_action
+
+
+def evaluate(units: list[Unit], *, p: int, d: int, t: int, m: int, schedule: str, cluster: ClusterPreset, budget: float,
+             virtual: int = 2, pins: dict[int, int] | None = None, dp_in_profile: bool, recompute: bool | None = None) -> PipelinePlan | None:
+    """The best cut of `units` for one (p, d, t, m, schedule), as a PipelinePlan; None if nothing fits."""
+    check_schedule(schedule)
+    p2p, action = _cut_prices(units, p, d, t, schedule, cluster)
     parts = partition(units, p, m, schedule, budget=budget, p2p_s=p2p, action_s=action, virtual=virtual, pins=pins, recompute=recompute)
     if parts is None:
         return None
+    return _priced(units, parts, p=p, d=d, t=t, m=m, schedule=schedule, cluster=cluster, virtual=virtual, dp_in_profile=dp_in_profile,
+                   p2p=p2p)
+
+
+def reprice(units: list[Unit], pipe: PipelinePlan, *, d: int, t: int, cluster: ClusterPreset, dp_in_profile: bool) -> PipelinePlan:
+    """`pipe`'s stages (the same units, recomputation and memory) priced on `units` by the search's own terms (a
+    range's seconds as `partition` adds them, the schedule and gradient sync as `evaluate` does)."""
+    p2p, action = _cut_prices(units, pipe.degree, d, t, pipe.schedule, cluster)
+    index = {u.name: k for k, u in enumerate(units)}
+    parts = []
+    for s in pipe.stages:
+        i, j = index[s.units[0]], index[s.units[-1]] + 1
+        secs = sum(u.time_s for u in units[i:j]) + p2p * ((i > 0) + (j < len(units))) + action
+        if s.recompute:
+            secs += sum(u.forward_s for u in units[i:j] if u.name not in (PRE, POST))
+        parts.append((i, j, s.recompute, secs, s.memory))
+    priced = _priced(units, parts, p=pipe.degree, d=d, t=t, m=pipe.microbatches, schedule=pipe.schedule, cluster=cluster,
+                     virtual=pipe.chunks, dp_in_profile=dp_in_profile, p2p=p2p)
+    return replace(priced, pinned=pipe.pinned)
+
+
+def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedule: str, cluster: ClusterPreset, virtual: int,
+            dp_in_profile: bool, p2p: float) -> PipelinePlan:
+    """The PipelinePlan of stages `parts` ([(start, end, recompute, seconds per microbatch, memory)])."""
+    mesh = (p, d, t)
+    link = cluster.link_for_axis(mesh, 0)
     v = chunks_per_device(schedule, virtual)
     dev_time = [0.0] * p
     dev_sync = [0.0] * p
@@ -243,6 +277,27 @@ def evaluate(units: list[Unit], *, p: int, d: int, t: int, m: int, schedule: str
     step = sched.step_s + max(dev_sync) + tie
     return PipelinePlan(degree=p, schedule=schedule if p > 1 else "1f1b", microbatches=m, chunks=v if p > 1 else 1, stages=tuple(stages),
                         step_s=step, bubble_s=sched.bubble_s, bubble_fraction=sched.bubble_fraction, p2p_s=p2p)
+
+
+def _returned_plan(ranked: list[Candidate], stage_plan: Callable[[Candidate], Plan], budget: float) -> tuple[Candidate, Plan, tuple[str, ...]]:
+    """Solve the stage plans of the cheapest searched configurations and return the cheapest as priced (its step and
+    memory are its own stage plan's), with why each configuration that does not fit was dropped."""
+    priced, dropped = [], []
+    for c in ranked:
+        what = f"pipeline tp {c.tensor} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}"
+        try:
+            priced.append((c, stage_plan(c)))
+        except MemoryBudgetError as e:
+            dropped.append(f"{what}: its stage plan does not fit: {e}")
+    if not priced:
+        raise ValueError(f"none of the {len(ranked)} cheapest pipeline configurations has stage plans within the budget of "
+                         f"{format_bytes(budget)} per device:\n  " + "\n  ".join(dropped))
+    best, plan = min(priced, key=lambda cp: (cp[1].step_time_s, cp[1].memory.total))
+    others = tuple(f"{f'pipeline tp {c.tensor} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}'}: priced "
+                   f"{p.step_time_s:.4g} s per step, slower than the returned {plan.step_time_s:.4g} s" for c, p in priced if p is not plan)
+    dropped = tuple(dropped)
+    plan = replace(plan, solver=replace(plan.solver, skipped=plan.solver.skipped + dropped + others))
+    return replace(best, pipe=plan.pipeline), plan, dropped
 
 
 def divisors(n: int) -> list[int]:
@@ -301,12 +356,20 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             profiles[key] = units
         return profiles[key]
 
-    def plan_of(mesh: tuple[int, ...], n: int) -> Plan:
-        """The plan handed to the user, with its alternatives recorded."""
-        key = (mesh, n, options.layers, options.optimizer)
-        if key not in plans or not plans[key].alternatives:
-            plans[key] = solve_at(graph_at(n), mesh, explain=True)
-        return plans[key]
+    def stage_plan(c: Candidate) -> Plan:
+        """The runtime's plan of candidate `c`: the stage sub-mesh (d, t) at the data-parallel microbatch d b, its stages
+        walked under the schedule and kept within the budget, priced again by its own units."""
+        nonlocal solves
+        solves += 1
+        mesh = tuple(x for x in (c.data, c.tensor) if x > 1) or (1,)
+        names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if c.tensor > 1 else ("dp",))
+        graph = graph_at(c.data * c.micro)
+        plan_options = PlanOptions(memory_budget=budget, optimizer=options.optimizer, time_limit_s=options.time_limit_s)
+        plan = make_plan(graph, MeshSpec(mesh, names), cluster, plan_options, model_name=model_name, pipeline=c.pipe)
+        pipe = reprice(profile_units(graph, plan, options.optimizer), plan.pipeline, d=c.data, t=c.tensor, cluster=cluster,
+                       dp_in_profile=True)
+        pipe = replace(pipe, searched_step_s=c.step_s)
+        return replace(plan, pipeline=pipe, model_flops=plan.model_flops * pipe.microbatches)  # the graph is one microbatch
 
     tensors = options.tensor_degrees or tuple(x for x in divisors(devices) if x <= cluster.devices_per_node)
     if fixed is not None:
@@ -334,6 +397,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
                 for sched in options.schedules if p > 1 else ("1f1b",):
                     if sched in ("interleaved_1f1b", "interleaved_zb") and m % p:
                         continue  # Megatron's and torch's interleaved schedules want whole rounds of p microbatches
+                    if sched == "1f1b" and m < p:
+                        continue  # torch's Schedule1F1B refuses fewer microbatches than stages
                     if sched == "zbv" and m < 2 * p - 1:
                         continue  # torch's ZB-V fills its V with at least 2p - 1 microbatches
                     if pins and sched != "gpipe" and sched != "1f1b" and p > 1:
@@ -345,37 +410,21 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
                         cands.append(Candidate(tensor=t, pipeline=p, data=d, micro=b, pipe=pipe))
     if not cands:
         raise ValueError(
-            f"no pipeline configuration of {devices} devices fits the memory budget of {budget / 2**30:.1f} GiB per device "
+            f"no pipeline configuration of {devices} devices fits the memory budget of {format_bytes(budget)} per device "
             f"for batch {batch}" + (f" with (tensor, pipeline, data) = {fixed}" if fixed else "") +
             f"; planned for cluster {cluster.name!r} ({cluster.device.memory_bytes / 2**30:.0f} GiB per device): plan for the "
             f"hardware you run on with cluster= ({', '.join(sorted(CLUSTERS))}), or give memory_budget=, more devices or a smaller batch"
         )
-    best = min(cands, key=lambda c: (c.step_s, c.pipe.peak_memory))
-    best = replace(best, pipe=replace(best.pipe, pinned=tuple(sorted(options.stage_config.items()))))
-    plan = None
+    pinned = tuple(sorted(options.stage_config.items()))
+    ranked = [replace(c, pipe=replace(c.pipe, pinned=pinned)) for c in sorted(cands, key=lambda c: (c.step_s, c.pipe.peak_memory))]
+    best, plan, dropped = ranked[0], None, ()
     if options.stage_plan:
-        # the runtime's plan: the stage sub-mesh (d, t) at the data-parallel microbatch d b
-        mesh = tuple(x for x in (best.data, best.tensor) if x > 1) or (1,)
-        plan = plan_of(mesh, best.data * best.micro)
-        mesh_names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if best.tensor > 1 else ("dp",))
-        plan = replace(plan, mesh=MeshSpec(plan.mesh.shape, mesh_names), pipeline=best.pipe,
-                       model_flops=plan.model_flops * best.pipe.microbatches)  # the graph is one microbatch
-        if options.layers is None:  # the runtime checkpoints the layers of recomputing stages (a stretched profile has no such layers)
-            plan = with_stage_recompute(plan, graph_at(best.data * best.micro))
+        if options.layers is not None:
+            raise ValueError(f"PipelineOptions(layers={options.layers}) stretches a profile the model does not have: the stage plan "
+                             "cannot be solved on it; give stage_plan=False (pricing only) or trace the model at its depth")
+        best, plan, dropped = _returned_plan(ranked[:TOP_PRICED], stage_plan, budget)
     log.info("pipeline search: %d candidates, %d solves, %.1f s", considered, solves, time.perf_counter() - t0)
-    return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves)
-
-
-def with_stage_recompute(plan: Plan, graph: Graph) -> Plan:
-    """`plan` with the layers of its recomputing stages in `Plan.recompute` (the runtime runs each under a checkpoint)
-    and the moves feeding them marked to run again in backward, as the intra-op solve marks its own recomputed layers."""
-    layers = tuple(u for s in plan.pipeline.stages if s.recompute for u in s.units if u not in (PRE, POST))
-    if not layers:
-        return plan
-    again = set(layers) | set(plan.recompute)
-    transfers = tuple(replace(t, recompute=True) if t.consumer in graph and graph[t.consumer].kind == "op" and graph[t.consumer].layer in again
-                      else t for t in plan.transfers)
-    return replace(plan, recompute=tuple(dict.fromkeys(plan.recompute + layers)), transfers=transfers)
+    return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves, dropped=dropped)
 
 
 def pipeline_options(pipeline: int | str | PipelineOptions, stage_config: dict | None, optimizer: str, memory_budget: float | None,

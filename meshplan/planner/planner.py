@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, bucket_time, grad_sync_axes, local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, parse_bytes
 from meshplan.cost_model.model_flops import model_flops
+from meshplan.cost_model.peak import predict_peak
+from meshplan.cost_model.pipeline_memory import with_stage_memory
 from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
 from meshplan.cost_model.redistribution import backward_steps, redistribution_steps
 from meshplan.ir.graph import Graph
@@ -23,10 +25,11 @@ from meshplan.planner.neighbourhood import search as neighbourhood_search
 from meshplan.planner.offload import OffloadOptions, add_offload_options, check_offload
 from meshplan.planner.problem import INFEASIBLE_S, Tables, build_tables, grad_flows, node_memory, transfer_memory
 from meshplan.planner.propagation import propagate
-from meshplan.planner.recompute import check_recompute, internal_outputs, recompute_groups
+from meshplan.planner.recompute import check_recompute, internal_outputs, recompute_groups, with_stage_recompute
 from meshplan.planner.solver import InfeasiblePlan, Solution, SolveTimeout, evaluate, solve
 from meshplan.planner.strategies import generate
 from meshplan.planner.tying import tie_repeated_layers
+from meshplan.plans.pipeline import PipelinePlan
 from meshplan.plans.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
 from meshplan.plans.strategy import Strategy
 from meshplan.progress import phase
@@ -40,14 +43,21 @@ SEARCHES = ("ilp", "propagation")
 class MemoryBudgetError(ValueError):
     """No plan fits the per-device memory budget; says the smallest budget that would work."""
 
-    def __init__(self, budget: float, smallest: float, mesh: MeshSpec, cluster: ClusterPreset) -> None:
+    def __init__(self, budget: float, smallest: float, mesh: MeshSpec, cluster: ClusterPreset, *, of: str = "any plan") -> None:
         self.budget, self.smallest, self.mesh, self.cluster = budget, smallest, mesh, cluster.name
         super().__init__(
             f"memory budget {format_bytes(budget)} per device is infeasible on mesh {mesh}: the smallest predicted peak "
-            f"of any plan is {format_bytes(smallest)} ({int(smallest)} bytes); allowed: a budget >= that, or more devices. "
+            f"of {of} is {format_bytes(smallest)} ({int(smallest)} bytes); allowed: a budget >= that, or more devices. "
             f"Planned for cluster {cluster.name!r} ({format_bytes(cluster.device.memory_bytes)} per device); plan for the "
             f"hardware you run on with cluster= ({', '.join(sorted(CLUSTERS))}) or memory_budget="
         )
+
+
+UNBOUNDED = 2**60
+"""A memory row that never binds (a pipeline's stage plan is first solved without one: its row sums one microbatch of
+every stage, which bounds no stage; the walk per stage then checks the budget)."""
+MAX_TIGHTENINGS = 4
+"""Solves again with a tighter memory row when the walked peak of a plan breaks the budget."""
 
 
 def _budget(value: int | str | None, cluster: ClusterPreset) -> float:
@@ -96,11 +106,15 @@ class PlanOptions:
 
 def make_plan(
     graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, *, model_name: str = "model",
-    earlier: Sequence[Plan] = (),
+    earlier: Sequence[Plan] = (), pipeline: PipelinePlan | None = None,
 ) -> Plan:
     """The plan of `graph` on `mesh`. `earlier`: the mesh search's plans of the same graph on other
     meshes; those that map onto this one (coarser, or permuted) start its search when it is too
-    large for one exact solve (`planner/neighbourhood.py`)."""
+    large for one exact solve (`planner/neighbourhood.py`). `pipeline`: the plan is the stage plan of these
+    stages (`graph` is one microbatch), and the budget holds for each pipeline rank under the schedule.
+
+    `plan.memory` is the liveness walk's peak (`cost_model/peak.py`, per stage for a pipeline), and the plan keeps
+    `options.memory_budget` by that peak (`_keep_budget`)."""
     if options.mode not in MODES:
         raise ValueError(f"mode={options.mode!r} is not supported; allowed: {', '.join(MODES)}")
     if options.inputs not in INPUT_MODES:
@@ -126,170 +140,212 @@ def make_plan(
 
     tying = tie_repeated_layers(graph, cands.by_node, enabled=tie)
 
-    def solve_subset(subset: Subset | None) -> Solved[_Searched]:
-        """Tables and solve over the candidates `subset` keeps (all of them when None)."""
-        by_node = _restrict(cands.by_node, subset)
-        tables = build_tables(
-            graph, mesh, cluster, by_node, optimizer=options.optimizer, memory_budget=budget, tie_layers=tie,
-            recompute=groups, force_recompute=options.recompute == "always", tying=tying if subset is None else None,
-        )
-        offload_from = add_offload_options(tables, graph, by_node, cluster, optimizer=options.optimizer, mode=options.offload)
-        solution = propagate(tables.problem) if search == "propagation" else _solve_with_recompute(tables.problem, options)
-        rep = tables.tying.rep
-        choice = {n.name: offload_from.decode(rep[n.name], solution.choice[rep[n.name]])[0] for n in graph.nodes}
-        if subset is not None:
-            choice = {name: subset[name][i] for name, i in choice.items()}
-        return Solved(solution.objective, choice, _Searched(by_node, tables, offload_from, solution))
-
-    began = time.perf_counter()
-    phase(f"{search} search on mesh {mesh} (costing and solving {len(graph.nodes)} nodes)")
-    pairs = layout_pairs(graph, cands.by_node, tying.rep) if search == "ilp" else 0
-    log.info("mesh %s: %d strategies, %d layout pairs", mesh, sum(map(len, cands.by_node.values())), pairs)
-    try:
-        if pairs > PAIR_LIMIT:
-            phase(f"mesh {mesh}: {pairs} layout pairs exceed {PAIR_LIMIT}; searching one mesh axis at a time")
-            found = neighbourhood_search(
-                solve_subset, cands.by_node, mesh.ndim, _starts(cands.by_node, mesh, earlier), time_limit_s=options.time_limit_s
+    def attempt(solver_budget: float) -> Plan:
+        """Solve with the memory row bounded by `solver_budget` and assemble the plan (memory: the row's sum)."""
+        def solve_subset(subset: Subset | None) -> Solved[_Searched]:
+            """Tables and solve over the candidates `subset` keeps (all of them when None)."""
+            by_node = _restrict(cands.by_node, subset)
+            tables = build_tables(
+                graph, mesh, cluster, by_node, optimizer=options.optimizer, memory_budget=solver_budget, tie_layers=tie,
+                recompute=groups, force_recompute=options.recompute == "always", tying=tying if subset is None else None,
             )
-            local = dataclasses.replace(found.result.solution, status="local", seconds=time.perf_counter() - began)
-            found = dataclasses.replace(found, result=dataclasses.replace(found.result, solution=local))
-        else:
-            found = solve_subset(None)
-    except InfeasiblePlan:
-        # the smallest peak of any plan; on a mesh searched by neighbourhoods, of the plans that merge the outer axes
-        subset = None if pairs <= PAIR_LIMIT else merged(cands.by_node, _outer_merged(mesh))
-        tables = build_tables(graph, mesh, cluster, _restrict(cands.by_node, subset), optimizer=options.optimizer, memory_budget=budget, tie_layers=tie)
-        smallest = solve(tables.problem, time_limit_s=options.time_limit_s, minimize="memory")
-        if smallest.objective <= budget:
-            raise
-        raise MemoryBudgetError(budget, smallest.objective, mesh, cluster) from None
-    by_node, tables, offload_from, solution = found.result.by_node, found.result.tables, found.result.offload_from, found.result.solution
-    if solution.objective >= INFEASIBLE_S:
-        raise InfeasiblePlan("no consistent choice of strategies exists for the repeated layers; plan with tie_layers=False")
-    rep = tables.tying.rep
-    raw = {n.name: solution.choice[rep[n.name]] for n in graph.nodes}  # indexes the cost tables
-    decoded = {name: offload_from.decode(rep[name], i) for name, i in raw.items()}
-    choice = {name: i for name, (i, _) in decoded.items()}
-    offloaded = {name for name, (_, host) in decoded.items() if host}
-    chosen = {name: by_node[name][i] for name, i in choice.items()}
+            offload_from = add_offload_options(tables, graph, by_node, cluster, optimizer=options.optimizer, mode=options.offload)
+            solution = propagate(tables.problem) if search == "propagation" else _solve_with_recompute(tables.problem, options)
+            rep = tables.tying.rep
+            choice = {n.name: offload_from.decode(rep[n.name], solution.choice[rep[n.name]])[0] for n in graph.nodes}
+            if subset is not None:
+                choice = {name: subset[name][i] for name, i in choice.items()}
+            return Solved(solution.objective, choice, _Searched(by_node, tables, offload_from, solution))
 
-    nodes, transfers, params, inputs = [], [], [], []
-    compute_s = comm_s = host_s = optimizer_s = 0.0
-    memory = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
-    recomputed = {layer: g.name for g in groups if g.name in solution.recompute for layer in g.layers}
-    internal = internal_outputs(graph) if recomputed else set()
-    rematerialised: dict[str, float] = {}  # recomputed layer -> bytes it holds again during its backward
-    # every price and size below is the tables' (the solver's own numbers), read at the chosen strategy
-    for node in graph.nodes:
-        s = chosen[node.name]
-        r, i = rep[node.name], choice[node.name]
-        cost = tables.unit_costs[r][raw[node.name]]
-        node_mem = tables.memory[r][i]
-        if node.name in offloaded:
-            node_mem = dataclasses.replace(node_mem, optimizer=0)
-            host_s += offload_from.host_s[r][i]
-        if node.kind == "op" and node.layer in recomputed:
-            cost += tables.forward_s[r][i]
-            if node.name in internal:
-                rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + node_mem.activations
-                node_mem = dataclasses.replace(node_mem, activations=0)
-        memory = memory + node_mem
-        for pos, ref in enumerate(node.inputs):
-            src = chosen[ref.node].outputs[ref.index]
-            dst = s.inputs[pos]
-            if src == dst:
-                continue
-            meta = graph.meta(ref)
-            fwd = redistribution_steps(meta, src, dst, shape)
-            bwd = backward_steps(fwd) if grad_flows(graph, ref, node) else []
-            t = tables.move_time(meta, src, dst, bool(bwd))
-            held = transfer_memory(meta, src, dst, node, shape)
-            again = node.kind == "op" and node.layer in recomputed
-            if again:  # the forward move runs again in backward; its copy is not held until then
-                t += tables.move_time(meta, src, dst, False)
-                rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + held
-                held = 0
-            comm_s += t
-            memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=held)
-            transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t, recompute=again))
-        if node.kind == "op":
-            region = tables.regions[r][i] if r in tables.regions else None
-            if region is not None:  # a region op's own collectives are communication, listed in the plan
-                cost = region.compute_s
-                if node.layer in recomputed:  # its forward again, own collectives included
-                    rerun = tables.regions_forward[r][i]
-                    cost, comm_s = cost + rerun.compute_s, comm_s + rerun.comm_s
-                compute_s, comm_s = compute_s + cost, comm_s + region.comm_s
-                nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost, region.forward, region.backward))
+        began = time.perf_counter()
+        phase(f"{search} search on mesh {mesh} (costing and solving {len(graph.nodes)} nodes)")
+        pairs = layout_pairs(graph, cands.by_node, tying.rep) if search == "ilp" else 0
+        log.info("mesh %s: %d strategies, %d layout pairs", mesh, sum(map(len, cands.by_node.values())), pairs)
+        try:
+            if pairs > PAIR_LIMIT:
+                phase(f"mesh {mesh}: {pairs} layout pairs exceed {PAIR_LIMIT}; searching one mesh axis at a time")
+                found = neighbourhood_search(
+                    solve_subset, cands.by_node, mesh.ndim, _starts(cands.by_node, mesh, earlier), time_limit_s=options.time_limit_s
+                )
+                local = dataclasses.replace(found.result.solution, status="local", seconds=time.perf_counter() - began)
+                found = dataclasses.replace(found, result=dataclasses.replace(found.result, solution=local))
             else:
-                compute_s += cost
-                nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost))
-        elif node.kind in ("param", "buffer"):
-            layout = s.outputs[0]
-            trainable = node.kind == "param" and node.grad(0)
-            step = 0.0  # ParamChoice.time_s keeps the gradient sync (+ the host step when offloaded)
-            if trainable:
-                device_step = tables.optimizer_s[r][i]
-                if node.name in offloaded:  # the cost holds the host step in place of the device's
-                    cost += device_step
-                else:
-                    cost -= device_step
-                    step = device_step
-                optimizer_s += step
-            axes = grad_sync_axes(layout) if trainable else ()
-            axes = tuple(a for a in axes if shape[a] > 1)
-            params.append(
-                ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype, offload=node.name in offloaded,
-                            optimizer_s=step)
-            )
-        elif node.kind == "input":
-            inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
-    for g in groups:  # one layer of each recomputed group is whole again while its backward runs
-        if g.name in solution.recompute:
-            peak = max((rematerialised.get(layer, 0.0) for layer in g.layers), default=0.0)
-            memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=int(peak))
-    buckets = _grad_buckets(graph, params, shape, cluster)
-    flops, flops_dtype = model_flops(graph)
-    comm_s += sum(b.time_s for b in buckets)  # gradient sync as the runtime runs it, not per parameter
-    assert abs(memory.total - solution.memory) <= 1e-6 * max(memory.total, 1.0) + 1, (
-        f"plan memory {memory.total} differs from the solver's {solution.memory}"
-    )
+                found = solve_subset(None)
+        except InfeasiblePlan:
+            # the smallest peak of any plan; on a mesh searched by neighbourhoods, of the plans that merge the outer axes
+            subset = None if pairs <= PAIR_LIMIT else merged(cands.by_node, _outer_merged(mesh))
+            tables = build_tables(graph, mesh, cluster, _restrict(cands.by_node, subset), optimizer=options.optimizer,
+                                  memory_budget=solver_budget, tie_layers=tie)
+            smallest = solve(tables.problem, time_limit_s=options.time_limit_s, minimize="memory")
+            if smallest.objective <= solver_budget:
+                raise
+            raise MemoryBudgetError(budget, smallest.objective, mesh, cluster) from None
+        by_node, tables, offload_from, solution = found.result.by_node, found.result.tables, found.result.offload_from, found.result.solution
+        if solution.objective >= INFEASIBLE_S:
+            raise InfeasiblePlan("no consistent choice of strategies exists for the repeated layers; plan with tie_layers=False")
+        rep = tables.tying.rep
+        raw = {n.name: solution.choice[rep[n.name]] for n in graph.nodes}  # indexes the cost tables
+        decoded = {name: offload_from.decode(rep[name], i) for name, i in raw.items()}
+        choice = {name: i for name, (i, _) in decoded.items()}
+        offloaded = {name for name, (_, host) in decoded.items() if host}
+        chosen = {name: by_node[name][i] for name, i in choice.items()}
 
-    return Plan(
-        model=model_name,
-        graph_fingerprint=graph.fingerprint(),
-        precision=graph.precision,
-        model_flops=flops,
-        peak_flops=cluster.device.peak(flops_dtype),
-        mesh=mesh,
-        mode=options.mode,
-        inputs_mode=options.inputs,
-        cluster=cluster.name,
-        nodes=tuple(nodes),
-        transfers=tuple(transfers),
-        params=tuple(params),
-        inputs=tuple(inputs),
-        memory=memory,
-        compute_s=compute_s,
-        comm_s=comm_s,
-        host_s=host_s,
-        optimizer_s=optimizer_s,
-        solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables,
-                          constraints=solution.constraints),
-        fallbacks=tuple(cands.fallbacks),
-        buckets=tuple(buckets),
-        recompute=tuple(layer for g in groups if g.name in solution.recompute for layer in g.layers),
-        alternatives=() if not options.alternatives else record_alternatives(
-            # a neighbourhood search prices the candidates of its last neighbourhood; those the annotations removed stay listed
-            graph, dataclasses.replace(cands, by_node=by_node),
-            {n: by_node[n] + [s for s in ss if s not in kept] for n, ss in before_constraints.items() for kept in [set(cands.by_node[n])]},
-            choice, constraints,
-            own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
-            move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
-            memory=lambda node, s: node_memory(node, s, shape, options.optimizer, weight_cast=node.name in graph.weight_casts).total,
-            memory_budget=budget,
-        ),
-    )
+        nodes, transfers, params, inputs = [], [], [], []
+        compute_s = comm_s = host_s = optimizer_s = 0.0
+        memory = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
+        recomputed = {layer: g.name for g in groups if g.name in solution.recompute for layer in g.layers}
+        internal = internal_outputs(graph) if recomputed else set()
+        rematerialised: dict[str, float] = {}  # recomputed layer -> bytes it holds again during its backward
+        # every price and size below is the tables' (the solver's own numbers), read at the chosen strategy
+        for node in graph.nodes:
+            s = chosen[node.name]
+            r, i = rep[node.name], choice[node.name]
+            cost = tables.unit_costs[r][raw[node.name]]
+            node_mem = tables.memory[r][i]
+            if node.name in offloaded:
+                node_mem = dataclasses.replace(node_mem, optimizer=0)
+                host_s += offload_from.host_s[r][i]
+            if node.kind == "op" and node.layer in recomputed:
+                cost += tables.forward_s[r][i]
+                if node.name in internal:
+                    rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + node_mem.activations
+                    node_mem = dataclasses.replace(node_mem, activations=0)
+            memory = memory + node_mem
+            for pos, ref in enumerate(node.inputs):
+                src = chosen[ref.node].outputs[ref.index]
+                dst = s.inputs[pos]
+                if src == dst:
+                    continue
+                meta = graph.meta(ref)
+                fwd = redistribution_steps(meta, src, dst, shape)
+                bwd = backward_steps(fwd) if grad_flows(graph, ref, node) else []
+                t = tables.move_time(meta, src, dst, bool(bwd))
+                held = transfer_memory(meta, src, dst, node, shape)
+                again = node.kind == "op" and node.layer in recomputed
+                if again:  # the forward move runs again in backward; its copy is not held until then
+                    t += tables.move_time(meta, src, dst, False)
+                    rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + held
+                    held = 0
+                comm_s += t
+                memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=held)
+                transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t, recompute=again))
+            if node.kind == "op":
+                region = tables.regions[r][i] if r in tables.regions else None
+                if region is not None:  # a region op's own collectives are communication, listed in the plan
+                    cost = region.compute_s
+                    if node.layer in recomputed:  # its forward again, own collectives included
+                        rerun = tables.regions_forward[r][i]
+                        cost, comm_s = cost + rerun.compute_s, comm_s + rerun.comm_s
+                    compute_s, comm_s = compute_s + cost, comm_s + region.comm_s
+                    nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost, region.forward, region.backward))
+                else:
+                    compute_s += cost
+                    nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost))
+            elif node.kind in ("param", "buffer"):
+                layout = s.outputs[0]
+                trainable = node.kind == "param" and node.grad(0)
+                step = 0.0  # ParamChoice.time_s keeps the gradient sync (+ the host step when offloaded)
+                if trainable:
+                    device_step = tables.optimizer_s[r][i]
+                    if node.name in offloaded:  # the cost holds the host step in place of the device's
+                        cost += device_step
+                    else:
+                        cost -= device_step
+                        step = device_step
+                    optimizer_s += step
+                axes = grad_sync_axes(layout) if trainable else ()
+                axes = tuple(a for a in axes if shape[a] > 1)
+                params.append(
+                    ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype, offload=node.name in offloaded,
+                                optimizer_s=step)
+                )
+            elif node.kind == "input":
+                inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
+        for g in groups:  # one layer of each recomputed group is whole again while its backward runs
+            if g.name in solution.recompute:
+                peak = max((rematerialised.get(layer, 0.0) for layer in g.layers), default=0.0)
+                memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=int(peak))
+        buckets = _grad_buckets(graph, params, shape, cluster)
+        flops, flops_dtype = model_flops(graph)
+        comm_s += sum(b.time_s for b in buckets)  # gradient sync as the runtime runs it, not per parameter
+        if abs(memory.total - solution.memory) > 1e-6 * max(memory.total, 1.0) + 1:
+            raise AssertionError(f"plan memory {memory.total} differs from the solver's {solution.memory}")
+
+        return Plan(
+            model=model_name,
+            graph_fingerprint=graph.fingerprint(),
+            precision=graph.precision,
+            model_flops=flops,
+            peak_flops=cluster.device.peak(flops_dtype),
+            mesh=mesh,
+            mode=options.mode,
+            inputs_mode=options.inputs,
+            cluster=cluster.name,
+            nodes=tuple(nodes),
+            transfers=tuple(transfers),
+            params=tuple(params),
+            inputs=tuple(inputs),
+            memory=memory,
+            compute_s=compute_s,
+            comm_s=comm_s,
+            host_s=host_s,
+            optimizer_s=optimizer_s,
+            solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables,
+                              constraints=solution.constraints, memory_bound=memory.total),
+            fallbacks=tuple(cands.fallbacks),
+            buckets=tuple(buckets),
+            recompute=tuple(layer for g in groups if g.name in solution.recompute for layer in g.layers),
+            alternatives=() if not options.alternatives else record_alternatives(
+                # a neighbourhood search prices the candidates of its last neighbourhood; those the annotations removed stay listed
+                graph, dataclasses.replace(cands, by_node=by_node),
+                {n: by_node[n] + [s for s in ss if s not in kept] for n, ss in before_constraints.items() for kept in [set(cands.by_node[n])]},
+                choice, constraints,
+                own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
+                move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
+                memory=lambda node, s: node_memory(node, s, shape, options.optimizer, weight_cast=node.name in graph.weight_casts).total,
+                memory_budget=budget,
+            ),
+        )
+
+    return _keep_budget(attempt, graph, budget, options.optimizer, mesh, cluster, pipeline)
+
+
+def with_walked_memory(plan: Plan, graph: Graph, optimizer: str) -> Plan:
+    """`plan` whose `memory` is the liveness walk's peak (each stage's, for a pipelined plan) instead of the solver's sum."""
+    if plan.pipeline is not None:
+        return with_stage_memory(graph, plan, optimizer=optimizer)
+    return dataclasses.replace(plan, memory=predict_peak(graph, plan, optimizer=optimizer).at_peak)
+
+
+def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: MeshSpec, cluster: ClusterPreset,
+                 pipeline: PipelinePlan | None) -> Plan:
+    """The plan `attempt(row bound)` solves, whose walked peak keeps `budget`.
+
+    The solver bounds a sum over nodes, which is neither above nor below the walked peak in general (frees and
+    recomputation make it high; collective scratch, the optimizer step's temporaries and a pipeline's microbatches in
+    flight make it low). So: solve under the budget (a pipeline's stage plan: unbounded), walk the plan, and while its
+    peak is over, solve again with the row tightened by the overshoot (by ratio, and at least by the bytes)."""
+    bound = budget if pipeline is None else UNBOUNDED
+    over: list[float] = []
+    for _ in range(MAX_TIGHTENINGS + 1):
+        try:
+            plan = attempt(bound)
+        except MemoryBudgetError:
+            if not over:
+                raise
+            break  # nothing fits the tightened row
+        if pipeline is not None:  # the layers of recomputing stages run under checkpoints
+            plan = with_stage_recompute(dataclasses.replace(plan, pipeline=pipeline), graph)
+        plan = with_walked_memory(plan, graph, optimizer)
+        peak = plan.memory.total
+        if peak <= budget:
+            return plan
+        over.append(peak)
+        summed = plan.solver.memory_bound
+        bound = min(summed * budget / peak, summed - (peak - budget))
+        log.info("mesh %s: walked peak %s breaks the budget %s; solving again with the memory row at %s", mesh,
+                 format_bytes(peak), format_bytes(budget), format_bytes(bound))
+    raise MemoryBudgetError(budget, min(over), mesh, cluster, of=f"the {len(over)} plans solved with tighter memory rows")
 
 
 @dataclass(frozen=True, slots=True)

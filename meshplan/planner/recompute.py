@@ -15,10 +15,12 @@ layer's checkpoint keeps it as its input.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshplan.ir.graph import Graph
+from meshplan.ir.units import POST, PRE
 from meshplan.planner.solver import Recompute
+from meshplan.plans.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -136,3 +138,15 @@ class RecomputeTerms:
             u.layers = [frozenset(t for t, layers in terms.items() if layer in layers) for layer in g.layers]
             out.append(u)
         return out
+
+
+def with_stage_recompute(plan: Plan, graph: Graph) -> Plan:
+    """`plan` with the layers of its recomputing stages in `Plan.recompute` (the runtime runs each under a checkpoint)
+    and the moves feeding them marked to run again in backward, as the intra-op solve marks its own recomputed layers."""
+    layers = tuple(u for s in plan.pipeline.stages if s.recompute for u in s.units if u not in (PRE, POST))
+    if not layers:
+        return plan
+    again = set(layers) | set(plan.recompute)
+    transfers = tuple(replace(t, recompute=True) if t.consumer in graph and graph[t.consumer].kind == "op" and graph[t.consumer].layer in again
+                      else t for t in plan.transfers)
+    return replace(plan, recompute=tuple(dict.fromkeys(plan.recompute + layers)), transfers=transfers)

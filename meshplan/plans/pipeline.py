@@ -56,10 +56,17 @@ class PipelinePlan:
     """Seconds per microbatch one cut's send (forward) and its gradient's (backward) take."""
     pinned: tuple[tuple[str, int], ...] = ()
     """Stages the user fixed (`stage_config` / `pipeline_stage`): module path -> stage index."""
+    searched_step_s: float | None = None
+    """The step the search priced this configuration at from its stage profiles, before its stage plan was solved;
+    `step_s` is the stage plan's own price (None: not searched, or priced only)."""
 
     @property
     def peak_memory(self) -> int:
-        return max(s.memory.total for s in self.stages)
+        """The fullest pipeline rank's peak: the sum over the stages (chunks) it runs."""
+        per_rank = [0] * self.degree
+        for s in self.stages:
+            per_rank[s.device] += s.memory.total
+        return max(per_rank)
 
     def timeline(self) -> Timeline:
         """The schedule this plan is priced with, rank by rank: every rank runs the slowest rank's seconds per
@@ -113,4 +120,5 @@ def decode_pipeline(d: dict | None) -> PipelinePlan | None:
     return PipelinePlan(
         degree=d["degree"], schedule=d["schedule"], microbatches=d["microbatches"], chunks=d["chunks"], stages=stages, step_s=d["step_s"],
         bubble_s=d["bubble_s"], bubble_fraction=d["bubble_fraction"], p2p_s=d["p2p_s"], pinned=tuple(tuple(x) for x in tup(d["pinned"])),
+        searched_step_s=d.get("searched_step_s"),
     )

@@ -129,6 +129,8 @@ class SolverInfo:
     """Meshes of the mesh search that gave no plan, each with why ('mesh (2, 2, 2): ...')."""
     constraints: int = dataclasses.field(default=0, compare=False)
     """Rows of the MIP (of its last solve, for a neighbourhood search); like `seconds`, not in the plan file."""
+    memory_bound: float = 0.0
+    """Bytes per device the solver's memory row counted for this plan (a per-node sum; `Plan.memory` is the walked peak)."""
 
     @property
     def proven_optimal(self) -> bool:

@@ -325,7 +325,7 @@ class PipelineRunner:
         self._grad_sync.start()
         try:
             with self._rng.active() if self._rng is not None else contextlib.nullcontext():
-                self.schedule.step(*args, **kwargs)
+                self.schedule.step(*args, return_outputs=False, **kwargs)  # the losses are what step() returns: no output kept
         finally:
             for module in self.modules.values():
                 module.new_step()  # the step's weight copies are not kept: the next step casts the updated weights

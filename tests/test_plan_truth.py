@@ -1,0 +1,120 @@
+"""The plan is the truth (issue 27): `plan.memory` is the liveness walk's peak, a budget is kept by that peak, and a
+pipelined plan's step and stage peaks are its own stage plan's, not the search's profile's."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+import meshplan
+from meshplan.cost_model.peak import predict_peak
+from meshplan.cost_model.pipeline_memory import stage_peaks
+from meshplan.cost_model.presets import get_cluster
+from meshplan.ir.trace import trace
+from meshplan.models import GPT, GPTConfig
+from meshplan.planner.pipeline import PipelineOptions, reprice
+from meshplan.planner.stage_profile import profile_units
+from meshplan.profiling.fidelity import build
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, tokens = build(GPTConfig(vocab_size=256, seq_len=32, hidden=128, heads=4, layers=2), 16)
+    return model, tokens, trace(model, (tokens,))
+
+
+def _plan(model, tokens, devices, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return meshplan.plan(model, devices, (tokens,), cluster="cpu", **kw)
+
+
+def test_plan_memory_is_the_walked_peak_and_the_solver_sum_is_kept_apart(gpt):
+    model, tokens, graph = gpt
+    for kw in ({"mode": "data_parallel"}, {"mesh_shape": (4,)}, {}):
+        plan = _plan(model, tokens, 4, **kw)
+        walked = predict_peak(graph, plan)
+        assert plan.memory == walked.at_peak and plan.memory.total == walked.peak
+        assert plan.solver.memory_bound > 0 and plan.solver.memory_bound != plan.memory.total
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.texts.append(record.getMessage())
+
+
+def test_a_budget_is_kept_by_the_walked_peak_solving_again_when_the_sum_misleads(gpt):
+    """Budgets between the smallest plan and data parallelism: every returned plan's walked peak is within its budget,
+    and at least one of them needed a second solve (the sum the solver bounds fit, the walk did not)."""
+    model, tokens, graph = gpt
+    dp = _plan(model, tokens, 4, mode="data_parallel").memory.total
+    again = 0
+    for fraction in (0.9, 0.8, 0.7):
+        budget = int(fraction * dp)
+        log, messages = logging.getLogger("meshplan"), _Messages()
+        level = log.level
+        log.addHandler(messages)
+        log.setLevel(logging.INFO)
+        try:
+            plan = _plan(model, tokens, 4, mesh_shape=(4,), memory_budget=budget, recompute="never")
+        finally:
+            log.removeHandler(messages)
+            log.setLevel(level)
+        assert predict_peak(graph, plan).peak == plan.memory.total <= budget
+        again += any("solving again" in text for text in messages.texts)
+    assert again >= 1
+
+
+def test_the_walk_frees_what_recomputed_layers_do_not_keep(gpt):
+    model, tokens, graph = gpt
+    never = _plan(model, tokens, 2, mode="data_parallel", recompute="never")
+    always = _plan(model, tokens, 2, mode="data_parallel", recompute="always")
+    assert always.recompute and not never.recompute
+    a, n = predict_peak(graph, always), predict_peak(graph, never)
+    assert a.saved < n.saved  # only each layer's input is kept through forward
+    assert a.peak < n.peak
+
+
+def test_a_pipelined_plan_states_its_stage_plans_own_step_and_peaks():
+    """The default pipeline search on small shapes: the printed step is the returned stage plan's priced step, every
+    stage's memory is that plan's walked peak under the schedule, within the budget, and the search's own figure is
+    kept beside it."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=4, hidden=32, heads=2, vocab_size=64, seq_len=8))
+    tokens = torch.randint(0, 64, (8, 8))
+    free = _plan(model, tokens, 4, pipeline=PipelineOptions(degrees=(2,)))
+    budget = int(free.memory.total * 0.95)
+    plan = _plan(model, tokens, 4, pipeline=PipelineOptions(degrees=(2,)), memory_budget=budget)
+    pipe = plan.pipeline
+    assert pipe is not None and pipe.searched_step_s is not None
+    graph = trace(model, (tokens[: 8 // pipe.microbatches],))
+    d = plan.mesh.shape[0] if plan.mesh.axis_names[0] == "dp" else 1
+    again = reprice(profile_units(graph, plan), pipe, d=d, t=plan.mesh.size // d, cluster=get_cluster("cpu"), dp_in_profile=True)
+    assert plan.step_time_s == pytest.approx(again.step_s, rel=1e-12)
+    peaks = stage_peaks(graph, plan)
+    assert [s.memory for s in pipe.stages] == [p.at_peak for p in peaks]
+    assert plan.memory.total == pipe.peak_memory <= budget
+    assert f"{plan.step_time_s * 1e3:.3f} ms" in plan.summary()
+
+
+def test_in_flight_microbatches_raise_a_stages_peak():
+    """GPipe keeps all 4 microbatches' saved tensors on both stages; 1F1B keeps p - s: 2 on stage 0, 1 on stage 1. The
+    same stages cost that many microbatches' saved tensors more under GPipe, and nothing else differs."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=4, hidden=32, heads=2, vocab_size=64, seq_len=8))
+    tokens = torch.randint(0, 64, (8, 8))
+    plans = {s: _plan(model, tokens, 2, pipeline=PipelineOptions(degrees=(2,), schedules=(s,), microbatch_sizes=(2,)),
+                      stage_config={"layers.1": 0, "layers.2": 1}) for s in ("gpipe", "1f1b")}
+    assert [plans[s].pipeline.microbatches for s in plans] == [4, 4]
+    graph = trace(model, (tokens[:2],))
+    g, f = (stage_peaks(graph, plans[s]) for s in ("gpipe", "1f1b"))
+    assert g[0].saved > 0 and g[1].saved > 0
+    assert g[0].peak - f[0].peak == pytest.approx((4 - 2) * g[0].saved, abs=1)
+    assert g[1].peak - f[1].peak == pytest.approx((4 - 1) * g[1].saved, abs=1)
