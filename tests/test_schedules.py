@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed.pipelining.schedules as S
 
-from meshplan.cost_model.schedules import SCHEDULES, bubble_fraction, in_flight, schedule_time
+from meshplan.cost_model.schedule_kinds import SCHEDULES
+from meshplan.cost_model.schedules import bubble_fraction, in_flight, schedule_time
 
 CASES = [(p, m) for p in (1, 2, 4, 8) for m in (1, 4, 8, 32) if m >= p or p == 1] + [(4, 2)]
 

@@ -8,7 +8,8 @@ import torch.distributed.pipelining.schedules as S
 from test_schedules import _torch_order
 
 from meshplan.cost_model.presets import get_cluster
-from meshplan.cost_model.schedules import SCHEDULES, schedule_time
+from meshplan.cost_model.schedule_kinds import SCHEDULES
+from meshplan.cost_model.schedules import schedule_time
 from meshplan.cost_model.timeline import KINDS, makespan, rank_orders, stage_rank, timeline
 from meshplan.planner.pipeline import evaluate
 from meshplan.planner.stage_profile import Unit

@@ -36,51 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
-"""Schedule names meshplan plans for, in the order it prefers them on a tie."""
-
-TORCH_SCHEDULE_CLASS = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "interleaved_zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-}
-"""The `torch.distributed.pipelining` class that runs each schedule."""
-
-
-def actions_per_microbatch(schedule: str) -> int:
-    """Actions one stage runs per microbatch: forward and backward, or under the zero-bubble schedules
-    forward, backward for inputs and backward for weights."""
-    check_schedule(schedule)
-    return 3 if schedule in ("interleaved_zb", "zbv") else 2
-
-
-def check_microbatches(schedule: str, stages: int, microbatches: int, chunks: int) -> None:
-    """torch's interleaved schedules split the m microbatches into max(1, m // p) equal rounds."""
-    rounds = max(1, microbatches // stages)
-    if chunks > 1 and schedule != "zbv" and microbatches % rounds:
-        raise ValueError(f"the {schedule} schedule needs the microbatches ({microbatches}) to be a multiple of its rounds "
-                         f"max(1, m // p) = {rounds} with p = {stages} (torch's {TORCH_SCHEDULE_CLASS[schedule]})")
-
-
-def check_schedule(name: str) -> str:
-    if name not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {name!r} is not supported; allowed: {', '.join(SCHEDULES)}")
-    return name
-
-
-def chunks_per_device(schedule: str, virtual: int = 2) -> int:
-    """Model chunks (virtual stages) each device runs: 1, `virtual` for interleaved schedules, 2 for ZB-V."""
-    check_schedule(schedule)
-    if schedule in ("gpipe", "1f1b"):
-        return 1
-    if schedule == "zbv":
-        return 2
-    if virtual < 2:
-        raise ValueError(f"an interleaved schedule needs virtual >= 2 chunks per device; got {virtual}")
-    return virtual
-
+from meshplan.cost_model.schedule_kinds import check_microbatches, check_schedule, chunks_per_device
+from meshplan.cost_model.timeline import makespan
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleCost:
@@ -130,8 +87,6 @@ def schedule_time(schedule: str, stages: int, microbatches: int, t_f: float, t_b
         else:  # zbv: the last rank waits for microbatch 0 to come down p - 1 chunks
             bubble = (p - 1) * t_f / 2
     else:
-        from meshplan.cost_model.timeline import makespan  # the timeline module builds on this one
-
         bubble = max(0.0, makespan(schedule, p, m, t_f, t_b, t_w, virtual=virtual) - m * t)
     return ScheduleCost(schedule=schedule, stages=p, microbatches=m, chunks=v, step_s=m * t + bubble, bubble_s=bubble)
 

@@ -22,7 +22,7 @@ import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
-from meshplan.cost_model.schedules import check_microbatches, chunks_per_device
+from meshplan.cost_model.schedule_kinds import check_microbatches, chunks_per_device
 
 KINDS = ("forward", "backward", "weight", "send", "bubble")
 """Block kinds: a chunk's forward, its backward (for inputs, and for weights too outside the zero-bubble

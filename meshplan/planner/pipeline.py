@@ -30,7 +30,8 @@ from meshplan.cost_model.collectives import collective_time
 from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes
 from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
-from meshplan.cost_model.schedules import SCHEDULES, actions_per_microbatch, check_schedule, chunks_per_device, in_flight, schedule_time
+from meshplan.cost_model.schedule_kinds import SCHEDULES, actions_per_microbatch, check_schedule, chunks_per_device
+from meshplan.cost_model.schedules import in_flight, schedule_time
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.precision import MixedPrecision

@@ -39,7 +39,7 @@ class PipelinePlan:
     degree: int
     """p: pipeline ranks."""
     schedule: str
-    """One of `meshplan.cost_model.schedules.SCHEDULES`."""
+    """One of `meshplan.cost_model.schedule_kinds.SCHEDULES`."""
     microbatches: int
     """m: microbatches per step (the batch is split along dim 0)."""
     chunks: int

@@ -31,7 +31,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, sum_reducer
 from torch.utils import _pytree as pytree
 
-from meshplan.cost_model.schedules import TORCH_SCHEDULE_CLASS
+from meshplan.cost_model.schedule_kinds import TORCH_SCHEDULE_CLASS
 from meshplan.ir.graph import Graph
 from meshplan.ir.op_kinds import is_random
 from meshplan.ir.placement import local_shape
