@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         plans.append(meshplan.plan(model, WORLD, (tokens,), cluster="cpu", memory_budget=budget))
     measured = run_local(WORLD, measure, cases, [p.to_json() for p in plans], args.quick, timeout=1800)[0]
     rows, failed = [], []
-    print(f"| model | plan | mesh | stated peak | measured peak | stated / measured |\n|---|---|---|---|---|---|")
+    print("| model | plan | mesh | stated peak | measured peak | stated / measured |\n|---|---|---|---|---|---|")
     for k, ((name, label), plan, got) in enumerate(zip(cases, plans, measured)):
         stated = plan.memory.total
         mesh = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh.axis_names, plan.mesh.shape))

@@ -179,9 +179,9 @@ def test_default_precision_follows_the_cluster_and_is_recorded():
     # priced in bf16: compute at the bf16 peak, activations in 2 bytes; fp32 master weights, gradients and state
     assert gpu.compute_s < gpu32.compute_s
     assert gpu.memory.activations < gpu32.memory.activations
-    assert (gpu.memory.grads, gpu.memory.optimizer) == (gpu32.memory.grads, gpu32.memory.optimizer)
-    # the fp32 masters plus a bf16 working copy of each (the tied embedding has one per use)
-    assert gpu.memory.params >= gpu32.memory.params * 3 // 2, (gpu.memory, gpu32.memory)
+    assert gpu.memory.optimizer == gpu32.memory.optimizer  # (gradients held at the peak depend on where the peak is)
+    # the fp32 masters plus the bf16 working copies still held at the peak (in backward: those not yet freed)
+    assert gpu32.memory.params < gpu.memory.params < gpu32.memory.params * 3 // 2, (gpu.memory, gpu32.memory)
     assert gpu.peak_flops == 989e12 and gpu32.peak_flops == 67e12
     assert "MFU" in gpu.summary() and 0 < gpu.mfu < 1
 

@@ -45,8 +45,9 @@ def test_tensor_parallel_gpt_finds_the_megatron_layout():
     column-parallel q/k/v/fc1, row-parallel out_proj/fc2, one all-reduce per attention and per MLP."""
     model, x = _gpt_batch_one()
     # fp32: the budget is sized for fp32 weights (in bf16, the h100 default, the fp32 master copies plus their
-    # bf16 casts tip the balance towards sharding the embedding as well)
-    plan = _quiet_plan(model, 8, (x,), mesh_shape=(8,), cluster="h100", memory_budget="60MiB", mixed_precision="fp32")
+    # bf16 casts tip the balance towards sharding the embedding as well). The Megatron plan's walked peak is 64.5 MiB,
+    # the replicated plan's 106.5 MiB; under 64 MiB the solver shards the embedding as well
+    plan = _quiet_plan(model, 8, (x,), mesh_shape=(8,), cluster="h100", memory_budget="70MiB", mixed_precision="fp32")
     layouts = _layouts(plan)
     for i in range(2):
         for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc1"):
@@ -55,7 +56,7 @@ def test_tensor_parallel_gpt_finds_the_megatron_layout():
             assert layouts[f"layers.{i}.{name}.weight"] == (Shard(1),), name
     forward = {k: v for k, v in plan.collectives().items() if k.startswith("forward:")}
     assert forward == {"forward:all_reduce": 2 * 2}, forward
-    assert plan.memory.total <= parse_bytes("60MiB")
+    assert plan.memory.total <= parse_bytes("70MiB")
 
 
 def test_small_model_with_a_big_batch_gets_pure_data_parallel():
@@ -110,7 +111,7 @@ def test_a_plan_never_exceeds_its_budget(fraction):
 
 def test_an_infeasible_budget_names_the_smallest_that_works():
     model, x = _fsdp_candidate()
-    with pytest.raises(MemoryBudgetError, match=r"smallest predicted peak of any plan is .* \((\d+) bytes\)") as info:
+    with pytest.raises(MemoryBudgetError, match=r"smallest predicted peak of the plans the planner finds is .* \((\d+) bytes\)") as info:
         _quiet_plan(model, 4, (x,), mesh_shape=(4,), cluster="h100", memory_budget="1MiB")
     smallest = info.value.smallest
     assert isinstance(info.value, ValueError)

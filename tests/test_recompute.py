@@ -46,8 +46,9 @@ def test_recompute_trades_forward_time_for_activation_memory(kind):
     # each recomputed layer's forward moves run again: their time is in the transfer
     for t in again.transfers:
         assert t.recompute == again.nodes[[n.name for n in again.nodes].index(t.consumer)].module_path.startswith("layers.") if t.consumer != "output" else not t.recompute
-    assert again.memory.activations < keep.memory.activations
-    assert (again.memory.params, again.memory.grads, again.memory.optimizer) == (keep.memory.params, keep.memory.grads, keep.memory.optimizer)
+    assert again.memory.total < keep.memory.total  # the walked peak
+    assert again.solver.memory_bound < keep.solver.memory_bound
+    assert (again.memory.params, again.memory.optimizer) == (keep.memory.params, keep.memory.optimizer)
     forward = {k.split(":")[1]: v for k, v in again.collectives().items() if k.startswith("forward:")}
     rerun = {k.split(":")[1]: v for k, v in again.collectives().items() if k.startswith("recompute:")}
     assert all(rerun[k] <= forward[k] for k in rerun)
@@ -58,8 +59,10 @@ def test_the_solver_recomputes_only_when_the_budget_needs_it():
     assert free.recompute == ()  # recomputation only costs time: never chosen without memory pressure
     never = _plan("gpt", "data_parallel", (2,), recompute="never")
     always = _plan("gpt", "data_parallel", (2,), recompute="always")
-    # between the two peaks, only recomputation (with the forced data-parallel layouts) fits
-    budget = (never.memory.total + always.memory.total) // 2
+    # at the recomputed plan's walked peak, only recomputation (with the forced data-parallel layouts) fits: the walk
+    # frees much of what the per-node sum keeps, so the peaks without recomputation come within 2 % of it
+    budget = always.memory.total
+    assert budget < never.memory.total
     squeezed = _plan("gpt", "data_parallel", (2,), memory_budget=budget)
     assert squeezed.recompute == ("layers.0", "layers.1")
     assert squeezed.memory.total <= budget

@@ -35,8 +35,9 @@ def test_norms_run_on_sequence_shards_between_tp_regions(plans):
     # with SP the all-reduces become reduce-scatters into the sequence shards (all-gathers in backward) ...
     c = sp.collectives()
     assert "forward:all_reduce" not in c and c["forward:reduce_scatter"] == 4 and c["backward:all_gather"] >= 4
-    # ... and the tensors between the regions are held split in half: less activation memory per device
-    assert sp.memory.activations < tp.memory.activations
+    # ... and the tensors between the regions are kept split in half: less activation memory per device (the solver's
+    # sum of what is kept; the walked peak on gloo also holds each reduce-scatter's full-size scratch)
+    assert sp.solver.memory_bound < tp.solver.memory_bound
 
 
 @pytest.mark.multiprocess

@@ -64,8 +64,9 @@ class PeakMemory:
     phase: str
     """Where the peak is: forward, backward or optimizer."""
     at_peak: MemoryBreakdown
-    """What is held at the peak (its total is `peak`): parameters, gradients (bucket buffers and the parameter
-    gradients accumulated so far), optimizer state, and activations with every temporary."""
+    """What is held at the peak (its total is `peak`): parameters (with the working copies of weights a mixed-precision
+    cast made), gradients (bucket buffers and the parameter gradients accumulated so far), optimizer state, and
+    activations with every temporary."""
     saved: int = 0
     """Bytes still held when forward ends (what backward needs): what each further microbatch in flight adds."""
 
@@ -118,7 +119,9 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     param_bytes = sum(nbytes(graph[p.node].out, p.layout) for p in params)
     trainable = [p for p in params if not p.is_buffer and graph[p.node].grad(0)]
     numels = [math.prod(local_shape(p.shape, p.layout, shape)) for p in trainable]
-    state = OPTIMIZER_STATES[optimizer] * 4 * sum(numels)
+    # an offloaded parameter's optimizer state (and its step) live in host memory
+    state = OPTIMIZER_STATES[optimizer] * 4 * sum(n for p, n in zip(trainable, numels) if not p.offload)
+    numels = [n for p, n in zip(trainable, numels) if not p.offload]
     mine = {p.node for p in params}
     buckets = sum(b.nbytes for b in plan.buckets if any(name in mine for name in b.params))
     resident = MemoryBreakdown(params=param_bytes, grads=buckets, optimizer=state, activations=0)
@@ -187,16 +190,25 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
             released_at.setdefault(until, []).append(key)
 
     base = resident.total
-    level, peak, where, grads_at_peak = 0, 0, "forward", 0
+    casts = {key for key in size if key[0] == "ref" and key[1] in graph.weight_casts}  # a weight's working copy (mixed precision)
+    level = copies = 0  # bytes of live tensors; of them, weights' working copies
+
+    def hold(key, sign: int = 1) -> None:
+        nonlocal level, copies
+        level += sign * size[key]
+        if key in casts:
+            copies += sign * size[key]
+
+    peak, where, grads_at_peak, copies_at_peak = 0, "forward", 0, 0
     for i in range(len(ops)):  # forward
         scratch = 0
         for key in born_at.get(i, ()):
             scratch = max(scratch, scratch_fwd.get(key, 0))  # while the move runs, its result already allocated
-            level += size[key]
+            hold(key)
         if base + level + scratch > peak:
-            peak, where, grads_at_peak = base + level + scratch, "forward", 0
+            peak, where, grads_at_peak, copies_at_peak = base + level + scratch, "forward", 0, copies
         for key in freed_after.get(i, ()):
-            level -= size[key]
+            hold(key, -1)
         if timeline is not None:
             timeline.append(("forward", ops[i].name, base + level))
     saved_bytes = level
@@ -222,7 +234,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     for i in range(len(ops) - 1, -1, -1):  # backward
         node = ops[i]
         for key, until in recomputed.get(rerun_at.get(i), {}).items():  # the checkpointed forward runs again
-            level += size[key]
+            hold(key)
             released_at.setdefault(until, []).append(key)
         if not any(node.requires_grad) or is_view(node.target):
             continue
@@ -239,20 +251,20 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
                 sent_back.append(key)
                 scratch = max(scratch, scratch_bwd.get(key, 0))
         if base + level + param_grads + scratch > peak:
-            peak, where, grads_at_peak = base + level + param_grads + scratch, "backward", param_grads
+            peak, where, grads_at_peak, copies_at_peak = base + level + param_grads + scratch, "backward", param_grads, copies
         for key in [("ref", node.name, j) for j in range(len(node.outputs))] + sent_back:
             if key in grads:  # consumed by this op's backward (or sent back by the dual step)
                 level -= grads.pop(key)
         for key in released_at.pop(i, ()):
-            level -= size[key]
+            hold(key, -1)
         if timeline is not None:
             timeline.append(("backward", node.name, base + level + param_grads))
 
     biggest = max(numels, default=0) * 4
     at_step = base + param_grads + STEP_TEMPORARIES.get(optimizer, 0) * biggest
     if at_step > peak:
-        peak, where, grads_at_peak = at_step, "optimizer", param_grads
-    grads_held = resident.grads + grads_at_peak
-    at_peak = MemoryBreakdown(params=param_bytes, grads=grads_held, optimizer=state,
-                              activations=int(peak) - param_bytes - grads_held - state)
+        peak, where, grads_at_peak, copies_at_peak = at_step, "optimizer", param_grads, 0
+    grads_held, params_held = resident.grads + grads_at_peak, param_bytes + copies_at_peak
+    at_peak = MemoryBreakdown(params=params_held, grads=grads_held, optimizer=state,
+                              activations=int(peak) - params_held - grads_held - state)
     return PeakMemory(peak=int(peak), resident=resident, phase=where, at_peak=at_peak, saved=saved_bytes)

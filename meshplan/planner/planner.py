@@ -43,7 +43,7 @@ SEARCHES = ("ilp", "propagation")
 class MemoryBudgetError(ValueError):
     """No plan fits the per-device memory budget; says the smallest budget that would work."""
 
-    def __init__(self, budget: float, smallest: float, mesh: MeshSpec, cluster: ClusterPreset, *, of: str = "any plan") -> None:
+    def __init__(self, budget: float, smallest: float, mesh: MeshSpec, cluster: ClusterPreset, *, of: str = "the plans the planner finds") -> None:
         self.budget, self.smallest, self.mesh, self.cluster = budget, smallest, mesh, cluster.name
         super().__init__(
             f"memory budget {format_bytes(budget)} per device is infeasible on mesh {mesh}: the smallest predicted peak "
@@ -324,28 +324,33 @@ def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: Mes
     The solver bounds a sum over nodes, which is neither above nor below the walked peak in general (frees and
     recomputation make it high; collective scratch, the optimizer step's temporaries and a pipeline's microbatches in
     flight make it low). So: solve under the budget (a pipeline's stage plan: unbounded), walk the plan, and while its
-    peak is over, solve again with the row tightened by the overshoot (by ratio, and at least by the bytes)."""
-    bound = budget if pipeline is None else UNBOUNDED
-    over: list[float] = []
-    for _ in range(MAX_TIGHTENINGS + 1):
-        try:
-            plan = attempt(bound)
-        except MemoryBudgetError:
-            if not over:
-                raise
-            break  # nothing fits the tightened row
+    peak is over, solve again with the row tightened by the overshoot (by ratio, and at least by the bytes). When the
+    row admits no plan, the plan of the smallest row is the last one tried; a budget below its walked peak is a
+    `MemoryBudgetError` naming that peak, so a budget of that size always gives a plan."""
+
+    def walked(bound: float) -> Plan:
+        plan = attempt(bound)
         if pipeline is not None:  # the layers of recomputing stages run under checkpoints
             plan = with_stage_recompute(dataclasses.replace(plan, pipeline=pipeline), graph)
-        plan = with_walked_memory(plan, graph, optimizer)
+        return with_walked_memory(plan, graph, optimizer)
+
+    bound = budget if pipeline is None else UNBOUNDED
+    for _ in range(MAX_TIGHTENINGS + 1):
+        try:
+            plan = walked(bound)
+        except MemoryBudgetError as e:  # no plan within the row: the one of the smallest row decides
+            plan = walked(e.smallest * (1 + 1e-9) + 1)  # the solver's own tolerance
+            if plan.memory.total <= budget:
+                return plan
+            raise MemoryBudgetError(budget, plan.memory.total, mesh, cluster) from None
         peak = plan.memory.total
         if peak <= budget:
             return plan
-        over.append(peak)
         summed = plan.solver.memory_bound
         bound = min(summed * budget / peak, summed - (peak - budget))
         log.info("mesh %s: walked peak %s breaks the budget %s; solving again with the memory row at %s", mesh,
                  format_bytes(peak), format_bytes(budget), format_bytes(bound))
-    raise MemoryBudgetError(budget, min(over), mesh, cluster, of=f"the {len(over)} plans solved with tighter memory rows")
+    raise MemoryBudgetError(budget, peak, mesh, cluster, of=f"the plans solved with {MAX_TIGHTENINGS} tighter memory rows")
 
 
 @dataclass(frozen=True, slots=True)
