@@ -42,6 +42,8 @@ CASES = {
         num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=False), 64, 64, 8192),
 }
 
+BUDGET_GIB = 80
+"""The H100 preset's memory per device: what every stage's peak must stay within."""
 MEGATRON = 0.47
 """Megatron-LM's published figure for its nearest configurations: its README reports up to 47 % MFU on
 H100 clusters over its weak-scaling runs (GPT models of 2B to 462B parameters), 47 % for GPT-3 175B.
@@ -75,7 +77,14 @@ def run(case: str) -> None:
     shape = f"mesh {plan.mesh}" + (f" x pp {pipe.degree} ({pipe.schedule}, {pipe.microbatches} microbatches)" if pipe else "")
     print(f"{title}: {params / 1e9:.1f}B parameters, {devices} H100s, batch {batch} x {seq} tokens")
     print(f"  plan: {shape}; precision {plan.precision.name if plan.precision else 'fp32'}; planned in {seconds:.1f} s")
-    print(f"  predicted step {step:.2f} s, peak memory per device {plan.pipeline.peak_memory / 2**30 if pipe else plan.memory.total / 2**30:.1f} GiB")
+    print(f"  predicted step {step:.2f} s, peak memory per device {plan.memory.total / 2**30:.1f} GiB (the fullest rank's, walked)")
+    if pipe:
+        print(f"  searched step {pipe.searched_step_s:.2f} s (the stage profiles' price); returned stage plan priced at {step:.2f} s "
+              f"(x{step / pipe.searched_step_s:.3f})")
+        print("  stage peaks: " + ", ".join(f"stage {s.index} {s.memory.total / 2**30:.1f} GiB" for s in pipe.stages)
+              + f"; all within {BUDGET_GIB} GiB: {all(s.memory.total <= BUDGET_GIB * 2**30 for s in pipe.stages)}")
+        for reason in plan.solver.skipped:
+            print(f"  also priced: {reason}")
     if pipe:
         print(f"  bubble {pipe.bubble_fraction:.1%} of the step; one microbatch of the whole model on a stage's sub-mesh: compute "
               f"{plan.compute_s * 1e3:.0f} ms + communication {plan.comm_s * 1e3:.0f} ms ({plan.comm_s / (plan.compute_s + plan.comm_s):.0%})")
