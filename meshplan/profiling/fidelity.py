@@ -11,12 +11,12 @@ Two modes:
   saved; a later process plans every case from that file, with nothing re-measured or rescaled,
   then measures. 21 plans: forced DP, FSDP, TP, DP x TP, HSDP and pipelined plans, and the plans
   the solver chooses itself (the default call) for three model sizes on 2, 4 and 8 processes.
-  Predicted: the plan's own figures, `plan.step_time_s` and the memory the solver bounded
-  (`plan.memory`, or the largest stage's `PipelineStage.memory` for a pipelined plan).
+  Predicted: the plan's own figures, `plan.step_time_s` and `plan.memory` (the liveness walk's
+  peak; a pipelined plan's fullest rank).
 - **In sample** (`cases`, calibration): eight forced plans of one model; each world's collectives
   and contention are measured again next to its timed steps, and the predicted compute and
   communication are scaled by the contention probe taken while measuring. Memory is predicted by
-  `cost_model.peak.predict_peak` (a liveness model the solver does not use). This measures how
+  `cost_model.peak.predict_peak` (the walk `plan.memory` reports). This measures how
   well the cost model can fit this machine, not how well it predicts.
 
 Peak memory, measured: the bytes of the tensors a rank holds when a step starts (parameters,
@@ -300,9 +300,7 @@ def plan_parts(plan) -> tuple[float, float, float]:
 
 
 def solver_memory(plan) -> float:
-    """Bytes per device the solver bounded: `plan.memory`, or a pipelined plan's largest stage."""
-    if plan.pipeline is not None:
-        return float(max(st.memory.total for st in plan.pipeline.stages))
+    """Bytes per device the plan states: `plan.memory`, its walked peak (a pipelined plan's fullest rank)."""
     return float(plan.memory.total)
 
 
