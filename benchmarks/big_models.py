@@ -68,7 +68,8 @@ def run(case: str) -> None:
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = meshplan.plan(model, devices=devices, example_inputs=(tokens,), cluster="h100")
+        # the loss inside, as a user of a Hugging Face class trains: labels= makes the model return its loss
+        plan = meshplan.plan(model, devices=devices, example_inputs=(tokens,), example_kwargs={"labels": tokens}, cluster="h100")
     seconds = time.perf_counter() - t0
     step = plan.step_time_s
     mfu_6nt = 6 * params * batch * seq / (devices * H100_BF16_PEAK * step)

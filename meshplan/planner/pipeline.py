@@ -37,6 +37,8 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.precision import MixedPrecision
 from meshplan.ir.units import POST, PRE
 from meshplan.planner.planner import UNBOUNDED, MemoryBudgetError, PlanOptions, make_plan
+from meshplan.planner.solver import SolveTimeout
+from meshplan.planner.stage_layouts import arranged_layouts
 from meshplan.planner.stage_profile import Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, tied_grad_bytes
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.plans.plan import Plan
@@ -46,6 +48,8 @@ log = logging.getLogger("meshplan")
 TOP_PRICED = 3
 """Configurations (the cheapest by the searched profiles) whose real stage plans are solved and priced; the
 cheapest priced one that fits is returned."""
+MOST_TRIED = 8
+"""Configurations tried at most, in the search's order, to find `TOP_PRICED` whose stage plans fit."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -281,21 +285,29 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
 
 
 def _returned_plan(ranked: list[Candidate], stage_plan: Callable[[Candidate], Plan], budget: float) -> tuple[Candidate, Plan, tuple[str, ...]]:
-    """Solve the stage plans of the cheapest searched configurations and return the cheapest as priced (its step and
-    memory are its own stage plan's), with why each configuration that does not fit was dropped."""
+    """Solve the stage plans of the cheapest searched configurations, in the search's order, until `TOP_PRICED` fit (at
+    most `MOST_TRIED` tried), and return the cheapest as priced (its step and memory are its own stage plan's), with
+    why each configuration that does not fit was dropped."""
+
+    def what(c: Candidate) -> str:
+        return f"pipeline tp {c.tensor} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}"
+
     priced, dropped = [], []
-    for c in ranked:
-        what = f"pipeline tp {c.tensor} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}"
+    for c in ranked[:MOST_TRIED]:
+        if len(priced) == TOP_PRICED:
+            break
         try:
             priced.append((c, stage_plan(c)))
         except MemoryBudgetError as e:
-            dropped.append(f"{what}: its stage plan does not fit: {e}")
+            dropped.append(f"{what(c)}: its stage plan does not fit: {e}")
+        except SolveTimeout as e:
+            dropped.append(f"{what(c)}: its stage plan was not solved in time: {e}")
     if not priced:
-        raise ValueError(f"none of the {len(ranked)} cheapest pipeline configurations has stage plans within the budget of "
+        raise ValueError(f"none of the {len(dropped)} cheapest pipeline configurations has stage plans within the budget of "
                          f"{format_bytes(budget)} per device:\n  " + "\n  ".join(dropped))
     best, plan = min(priced, key=lambda cp: (cp[1].step_time_s, cp[1].memory.total))
-    others = tuple(f"{f'pipeline tp {c.tensor} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}'}: priced "
-                   f"{p.step_time_s:.4g} s per step, slower than the returned {plan.step_time_s:.4g} s" for c, p in priced if p is not plan)
+    others = tuple(f"{what(c)}: priced {p.step_time_s:.4g} s per step, slower than the returned {plan.step_time_s:.4g} s"
+                   for c, p in priced if p is not plan)
     dropped = tuple(dropped)
     plan = replace(plan, solver=replace(plan.solver, skipped=plan.solver.skipped + dropped + others))
     return replace(best, pipe=plan.pipeline), plan, dropped
@@ -326,7 +338,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
     solves = 0
     cache = {} if cache is None else cache
     profiles: dict[tuple, list[Unit]] = cache.setdefault("profiles", {})
-    plans: dict[tuple, Plan] = cache.setdefault("plans", {})
+    plans: dict[tuple, Plan] = cache.setdefault("plans", {})  # the plan each profile was read off
+    stand_ins: dict[tuple, str | None] = cache.setdefault("stand_ins", {})  # the block a cut model's profile stretches
 
     def solve_at(graph: Graph, mesh: tuple[int, ...], explain: bool) -> Plan:
         nonlocal solves
@@ -335,37 +348,44 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
                                    time_limit_s=options.time_limit_s)
         return make_plan(graph, MeshSpec(mesh), cluster, plan_options, model_name=model_name)
 
-    def short_profile(mesh: tuple[int, ...], n: int) -> list[Unit] | None:
-        """The stage profile from the cut model, or None when its units are not its blocks (then the whole model's)."""
+    def short_profile(mesh: tuple[int, ...], n: int) -> tuple[list[Unit], Plan, str] | None:
+        """The stage profile from the cut model (with its plan and the block standing for every block), or None when
+        its units are not its blocks (then the whole model's)."""
         short_at, stack, layers = short
         g = short_at(n)
-        units = profile_units(g, solve_at(g, mesh, explain=False), options.optimizer)
+        plan = solve_at(g, mesh, explain=False)
+        units = profile_units(g, plan, options.optimizer)
         if [u.name for u in units[1:-1]] != [f"{stack}.{k}" for k in range(len(units) - 2)] or len(units) < 3:
             return None
-        return repeat_layers(units, layers)
+        return repeat_layers(units, layers), plan, units[-2].name
 
     def profile(mesh: tuple[int, ...], n: int) -> list[Unit]:
         key = (mesh, n, options.layers, options.optimizer)
         if key not in profiles:
-            units = short_profile(mesh, n) if short is not None else None
-            if units is None:
+            found = short_profile(mesh, n) if short is not None else None
+            if found is None:
                 plan = solve_at(graph_at(n), mesh, explain=False)  # pricing only: nobody asks this plan to explain itself
                 units = profile_units(graph_at(n), plan, options.optimizer)
                 if options.layers is not None:
                     units = repeat_layers(units, options.layers)
-                plans[key] = plan
-            profiles[key] = units
+                found = units, plan, None
+            profiles[key], plans[key], stand_ins[key] = found
         return profiles[key]
 
     def stage_plan(c: Candidate) -> Plan:
-        """The runtime's plan of candidate `c`: the stage sub-mesh (d, t) at the data-parallel microbatch d b, its stages
-        walked under the schedule and kept within the budget, priced again by its own units."""
+        """The runtime's plan of candidate `c`: the stage sub-mesh (d, t) at the data-parallel microbatch d b, with the
+        parameter layouts its profile was priced with (`stage_layouts.py`), its stages walked under the schedule and
+        kept within the budget, priced again by its own units."""
         nonlocal solves
         solves += 1
         mesh = tuple(x for x in (c.data, c.tensor) if x > 1) or (1,)
         names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if c.tensor > 1 else ("dp",))
         graph = graph_at(c.data * c.micro)
-        plan_options = PlanOptions(memory_budget=budget, optimizer=options.optimizer, time_limit_s=options.time_limit_s)
+        key = ((c.tensor,), c.micro, options.layers, options.optimizer)
+        params, inputs = arranged_layouts(graph, plans[key], data=c.data, stand_in=stand_ins[key], stack=short[1] if short else None)
+        # the parameters are placed: a tighter row could only move activations, so a stage plan over the budget is dropped
+        plan_options = PlanOptions(memory_budget=budget, optimizer=options.optimizer, time_limit_s=options.time_limit_s,
+                                   param_layouts=params, input_layouts=inputs, resolves=0)
         plan = make_plan(graph, MeshSpec(mesh, names), cluster, plan_options, model_name=model_name, pipeline=c.pipe)
         pipe = reprice(profile_units(graph, plan, options.optimizer), plan.pipeline, d=c.data, t=c.tensor, cluster=cluster,
                        dp_in_profile=True)
@@ -423,7 +443,7 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         if options.layers is not None:
             raise ValueError(f"PipelineOptions(layers={options.layers}) stretches a profile the model does not have: the stage plan "
                              "cannot be solved on it; give stage_plan=False (pricing only) or trace the model at its depth")
-        best, plan, dropped = _returned_plan(ranked[:TOP_PRICED], stage_plan, budget)
+        best, plan, dropped = _returned_plan(ranked, stage_plan, budget)
     log.info("pipeline search: %d candidates, %d solves, %.1f s", considered, solves, time.perf_counter() - t0)
     return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves, dropped=dropped)
 

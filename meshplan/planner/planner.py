@@ -102,6 +102,9 @@ class PlanOptions:
     offload: str = "never"
     """Optimizer state (with fp32 master weights) in host memory: 'never', 'auto' (the solve decides per
     parameter) or 'always'. Needs the optimizer from `ParallelModule.make_optimizer` (see planner/offload.py)."""
+    resolves: int = MAX_TIGHTENINGS
+    """Solves again, at most this many times, with a tighter memory row while the plan's walked peak breaks the budget
+    (0: the first solve's plan, or a MemoryBudgetError)."""
 
 
 def make_plan(
@@ -307,7 +310,7 @@ def make_plan(
             ),
         )
 
-    return _keep_budget(attempt, graph, budget, options.optimizer, mesh, cluster, pipeline)
+    return _keep_budget(attempt, graph, budget, options.optimizer, mesh, cluster, pipeline, options.resolves)
 
 
 def with_walked_memory(plan: Plan, graph: Graph, optimizer: str) -> Plan:
@@ -318,7 +321,7 @@ def with_walked_memory(plan: Plan, graph: Graph, optimizer: str) -> Plan:
 
 
 def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: MeshSpec, cluster: ClusterPreset,
-                 pipeline: PipelinePlan | None) -> Plan:
+                 pipeline: PipelinePlan | None, resolves: int = MAX_TIGHTENINGS) -> Plan:
     """The plan `attempt(row bound)` solves, whose walked peak keeps `budget`.
 
     The solver bounds a sum over nodes, which is neither above nor below the walked peak in general (frees and
@@ -335,7 +338,7 @@ def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: Mes
         return with_walked_memory(plan, graph, optimizer)
 
     bound = budget if pipeline is None else UNBOUNDED
-    for _ in range(MAX_TIGHTENINGS + 1):
+    for _ in range(resolves + 1):
         try:
             plan = walked(bound)
         except MemoryBudgetError as e:  # no plan within the row: the one of the smallest row decides
@@ -350,7 +353,8 @@ def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: Mes
         bound = min(summed * budget / peak, summed - (peak - budget))
         log.info("mesh %s: walked peak %s breaks the budget %s; solving again with the memory row at %s", mesh,
                  format_bytes(peak), format_bytes(budget), format_bytes(bound))
-    raise MemoryBudgetError(budget, peak, mesh, cluster, of=f"the plans solved with {MAX_TIGHTENINGS} tighter memory rows")
+    raise MemoryBudgetError(budget, peak, mesh, cluster,
+                            of="the plan solved" if resolves == 0 else f"the plans solved with up to {resolves} tighter memory rows")
 
 
 @dataclass(frozen=True, slots=True)
