@@ -113,7 +113,10 @@ def collect(
     out: list[Constraint] = []
     for label, plan in (("param_layouts", param_layouts), ("parameter_plan", annotations.parameter_plan)):
         for pattern, spec in plan.items():
-            hits = [(f, n) for n in idx.leaves for f in n.fqns if fnmatch.fnmatchcase(f, pattern)]
+            if any(c in pattern for c in "*?["):
+                hits = [(f, n) for n in idx.leaves for f in n.fqns if fnmatch.fnmatchcase(f, pattern)]
+            else:  # a plain FQN names one leaf (the pipeline's stage plans give every parameter so)
+                hits = [(pattern, idx.leaf_of[pattern])] if pattern in idx.leaf_of else []
             if not hits:
                 raise AnnotationError(f"{label} pattern {pattern!r} matches no parameter or buffer of the model")
             source = f"{label}[{pattern!r}]={show_spec(spec)}"
@@ -250,6 +253,7 @@ class _Index:
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.leaves = [n for n in graph.nodes if n.kind in ("param", "buffer")]
+        self.leaf_of = {f: n for n in self.leaves for f in n.fqns}
         self.consumers = graph.consumers()
         paths: set[str] = set()
         for n in graph.nodes:

@@ -36,7 +36,8 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.precision import MixedPrecision
 from meshplan.ir.units import POST, PRE
-from meshplan.planner.planner import UNBOUNDED, MemoryBudgetError, PlanOptions, make_plan
+from meshplan.planner.planner import UNBOUNDED, MemoryBudgetError, PlanOptions, make_plan, with_walked_memory
+from meshplan.planner.recompute import with_stage_recompute
 from meshplan.planner.solver import SolveTimeout
 from meshplan.planner.stage_layouts import arranged_layouts
 from meshplan.planner.stage_profile import Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, tied_grad_bytes
@@ -284,7 +285,7 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
                         step_s=step, bubble_s=sched.bubble_s, bubble_fraction=sched.bubble_fraction, p2p_s=p2p)
 
 
-def _returned_plan(ranked: list[Candidate], stage_plan: Callable[[Candidate], Plan], budget: float) -> tuple[Candidate, Plan, tuple[str, ...]]:
+def _returned_plan(ranked: list[Candidate], stage_plan: Callable[..., Plan], budget: float) -> tuple[Candidate, Plan, tuple[str, ...]]:
     """Solve the stage plans of the cheapest searched configurations, in the search's order, until `TOP_PRICED` fit (at
     most `MOST_TRIED` tried), and return the cheapest as priced (its step and memory are its own stage plan's), with
     why each configuration that does not fit was dropped."""
@@ -308,6 +309,7 @@ def _returned_plan(ranked: list[Candidate], stage_plan: Callable[[Candidate], Pl
     best, plan = min(priced, key=lambda cp: (cp[1].step_time_s, cp[1].memory.total))
     others = tuple(f"{what(c)}: priced {p.step_time_s:.4g} s per step, slower than the returned {plan.step_time_s:.4g} s"
                    for c, p in priced if p is not plan)
+    plan = stage_plan(best, explain=True)  # the same solve, with its alternatives recorded for Plan.explain
     dropped = tuple(dropped)
     plan = replace(plan, solver=replace(plan.solver, skipped=plan.solver.skipped + dropped + others))
     return replace(best, pipe=plan.pipeline), plan, dropped
@@ -372,21 +374,31 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             profiles[key], plans[key], stand_ins[key] = found
         return profiles[key]
 
-    def stage_plan(c: Candidate) -> Plan:
-        """The runtime's plan of candidate `c`: the stage sub-mesh (d, t) at the data-parallel microbatch d b, with the
-        parameter layouts its profile was priced with (`stage_layouts.py`), its stages walked under the schedule and
-        kept within the budget, priced again by its own units."""
+    solved: dict[tuple[int, int, int, bool], tuple[Graph, Plan]] = {}  # (t, d, b, explain) -> the stage plan before its stages
+
+    def stage_plan(c: Candidate, explain: bool = False) -> Plan:
+        """The runtime's plan of candidate `c`: the whole model at the data-parallel microbatch d b on the stage sub-mesh
+        (d, t), with the parameter layouts its profile was priced with (`stage_layouts.py`; one solve per (t, d, b),
+        whatever the schedule), its stages walked under the schedule, priced again by its own units. A stage plan
+        over the budget is a MemoryBudgetError: its parameters are placed, so a tighter row could only move activations.
+        `explain`: record every node's priced alternatives (the plan handed to the user; ranking needs none)."""
         nonlocal solves
-        solves += 1
-        mesh = tuple(x for x in (c.data, c.tensor) if x > 1) or (1,)
-        names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if c.tensor > 1 else ("dp",))
-        graph = graph_at(c.data * c.micro)
-        key = ((c.tensor,), c.micro, options.layers, options.optimizer)
-        params, inputs = arranged_layouts(graph, plans[key], data=c.data, stand_in=stand_ins[key], stack=short[1] if short else None)
-        # the parameters are placed: a tighter row could only move activations, so a stage plan over the budget is dropped
-        plan_options = PlanOptions(memory_budget=budget, optimizer=options.optimizer, time_limit_s=options.time_limit_s,
-                                   param_layouts=params, input_layouts=inputs, resolves=0)
-        plan = make_plan(graph, MeshSpec(mesh, names), cluster, plan_options, model_name=model_name, pipeline=c.pipe)
+        key = (c.tensor, c.data, c.micro, explain)
+        if key not in solved:
+            solves += 1
+            mesh = tuple(x for x in (c.data, c.tensor) if x > 1) or (1,)
+            names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if c.tensor > 1 else ("dp",))
+            graph = graph_at(c.data * c.micro)
+            profiled = ((c.tensor,), c.micro, options.layers, options.optimizer)
+            params, inputs = arranged_layouts(graph, plans[profiled], data=c.data, stand_in=stand_ins[profiled],
+                                              stack=short[1] if short else None)
+            plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, time_limit_s=options.time_limit_s,
+                                       param_layouts=params, input_layouts=inputs, alternatives=explain)
+            solved[key] = graph, make_plan(graph, MeshSpec(mesh, names), cluster, plan_options, model_name=model_name)
+        graph, plan = solved[key]
+        plan = with_walked_memory(with_stage_recompute(replace(plan, pipeline=c.pipe), graph), graph, options.optimizer)
+        if plan.memory.total > budget:
+            raise MemoryBudgetError(budget, plan.memory.total, plan.mesh, cluster, of="its stage plan")
         pipe = reprice(profile_units(graph, plan, options.optimizer), plan.pipeline, d=c.data, t=c.tensor, cluster=cluster,
                        dp_in_profile=True)
         pipe = replace(pipe, searched_step_s=c.step_s)

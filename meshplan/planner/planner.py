@@ -25,11 +25,10 @@ from meshplan.planner.neighbourhood import search as neighbourhood_search
 from meshplan.planner.offload import OffloadOptions, add_offload_options, check_offload
 from meshplan.planner.problem import INFEASIBLE_S, Tables, build_tables, grad_flows, node_memory, transfer_memory
 from meshplan.planner.propagation import propagate
-from meshplan.planner.recompute import check_recompute, internal_outputs, recompute_groups, with_stage_recompute
+from meshplan.planner.recompute import check_recompute, internal_outputs, recompute_groups
 from meshplan.planner.solver import InfeasiblePlan, Solution, SolveTimeout, evaluate, solve
 from meshplan.planner.strategies import generate
 from meshplan.planner.tying import tie_repeated_layers
-from meshplan.plans.pipeline import PipelinePlan
 from meshplan.plans.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
 from meshplan.plans.strategy import Strategy
 from meshplan.progress import phase
@@ -54,8 +53,8 @@ class MemoryBudgetError(ValueError):
 
 
 UNBOUNDED = 2**60
-"""A memory row that never binds (a pipeline's stage plan is first solved without one: its row sums one microbatch of
-every stage, which bounds no stage; the walk per stage then checks the budget)."""
+"""A memory budget that never binds (a pipeline's stage plan is solved without one: its row would sum one microbatch
+of every stage, which bounds no stage; the walk per stage checks the budget instead)."""
 MAX_TIGHTENINGS = 4
 """Solves again with a tighter memory row when the walked peak of a plan breaks the budget."""
 
@@ -102,22 +101,18 @@ class PlanOptions:
     offload: str = "never"
     """Optimizer state (with fp32 master weights) in host memory: 'never', 'auto' (the solve decides per
     parameter) or 'always'. Needs the optimizer from `ParallelModule.make_optimizer` (see planner/offload.py)."""
-    resolves: int = MAX_TIGHTENINGS
-    """Solves again, at most this many times, with a tighter memory row while the plan's walked peak breaks the budget
-    (0: the first solve's plan, or a MemoryBudgetError)."""
 
 
 def make_plan(
     graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, *, model_name: str = "model",
-    earlier: Sequence[Plan] = (), pipeline: PipelinePlan | None = None,
+    earlier: Sequence[Plan] = (),
 ) -> Plan:
     """The plan of `graph` on `mesh`. `earlier`: the mesh search's plans of the same graph on other
     meshes; those that map onto this one (coarser, or permuted) start its search when it is too
-    large for one exact solve (`planner/neighbourhood.py`). `pipeline`: the plan is the stage plan of these
-    stages (`graph` is one microbatch), and the budget holds for each pipeline rank under the schedule.
+    large for one exact solve (`planner/neighbourhood.py`).
 
-    `plan.memory` is the liveness walk's peak (`cost_model/peak.py`, per stage for a pipeline), and the plan keeps
-    `options.memory_budget` by that peak (`_keep_budget`)."""
+    `plan.memory` is the liveness walk's peak (`cost_model/peak.py`), and the plan keeps `options.memory_budget` by
+    that peak (`_keep_budget`)."""
     if options.mode not in MODES:
         raise ValueError(f"mode={options.mode!r} is not supported; allowed: {', '.join(MODES)}")
     if options.inputs not in INPUT_MODES:
@@ -310,7 +305,7 @@ def make_plan(
             ),
         )
 
-    return _keep_budget(attempt, graph, budget, options.optimizer, mesh, cluster, pipeline, options.resolves)
+    return _keep_budget(attempt, graph, budget, options.optimizer, mesh, cluster)
 
 
 def with_walked_memory(plan: Plan, graph: Graph, optimizer: str) -> Plan:
@@ -320,25 +315,21 @@ def with_walked_memory(plan: Plan, graph: Graph, optimizer: str) -> Plan:
     return dataclasses.replace(plan, memory=predict_peak(graph, plan, optimizer=optimizer).at_peak)
 
 
-def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: MeshSpec, cluster: ClusterPreset,
-                 pipeline: PipelinePlan | None, resolves: int = MAX_TIGHTENINGS) -> Plan:
+def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: MeshSpec, cluster: ClusterPreset) -> Plan:
     """The plan `attempt(row bound)` solves, whose walked peak keeps `budget`.
 
     The solver bounds a sum over nodes, which is neither above nor below the walked peak in general (frees and
-    recomputation make it high; collective scratch, the optimizer step's temporaries and a pipeline's microbatches in
-    flight make it low). So: solve under the budget (a pipeline's stage plan: unbounded), walk the plan, and while its
-    peak is over, solve again with the row tightened by the overshoot (by ratio, and at least by the bytes). When the
+    recomputation make it high; collective scratch and the optimizer step's temporaries make it low). So: solve under
+    the budget, walk the plan, and while its peak is over, solve again with the row tightened by the overshoot (by
+    ratio, and at least by the bytes). When the
     row admits no plan, the plan of the smallest row is the last one tried; a budget below its walked peak is a
     `MemoryBudgetError` naming that peak, so a budget of that size always gives a plan."""
 
     def walked(bound: float) -> Plan:
-        plan = attempt(bound)
-        if pipeline is not None:  # the layers of recomputing stages run under checkpoints
-            plan = with_stage_recompute(dataclasses.replace(plan, pipeline=pipeline), graph)
-        return with_walked_memory(plan, graph, optimizer)
+        return with_walked_memory(attempt(bound), graph, optimizer)
 
-    bound = budget if pipeline is None else UNBOUNDED
-    for _ in range(resolves + 1):
+    bound = budget
+    for _ in range(MAX_TIGHTENINGS + 1):
         try:
             plan = walked(bound)
         except MemoryBudgetError as e:  # no plan within the row: the one of the smallest row decides
@@ -353,8 +344,7 @@ def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: Mes
         bound = min(summed * budget / peak, summed - (peak - budget))
         log.info("mesh %s: walked peak %s breaks the budget %s; solving again with the memory row at %s", mesh,
                  format_bytes(peak), format_bytes(budget), format_bytes(bound))
-    raise MemoryBudgetError(budget, peak, mesh, cluster,
-                            of="the plan solved" if resolves == 0 else f"the plans solved with up to {resolves} tighter memory rows")
+    raise MemoryBudgetError(budget, peak, mesh, cluster, of=f"the plans solved with up to {MAX_TIGHTENINGS} tighter memory rows")
 
 
 @dataclass(frozen=True, slots=True)
