@@ -102,6 +102,9 @@ def test_a_pipelined_plan_states_its_stage_plans_own_step_and_peaks():
     assert [s.memory for s in pipe.stages] == [p.at_peak for p in peaks]
     assert plan.memory.total == pipe.peak_memory <= budget
     assert f"{plan.step_time_s * 1e3:.3f} ms" in plan.summary()
+    why = str(plan.explain("pipeline"))  # the configurations priced beside it, each with its own price
+    assert f"priced at {pipe.step_s:.4g} s per step; the search's stage profiles priced it at {pipe.searched_step_s:.4g} s" in why
+    assert "slower than the returned" in why
 
 
 def test_in_flight_microbatches_raise_a_stages_peak():

@@ -22,8 +22,12 @@ class Explanation:
     entries: tuple[NodeAlternatives, ...]
     unrecorded: tuple[tuple[str, str, Strategy], ...]
     """(node, op, chosen strategy) of matched ops too cheap to have alternatives recorded."""
+    notes: tuple[str, ...] = ()
+    """Lines about the plan as a whole (`explain("pipeline")`: the configurations priced, and why the others lost)."""
 
     def __str__(self) -> str:
+        if self.notes:
+            return "\n".join([f"{self.query}:", *(f"  {n}" for n in self.notes)])
         lines = [f"{self.query}: {len(self.entries) + len(self.unrecorded)} node(s)"]
         for e in self.entries:
             lines += _format_entry(e)
@@ -64,9 +68,12 @@ def _format_entry(e: NodeAlternatives) -> list[str]:
 
 
 def explain(plan: Plan, query: str) -> Explanation:
-    """The recorded choices for `query`: a module path, a parameter FQN or a node name."""
+    """The recorded choices for `query`: a module path, a parameter FQN or a node name; or "pipeline": how the returned
+    pipeline configuration was priced and what the other configurations priced came to (or why they were dropped)."""
     if not isinstance(query, str) or not query:
-        raise ValueError(f"explain needs a module path, parameter FQN or node name; got {query!r}")
+        raise ValueError(f"explain needs a module path, parameter FQN, node name or 'pipeline'; got {query!r}")
+    if query == "pipeline":
+        return _explain_pipeline(plan)
     recorded = {a.node: a for a in plan.alternatives}
     params = {p.node: p for p in plan.params}
 
@@ -91,3 +98,14 @@ def explain(plan: Plan, query: str) -> Explanation:
         close = difflib.get_close_matches(query, known, n=5, cutoff=0.5) or known[:5]
         raise ValueError(f"{query!r} names no module, parameter or node of the plan; close matches: {', '.join(close)}")
     return Explanation(query, tuple(entries), tuple(unrecorded))
+
+
+def _explain_pipeline(plan: Plan) -> Explanation:
+    pipe = plan.pipeline
+    if pipe is None:
+        raise ValueError("explain('pipeline'): the plan has no pipeline stages")
+    searched = "" if pipe.searched_step_s is None else f"; the search's stage profiles priced it at {pipe.searched_step_s:.4g} s"
+    notes = [f"returned: pp {pipe.degree} x {plan.mesh}, {pipe.schedule}, {pipe.microbatches} microbatches: its stage plan priced at "
+             f"{pipe.step_s:.4g} s per step{searched}; the fullest rank peaks at {plan.memory.total / 2**30:.3g} GiB"]
+    notes += list(plan.solver.skipped) or ["no other configuration was priced"]
+    return Explanation("pipeline", (), (), tuple(notes))

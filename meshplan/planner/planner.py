@@ -127,7 +127,6 @@ def make_plan(
         graph, mesh, cands.by_node, mode=options.mode, annotations=options.annotations,
         param_layouts=options.param_layouts, input_layouts=options.input_layouts,
     )
-    shape = mesh.shape
 
     budget = _budget(options.memory_budget, cluster)
     # propagation walks the real graph (layer k hands its layouts to layer k+1); tying serves the solver
@@ -178,134 +177,143 @@ def make_plan(
             if smallest.objective <= solver_budget:
                 raise
             raise MemoryBudgetError(budget, smallest.objective, mesh, cluster) from None
-        by_node, tables, offload_from, solution = found.result.by_node, found.result.tables, found.result.offload_from, found.result.solution
-        if solution.objective >= INFEASIBLE_S:
-            raise InfeasiblePlan("no consistent choice of strategies exists for the repeated layers; plan with tie_layers=False")
-        rep = tables.tying.rep
-        raw = {n.name: solution.choice[rep[n.name]] for n in graph.nodes}  # indexes the cost tables
-        decoded = {name: offload_from.decode(rep[name], i) for name, i in raw.items()}
-        choice = {name: i for name, (i, _) in decoded.items()}
-        offloaded = {name for name, (_, host) in decoded.items() if host}
-        chosen = {name: by_node[name][i] for name, i in choice.items()}
-
-        nodes, transfers, params, inputs = [], [], [], []
-        compute_s = comm_s = host_s = optimizer_s = 0.0
-        memory = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
-        recomputed = {layer: g.name for g in groups if g.name in solution.recompute for layer in g.layers}
-        internal = internal_outputs(graph) if recomputed else set()
-        rematerialised: dict[str, float] = {}  # recomputed layer -> bytes it holds again during its backward
-        # every price and size below is the tables' (the solver's own numbers), read at the chosen strategy
-        for node in graph.nodes:
-            s = chosen[node.name]
-            r, i = rep[node.name], choice[node.name]
-            cost = tables.unit_costs[r][raw[node.name]]
-            node_mem = tables.memory[r][i]
-            if node.name in offloaded:
-                node_mem = dataclasses.replace(node_mem, optimizer=0)
-                host_s += offload_from.host_s[r][i]
-            if node.kind == "op" and node.layer in recomputed:
-                cost += tables.forward_s[r][i]
-                if node.name in internal:
-                    rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + node_mem.activations
-                    node_mem = dataclasses.replace(node_mem, activations=0)
-            memory = memory + node_mem
-            for pos, ref in enumerate(node.inputs):
-                src = chosen[ref.node].outputs[ref.index]
-                dst = s.inputs[pos]
-                if src == dst:
-                    continue
-                meta = graph.meta(ref)
-                fwd = redistribution_steps(meta, src, dst, shape)
-                bwd = backward_steps(fwd) if grad_flows(graph, ref, node) else []
-                t = tables.move_time(meta, src, dst, bool(bwd))
-                held = transfer_memory(meta, src, dst, node, shape)
-                again = node.kind == "op" and node.layer in recomputed
-                if again:  # the forward move runs again in backward; its copy is not held until then
-                    t += tables.move_time(meta, src, dst, False)
-                    rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + held
-                    held = 0
-                comm_s += t
-                memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=held)
-                transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t, recompute=again))
-            if node.kind == "op":
-                region = tables.regions[r][i] if r in tables.regions else None
-                if region is not None:  # a region op's own collectives are communication, listed in the plan
-                    cost = region.compute_s
-                    if node.layer in recomputed:  # its forward again, own collectives included
-                        rerun = tables.regions_forward[r][i]
-                        cost, comm_s = cost + rerun.compute_s, comm_s + rerun.comm_s
-                    compute_s, comm_s = compute_s + cost, comm_s + region.comm_s
-                    nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost, region.forward, region.backward))
-                else:
-                    compute_s += cost
-                    nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost))
-            elif node.kind in ("param", "buffer"):
-                layout = s.outputs[0]
-                trainable = node.kind == "param" and node.grad(0)
-                step = 0.0  # ParamChoice.time_s keeps the gradient sync (+ the host step when offloaded)
-                if trainable:
-                    device_step = tables.optimizer_s[r][i]
-                    if node.name in offloaded:  # the cost holds the host step in place of the device's
-                        cost += device_step
-                    else:
-                        cost -= device_step
-                        step = device_step
-                    optimizer_s += step
-                axes = grad_sync_axes(layout) if trainable else ()
-                axes = tuple(a for a in axes if shape[a] > 1)
-                params.append(
-                    ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype, offload=node.name in offloaded,
-                                optimizer_s=step)
-                )
-            elif node.kind == "input":
-                inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
-        for g in groups:  # one layer of each recomputed group is whole again while its backward runs
-            if g.name in solution.recompute:
-                peak = max((rematerialised.get(layer, 0.0) for layer in g.layers), default=0.0)
-                memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=int(peak))
-        buckets = _grad_buckets(graph, params, shape, cluster)
-        flops, flops_dtype = model_flops(graph)
-        comm_s += sum(b.time_s for b in buckets)  # gradient sync as the runtime runs it, not per parameter
-        if abs(memory.total - solution.memory) > 1e-6 * max(memory.total, 1.0) + 1:
-            raise AssertionError(f"plan memory {memory.total} differs from the solver's {solution.memory}")
-
-        return Plan(
-            model=model_name,
-            graph_fingerprint=graph.fingerprint(),
-            precision=graph.precision,
-            model_flops=flops,
-            peak_flops=cluster.device.peak(flops_dtype),
-            mesh=mesh,
-            mode=options.mode,
-            inputs_mode=options.inputs,
-            cluster=cluster.name,
-            nodes=tuple(nodes),
-            transfers=tuple(transfers),
-            params=tuple(params),
-            inputs=tuple(inputs),
-            memory=memory,
-            compute_s=compute_s,
-            comm_s=comm_s,
-            host_s=host_s,
-            optimizer_s=optimizer_s,
-            solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables,
-                              constraints=solution.constraints, memory_bound=memory.total),
-            fallbacks=tuple(cands.fallbacks),
-            buckets=tuple(buckets),
-            recompute=tuple(layer for g in groups if g.name in solution.recompute for layer in g.layers),
-            alternatives=() if not options.alternatives else record_alternatives(
-                # a neighbourhood search prices the candidates of its last neighbourhood; those the annotations removed stay listed
-                graph, dataclasses.replace(cands, by_node=by_node),
-                {n: by_node[n] + [s for s in ss if s not in kept] for n, ss in before_constraints.items() for kept in [set(cands.by_node[n])]},
-                choice, constraints,
-                own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
-                move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
-                memory=lambda node, s: node_memory(node, s, shape, options.optimizer, weight_cast=node.name in graph.weight_casts).total,
-                memory_budget=budget,
-            ),
-        )
+        return _assemble(graph, mesh, cluster, options, found.result, groups=groups, cands=cands,
+                         before_constraints=before_constraints, constraints=constraints, budget=budget, model_name=model_name)
 
     return _keep_budget(attempt, graph, budget, options.optimizer, mesh, cluster)
+
+
+def _assemble(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, searched: _Searched, *, groups,
+              cands, before_constraints, constraints, budget: float, model_name: str) -> Plan:
+    """The Plan of one solve: the chosen strategies as `NodeChoice`, `Transfer`, `ParamChoice` and `GradBucket` entries,
+    every price and size the tables' own (the solver's numbers) at the chosen strategy; `memory` is the solver's sum."""
+    shape = mesh.shape
+    by_node, tables, offload_from, solution = searched.by_node, searched.tables, searched.offload_from, searched.solution
+    if solution.objective >= INFEASIBLE_S:
+        raise InfeasiblePlan("no consistent choice of strategies exists for the repeated layers; plan with tie_layers=False")
+    rep = tables.tying.rep
+    raw = {n.name: solution.choice[rep[n.name]] for n in graph.nodes}  # indexes the cost tables
+    decoded = {name: offload_from.decode(rep[name], i) for name, i in raw.items()}
+    choice = {name: i for name, (i, _) in decoded.items()}
+    offloaded = {name for name, (_, host) in decoded.items() if host}
+    chosen = {name: by_node[name][i] for name, i in choice.items()}
+
+    nodes, transfers, params, inputs = [], [], [], []
+    compute_s = comm_s = host_s = optimizer_s = 0.0
+    memory = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
+    recomputed = {layer: g.name for g in groups if g.name in solution.recompute for layer in g.layers}
+    internal = internal_outputs(graph) if recomputed else set()
+    rematerialised: dict[str, float] = {}  # recomputed layer -> bytes it holds again during its backward
+    # every price and size below is the tables' (the solver's own numbers), read at the chosen strategy
+    for node in graph.nodes:
+        s = chosen[node.name]
+        r, i = rep[node.name], choice[node.name]
+        cost = tables.unit_costs[r][raw[node.name]]
+        node_mem = tables.memory[r][i]
+        if node.name in offloaded:
+            node_mem = dataclasses.replace(node_mem, optimizer=0)
+            host_s += offload_from.host_s[r][i]
+        if node.kind == "op" and node.layer in recomputed:
+            cost += tables.forward_s[r][i]
+            if node.name in internal:
+                rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + node_mem.activations
+                node_mem = dataclasses.replace(node_mem, activations=0)
+        memory = memory + node_mem
+        for pos, ref in enumerate(node.inputs):
+            src = chosen[ref.node].outputs[ref.index]
+            dst = s.inputs[pos]
+            if src == dst:
+                continue
+            meta = graph.meta(ref)
+            fwd = redistribution_steps(meta, src, dst, shape)
+            bwd = backward_steps(fwd) if grad_flows(graph, ref, node) else []
+            t = tables.move_time(meta, src, dst, bool(bwd))
+            held = transfer_memory(meta, src, dst, node, shape)
+            again = node.kind == "op" and node.layer in recomputed
+            if again:  # the forward move runs again in backward; its copy is not held until then
+                t += tables.move_time(meta, src, dst, False)
+                rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + held
+                held = 0
+            comm_s += t
+            memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=held)
+            transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t, recompute=again))
+        if node.kind == "op":
+            region = tables.regions[r][i] if r in tables.regions else None
+            if region is not None:  # a region op's own collectives are communication, listed in the plan
+                cost = region.compute_s
+                if node.layer in recomputed:  # its forward again, own collectives included
+                    rerun = tables.regions_forward[r][i]
+                    cost, comm_s = cost + rerun.compute_s, comm_s + rerun.comm_s
+                compute_s, comm_s = compute_s + cost, comm_s + region.comm_s
+                nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost, region.forward, region.backward))
+            else:
+                compute_s += cost
+                nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost))
+        elif node.kind in ("param", "buffer"):
+            layout = s.outputs[0]
+            trainable = node.kind == "param" and node.grad(0)
+            step = 0.0  # ParamChoice.time_s keeps the gradient sync (+ the host step when offloaded)
+            if trainable:
+                device_step = tables.optimizer_s[r][i]
+                if node.name in offloaded:  # the cost holds the host step in place of the device's
+                    cost += device_step
+                else:
+                    cost -= device_step
+                    step = device_step
+                optimizer_s += step
+            axes = grad_sync_axes(layout) if trainable else ()
+            axes = tuple(a for a in axes if shape[a] > 1)
+            params.append(
+                ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype, offload=node.name in offloaded,
+                            optimizer_s=step)
+            )
+        elif node.kind == "input":
+            inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
+    for g in groups:  # one layer of each recomputed group is whole again while its backward runs
+        if g.name in solution.recompute:
+            peak = max((rematerialised.get(layer, 0.0) for layer in g.layers), default=0.0)
+            memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=int(peak))
+    buckets = _grad_buckets(graph, params, shape, cluster)
+    flops, flops_dtype = model_flops(graph)
+    comm_s += sum(b.time_s for b in buckets)  # gradient sync as the runtime runs it, not per parameter
+    if abs(memory.total - solution.memory) > 1e-6 * max(memory.total, 1.0) + 1:
+        raise AssertionError(f"plan memory {memory.total} differs from the solver's {solution.memory}")
+
+    return Plan(
+        model=model_name,
+        graph_fingerprint=graph.fingerprint(),
+        precision=graph.precision,
+        model_flops=flops,
+        peak_flops=cluster.device.peak(flops_dtype),
+        mesh=mesh,
+        mode=options.mode,
+        inputs_mode=options.inputs,
+        cluster=cluster.name,
+        nodes=tuple(nodes),
+        transfers=tuple(transfers),
+        params=tuple(params),
+        inputs=tuple(inputs),
+        memory=memory,
+        compute_s=compute_s,
+        comm_s=comm_s,
+        host_s=host_s,
+        optimizer_s=optimizer_s,
+        solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables,
+                          constraints=solution.constraints, memory_bound=memory.total),
+        fallbacks=tuple(cands.fallbacks),
+        buckets=tuple(buckets),
+        recompute=tuple(layer for g in groups if g.name in solution.recompute for layer in g.layers),
+        alternatives=() if not options.alternatives else record_alternatives(
+            # a neighbourhood search prices the candidates of its last neighbourhood; those the annotations removed stay listed
+            graph, dataclasses.replace(cands, by_node=by_node),
+            {n: by_node[n] + [s for s in ss if s not in kept] for n, ss in before_constraints.items() for kept in [set(cands.by_node[n])]},
+            choice, constraints,
+            own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
+            move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
+            memory=lambda node, s: node_memory(node, s, shape, options.optimizer, weight_cast=node.name in graph.weight_casts).total,
+            memory_budget=budget,
+        ),
+    )
 
 
 def with_walked_memory(plan: Plan, graph: Graph, optimizer: str) -> Plan:
