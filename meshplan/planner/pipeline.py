@@ -7,8 +7,10 @@ head). Repeated layers are tied in the solve, so a stage of k layers costs k tim
 stage's `(t,)` adds its gradient all-reduce. Then, for every pipeline degree p (d = N / (p t)),
 microbatch count m = B / (d b) and schedule, a dynamic program over unit ranges x stages (Alpa's
 formulation, min-max form) picks the cuts that minimise the slowest stage under the memory budget,
-recomputing a stage's layers when its activations would not fit. The best few candidates are
-re-planned on their real 2-D sub-mesh `(d, t)` at batch d b, and the best of those is returned.
+recomputing a stage's layers when its activations would not fit. The cheapest configurations then have
+their runtime plans solved on their real 2-D sub-mesh `(d, t)` at batch d b (with the layouts they were priced
+with), walked stage by stage under the budget and priced again; the cheapest of those that fit is returned, with
+its own figures (docs/pipeline.md, "Search" step 4).
 
 Stage cuts pay the point-to-point send of the activation crossing them (forward) and of its
 gradient (backward), on the link between stages (the pipeline axis is outermost).
@@ -103,8 +105,6 @@ class PipelineResult:
     considered: int
     seconds: float
     solves: int
-    dropped: tuple[str, ...] = ()
-    """Configurations among the best searched whose stage plans did not fit the budget, each with why."""
 
 
 def _pins(units: list[Unit], stage_config: dict[str, int]) -> dict[int, int]:
@@ -285,10 +285,10 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
                         step_s=step, bubble_s=sched.bubble_s, bubble_fraction=sched.bubble_fraction, p2p_s=p2p)
 
 
-def _returned_plan(ranked: list[Candidate], stage_plan: Callable[..., Plan], budget: float) -> tuple[Candidate, Plan, tuple[str, ...]]:
+def _returned_plan(ranked: list[Candidate], stage_plan: Callable[..., Plan], budget: float) -> tuple[Candidate, Plan]:
     """Solve the stage plans of the cheapest searched configurations, in the search's order, until `TOP_PRICED` fit (at
     most `MOST_TRIED` tried), and return the cheapest as priced (its step and memory are its own stage plan's), with
-    why each configuration that does not fit was dropped."""
+    why each configuration that does not fit was dropped (in `plan.solver.skipped`)."""
 
     def what(c: Candidate) -> str:
         return f"pipeline tp {c.tensor} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}"
@@ -310,9 +310,8 @@ def _returned_plan(ranked: list[Candidate], stage_plan: Callable[..., Plan], bud
     others = tuple(f"{what(c)}: priced {p.step_time_s:.4g} s per step, slower than the returned {plan.step_time_s:.4g} s"
                    for c, p in priced if p is not plan)
     plan = stage_plan(best, explain=True)  # the same solve, with its alternatives recorded for Plan.explain
-    dropped = tuple(dropped)
-    plan = replace(plan, solver=replace(plan.solver, skipped=plan.solver.skipped + dropped + others))
-    return replace(best, pipe=plan.pipeline), plan, dropped
+    plan = replace(plan, solver=replace(plan.solver, skipped=plan.solver.skipped + tuple(dropped) + others))
+    return replace(best, pipe=plan.pipeline), plan
 
 
 def divisors(n: int) -> list[int]:
@@ -450,14 +449,14 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         )
     pinned = tuple(sorted(options.stage_config.items()))
     ranked = [replace(c, pipe=replace(c.pipe, pinned=pinned)) for c in sorted(cands, key=lambda c: (c.step_s, c.pipe.peak_memory))]
-    best, plan, dropped = ranked[0], None, ()
+    best, plan = ranked[0], None
     if options.stage_plan:
         if options.layers is not None:
             raise ValueError(f"PipelineOptions(layers={options.layers}) stretches a profile the model does not have: the stage plan "
                              "cannot be solved on it; give stage_plan=False (pricing only) or trace the model at its depth")
-        best, plan, dropped = _returned_plan(ranked, stage_plan, budget)
+        best, plan = _returned_plan(ranked, stage_plan, budget)
     log.info("pipeline search: %d candidates, %d solves, %.1f s", considered, solves, time.perf_counter() - t0)
-    return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves, dropped=dropped)
+    return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves)
 
 
 def pipeline_options(pipeline: int | str | PipelineOptions, stage_config: dict | None, optimizer: str, memory_budget: float | None,
