@@ -127,7 +127,7 @@ def test_report_of_a_pipelined_plan_shows_its_stages_bubble_and_per_stage_memory
     assert "bubble 20.0% (2.000 ms of a 12.000 ms step)" in text
     assert "bubble 2.000 ms" in text and "working 10.000 ms" in text  # the step bar: the schedule's step, not one microbatch
     assert "stage 0 (pipeline rank 0)" in text and "stage 1 (pipeline rank 1)" in text  # one memory bar per stage
-    assert "Peak 13.7 KiB per device" in text  # the larger stage (stage 0: 1000 + 1000 + 2000 + 10000 bytes), not plan.memory
+    assert "Peak 13.7 KiB per device" in text  # the fullest rank: stage 0 alone (1000 + 1000 + 2000 + 10000 bytes)
     assert text.count("<td>1f1b</td>") == 0 and text.count("</td><td>yes</td>") == 1
     _renders_cleanly(text, tmp_path)
 
@@ -195,6 +195,7 @@ def test_report_timeline_of_a_zero_bubble_plan(report, tmp_path):
         assert kinds.count("forward") == kinds.count("backward") == kinds.count("weight") == 2 * 4  # 2 chunks x 4 microbatches
     assert 'fill-opacity="0.55"' in text  # the second chunk of the V
     assert f"bubble {cost.bubble_fraction:.1%}" in text and "adds" not in text  # no all-reduce after this schedule
+    assert "Peak 17.6 KiB per device" in text  # each rank runs two stages of 9000 bytes: the rank's sum, not one stage
     for name in ("backward for inputs", "backward for weights"):
         assert f"</svg> {name}</span>" in text
     _renders_cleanly(text, tmp_path)

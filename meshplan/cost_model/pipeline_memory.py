@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshplan.cost_model.estimate import local_bytes
-from meshplan.cost_model.memory import MemoryBreakdown
 from meshplan.cost_model.peak import PeakMemory, predict_peak
 from meshplan.cost_model.schedules import in_flight
 from meshplan.ir.graph import Graph
@@ -76,7 +75,4 @@ def with_stage_memory(graph: Graph, plan, *, optimizer: str = "adam"):
     """`plan` whose pipeline stages carry their walked peaks and whose `memory` is the fullest rank's."""
     peaks = stage_peaks(graph, plan, optimizer=optimizer)
     pipe = replace(plan.pipeline, stages=tuple(replace(s, memory=pk.at_peak) for s, pk in zip(plan.pipeline.stages, peaks)))
-    per_rank: dict[int, MemoryBreakdown] = {}
-    for s in pipe.stages:
-        per_rank[s.device] = per_rank[s.device] + s.memory if s.device in per_rank else s.memory
-    return replace(plan, pipeline=pipe, memory=max(per_rank.values(), key=lambda mb: mb.total))
+    return replace(plan, pipeline=pipe, memory=max(pipe.rank_memory(), key=lambda mb: mb.total))

@@ -156,9 +156,9 @@ def render(plan: Plan) -> str:
     if pipe is not None:
         rows = [(f"stage {st.index} (pipeline rank {st.device})", [(k, float(getattr(st.memory, k)), c) for k, c in MEMORY_COLOURS.items()])
                 for st in pipe.stages]
-        mem = max((st.memory for st in pipe.stages), key=lambda m: m.total)
+        mem = max(pipe.rank_memory(), key=lambda m: m.total)
         note = (f"Each device of a stage's {mesh.size}-device sub-mesh holds the stage's amount (shards are even); the "
-                "largest stage sets the peak.")
+                "fullest pipeline rank (the sum of the stages it runs) sets the peak.")
     elif mesh.size <= MAX_DEVICE_BARS:
         rows = [(f"device {r}", segs) for r in range(mesh.size)]
         note = "Every device holds the same amount under this plan (one stage; shards are even)."

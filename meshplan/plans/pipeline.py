@@ -60,13 +60,17 @@ class PipelinePlan:
     """The step the search priced this configuration at from its stage profiles, before its stage plan was solved;
     `step_s` is the stage plan's own price (None: not searched, or priced only)."""
 
+    def rank_memory(self) -> list[MemoryBreakdown]:
+        """Each pipeline rank's peak: the sum over the stages (chunks) it runs."""
+        per_rank = [MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0) for _ in range(self.degree)]
+        for s in self.stages:
+            per_rank[s.device] = per_rank[s.device] + s.memory
+        return per_rank
+
     @property
     def peak_memory(self) -> int:
-        """The fullest pipeline rank's peak: the sum over the stages (chunks) it runs."""
-        per_rank = [0] * self.degree
-        for s in self.stages:
-            per_rank[s.device] += s.memory.total
-        return max(per_rank)
+        """The fullest pipeline rank's peak."""
+        return max(m.total for m in self.rank_memory())
 
     def timeline(self) -> Timeline:
         """The schedule this plan is priced with, rank by rank: every rank runs the slowest rank's seconds per
