@@ -329,30 +329,35 @@ def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: Mes
     The solver bounds a sum over nodes, which is neither above nor below the walked peak in general (frees and
     recomputation make it high; collective scratch and the optimizer step's temporaries make it low). So: solve under
     the budget, walk the plan, and while its peak is over, solve again with the row tightened by the overshoot (by
-    ratio, and at least by the bytes). When the
-    row admits no plan, the plan of the smallest row is the last one tried; a budget below its walked peak is a
-    `MemoryBudgetError` naming that peak, so a budget of that size always gives a plan."""
+    ratio, and at least by the bytes). When no row tried gives a plan within the budget, the plan of the smallest row
+    is the last resort: a budget below its walked peak is a `MemoryBudgetError` naming that peak, so a budget of that
+    size always gives a plan."""
 
     def walked(bound: float) -> Plan:
         return with_walked_memory(attempt(bound), graph, optimizer)
 
-    bound = budget
+    bound, smallest = budget, None
     for _ in range(MAX_TIGHTENINGS + 1):
         try:
             plan = walked(bound)
-        except MemoryBudgetError as e:  # no plan within the row: the one of the smallest row decides
-            plan = walked(e.smallest * (1 + 1e-9) + 1)  # the solver's own tolerance
-            if plan.memory.total <= budget:
-                return plan
-            raise MemoryBudgetError(budget, plan.memory.total, mesh, cluster) from None
-        peak = plan.memory.total
-        if peak <= budget:
+        except MemoryBudgetError as e:  # no plan within the row
+            smallest = e.smallest
+            break
+        if plan.memory.total <= budget:
             return plan
         summed = plan.solver.memory_bound
-        bound = min(summed * budget / peak, summed - (peak - budget))
+        bound = min(summed * budget / plan.memory.total, summed - (plan.memory.total - budget))
         log.info("mesh %s: walked peak %s breaks the budget %s; solving again with the memory row at %s", mesh,
-                 format_bytes(peak), format_bytes(budget), format_bytes(bound))
-    raise MemoryBudgetError(budget, peak, mesh, cluster, of=f"the plans solved with up to {MAX_TIGHTENINGS} tighter memory rows")
+                 format_bytes(plan.memory.total), format_bytes(budget), format_bytes(bound))
+    if smallest is None:
+        try:
+            walked(-1.0)  # no plan has a negative row: the error says the smallest row there is
+        except MemoryBudgetError as e:
+            smallest = e.smallest
+    plan = walked(smallest * (1 + 1e-9) + 1)  # the solver's own tolerance
+    if plan.memory.total <= budget:
+        return plan
+    raise MemoryBudgetError(budget, plan.memory.total, mesh, cluster)
 
 
 @dataclass(frozen=True, slots=True)
