@@ -121,12 +121,12 @@ def measure(rank: int, world: int, cases: list[tuple[str, str]], plans_json: lis
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny models (the smoke test)")
+    ap.add_argument("--quick", action="store_true", help="the tiny GPT alone, targets not judged (the smoke test)")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     cases, plans, budgets = [], [], {}
-    for name in MODELS:
+    for name in ("gpt",) if args.quick else MODELS:
         model, tokens = build(name, args.quick)
         for label, options in plan_options(name).items():
             cases.append((name, label))
@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     for f in failed:
         print("MISSED:", f)
+    if args.quick:  # on models of a few hundred KiB, fixed allocations outweigh the targets' 10 %
+        print("--quick: the targets are the full run's; not judged here")
+        return 0
     return 1 if failed else 0
 
 

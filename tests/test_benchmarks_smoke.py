@@ -56,6 +56,23 @@ def test_memory_bound_quick_runs_every_method_with_parity():
     assert re.search(r"^(no baseline fits the budget|meshplan / fastest fitting baseline \(.+\) = \d+\.\d\d; .*(met|NOT met))$", out, re.M), out
 
 
+@pytest.mark.multiprocess
+def test_memory_truth_quick_states_peaks_near_what_runs_hold():
+    """benchmarks/memory_truth.py --quick: the tiny GPT's 8 plans (forced, pipelined, default, budgeted) on 4 gloo ranks.
+    On a model this small, fixed allocations weigh: each stated peak within 25 % of the measured one (the full run's
+    target is 10 %), the budgeted run within 5 % of its budget."""
+    proc = subprocess.run([sys.executable, "benchmarks/memory_truth.py", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    rows = re.findall(r"^\| gpt \| ([^|]+) \| [^|]+ \| [^|]+ \| ([\d.]+ [KM]iB) \| (\d\.\d{3}) \|$", out, re.M)
+    assert [label.strip() for label, _, _ in rows][:7] == ["DP", "TP", "FSDP", "dp x tp", "PP GPipe", "PP 1F1B", "default"], out
+    assert len(rows) == 8 and rows[7][0].startswith("default, budget"), out
+    assert all(0.75 <= float(ratio) <= 1.25 for _, _, ratio in rows), out
+    budget = re.search(r"budget ([\d.]+) KiB", rows[7][0])
+    measured = rows[7][1]
+    assert budget and measured.endswith("KiB") and float(measured.split()[0]) <= 1.05 * float(budget.group(1)), out
+
+
 def test_search_modes_table_in_the_docs_is_what_the_script_prints():
     """docs/modes.md's ILP-against-propagation table: objectives and predicted steps are deterministic, so a
     drift between the code and the page fails here (the seconds are machine-dependent and not compared)."""
