@@ -38,7 +38,7 @@ from meshplan.cost_model.memory import format_bytes  # noqa: E402
 from meshplan.models import GPT, GPTConfig  # noqa: E402
 from meshplan.models.llama import Llama, LlamaConfig  # noqa: E402
 from meshplan.planner.pipeline import PipelineOptions  # noqa: E402
-from meshplan.profiling.fidelity import MEGATRON, held_bytes, peak_during  # noqa: E402
+from meshplan.profiling.fidelity import MEGATRON, peak_during, resident_bytes  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
 
 WORLD = 4
@@ -110,10 +110,7 @@ def measure(rank: int, world: int, cases: list[tuple[str, str]], plans_json: lis
             opt.zero_grad(set_to_none=True)
 
         step()  # Adam's state exists from the first step on
-        resident = list(pmodel.parameters()) + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        buckets = getattr(pmodel, "_grad_buckets", None) or getattr(pmodel, "_grad_sync")  # ParallelModule's, PipelineRunner's
-        resident += [b for b in buckets._flat if b is not None]
-        peak = torch.tensor(float(held_bytes(resident) + peak_during(step)), dtype=torch.float64)
+        peak = torch.tensor(float(resident_bytes(pmodel, opt) + peak_during(step)), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         out.append(float(peak))
     return out

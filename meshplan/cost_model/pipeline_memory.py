@@ -62,7 +62,7 @@ def stage_peaks(graph: Graph, plan, *, optimizer: str = "adam") -> list[PeakMemo
                 crossing_out[src] += nbytes
     p, m = pipe.degree, pipe.microbatches
     out = []
-    for stage, names, held_out, k in zip(pipe.stages, groups, sends, range(len(groups))):
+    for k, (stage, names, held_out) in enumerate(zip(pipe.stages, groups, sends)):
         walk = predict_peak(graph, plan, optimizer=optimizer, nodes=names, kept=held_out)
         held = in_flight(pipe.schedule, p, m, stage.device, virtual=pipe.chunks) if p > 1 else 1.0
         extra = (held - 1.0) * walk.saved + m * (crossing_in[k] + crossing_out[k])

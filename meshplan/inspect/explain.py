@@ -6,6 +6,7 @@ import difflib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshplan.cost_model.memory import format_bytes
 from meshplan.ir.placement import fmt
 from meshplan.plans.alternatives import SIGNIFICANT_COMPUTE, NodeAlternatives
 from meshplan.plans.strategy import Strategy
@@ -106,6 +107,6 @@ def _explain_pipeline(plan: Plan) -> Explanation:
         raise ValueError("explain('pipeline'): the plan has no pipeline stages")
     searched = "" if pipe.searched_step_s is None else f"; the search's stage profiles priced it at {pipe.searched_step_s:.4g} s"
     notes = [f"returned: pp {pipe.degree} x {plan.mesh}, {pipe.schedule}, {pipe.microbatches} microbatches: its stage plan priced at "
-             f"{pipe.step_s:.4g} s per step{searched}; the fullest rank peaks at {plan.memory.total / 2**30:.3g} GiB"]
+             f"{pipe.step_s:.4g} s per step{searched}; the fullest rank peaks at {format_bytes(plan.memory.total)}"]
     notes += list(plan.solver.skipped) or ["no other configuration was priced"]
     return Explanation("pipeline", (), (), tuple(notes))

@@ -124,7 +124,7 @@ def out_of_sample_cases(quick: bool = False) -> list[Case]:
 # ---------------------------------------------------------------- measuring (runs on every rank)
 
 
-def _resident_bytes(pmodel, opt) -> int:
+def resident_bytes(pmodel, opt) -> int:
     tensors = list(pmodel.parameters()) + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     buckets = getattr(pmodel, "_grad_buckets", None) or getattr(pmodel, "_grad_sync")  # ParallelModule's, PipelineRunner's
     tensors += [b for b in buckets._flat if b is not None]
@@ -206,7 +206,7 @@ def _measure_world(rank: int, world: int, plans_json: list[str], cfgs: list[GPTC
             times.extend(slowest_rank_seconds(step) for _ in range(per_round))
     out = []
     for pmodel, opt, step, times in runs:
-        peak = torch.tensor(float(_resident_bytes(pmodel, opt) + peak_during(step)), dtype=torch.float64)
+        peak = torch.tensor(float(resident_bytes(pmodel, opt) + peak_during(step)), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         out.append({"time_s": statistics.median(times), "peak_bytes": float(peak), "contention": statistics.median(contention)})
     return out
