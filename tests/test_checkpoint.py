@@ -20,7 +20,7 @@ import meshplan.models
 from meshplan.runtime import checkpoint
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
-from meshplan.runtime.parallel_module import replicated_everywhere, shard_tensor
+from meshplan.runtime.parallel_module import shard_tensor
 
 NAME = "gpt"  # tied embedding: one tensor under two FQNs
 SAVE_AT, MORE = 2, 2
@@ -144,7 +144,7 @@ def test_a_data_parallel_plan_keeps_plain_tensors_and_its_checkpoint_loads_under
         warnings.simplefilter("ignore", FutureWarning)
         dp2 = meshplan.plan(model, devices=2, example_inputs=(x,), mesh_shape=(2,), mode="data_parallel")
     tp2 = _plan((2,), megatron=True)
-    assert replicated_everywhere(dp2) and not replicated_everywhere(tp2)
+    assert dp2.plain_params and not tp2.plain_params
     path = str(tmp_path / "ckpt")
     saved = run_local(2, _save_worker, dp2, path, timeout=600)
     for before, after, again, info, whole, whole_state, reloaded, dtensors in saved:

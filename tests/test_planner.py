@@ -13,7 +13,7 @@ import meshplan
 from meshplan.cost_model.redistribution import InfeasibleRedistribution, backward_steps, redistribution_steps
 from meshplan.ir import MeshSpec, TensorMeta, trace
 from meshplan.ir.placement import fmt, parse
-from meshplan.planner.solver import Edge, Problem, merge_followers, solve
+from meshplan.planner.solver import Edge, Problem, Switch, evaluate, merge_followers, solve
 from meshplan.planner.strategies import generate
 from meshplan.plans.plan import SCHEMA_VERSION, Plan
 
@@ -121,6 +121,50 @@ def test_follower_merging_keeps_a_smaller_option_a_budget_needs():
     sol = solve(p)
     assert sol.choice == {"a": 0, "v": 2} and sol.memory == pytest.approx(10.0)
     assert sol.choice == solve(p, merge=False).choice
+
+
+def test_a_switch_is_paid_once_whichever_nodes_turn_it_on():
+    # p and q each save 1.0 by sharding (strategy 1), but any sharding costs 1.5 once: sharding one alone
+    # loses, sharding both wins; a follower v of p that can only take p's layout carries p's choice
+    edge = {("r", "r"): 0.0, ("s", "s"): 0.0}
+    def problem(saving: float) -> Problem:
+        return Problem({"p": [1.0, 1.0 - saving], "q": [1.0, 1.0 - saving], "v": [0.0, 0.0]},
+                       [Edge("p", "v", ["r", "s"], ["r", "s"], edge)],
+                       switches=[Switch("sharded", 1.5, {"p": frozenset({1}), "q": frozenset({1}), "v": frozenset({1})})])
+    for merge in (True, False):
+        both = solve(problem(1.0), merge=merge)
+        assert both.choice == {"p": 1, "q": 1, "v": 1} and both.objective == pytest.approx(1.5)
+        neither = solve(problem(0.6), merge=merge)  # 2 x 0.6 < 1.5: the switch is not worth it
+        assert neither.choice == {"p": 0, "q": 0, "v": 0} and neither.objective == pytest.approx(2.0)
+    assert evaluate(problem(1.0), {"p": 1, "q": 0, "v": 1})[0] == pytest.approx(0.0 + 1.0 + 1.5)
+    reduced, _ = merge_followers(problem(1.0))
+    assert reduced.switches[0].members == {"p": frozenset({1}), "q": frozenset({1})}
+
+
+def test_every_parameter_pays_dtensor_dispatch_once_one_is_sharded():
+    # the runtime keeps a data-parallel plan's parameters plain and makes all of them DTensors as soon as
+    # one is sharded: the plan's optimizer step carries the measured dispatch for every trainable parameter
+    import math
+
+    from meshplan.cost_model.presets import get_cluster
+    from meshplan.cost_model.profile import Profile, torch_version
+
+    prof = Profile(device="test-device", torch_version=torch_version(), cluster="cpu", optimizer_steps={"adam": (1e-5, 1e-9)},
+                   dtensor_optimizer_s={"adam": 1e-3})
+    cluster = get_cluster("cpu").with_profile(prof)
+    model, x, _ = build("gpt")
+    dp = meshplan.plan(model, 2, (x,), mode="data_parallel", mesh_shape=(2,), cluster=cluster)
+    one = meshplan.plan(model, 2, (x,), mode="semi_auto", parameter_plan={"wpe.weight": "S(0)"},
+                        input_layouts={"tokens": "S(0)"}, mesh_shape=(2,), cluster=cluster)
+    trainable = [p for p in dp.params if not p.is_buffer]
+    plain = {p.node: p.optimizer_s for p in dp.params}
+    assert dp.plain_params and not one.plain_params
+    assert all(p.optimizer_s == pytest.approx(1e-5 + 1e-9 * math.prod(p.shape)) for p in trainable)
+    for p in one.params:  # every trainable parameter, the replicated ones too, pays 1 ms more than plain
+        if not p.is_buffer and p.layout == dp.params[[q.node for q in dp.params].index(p.node)].layout:
+            assert p.optimizer_s == pytest.approx(plain[p.node] + 1e-3)
+    assert one.optimizer_s == pytest.approx(sum(p.optimizer_s for p in one.params))
+    assert one.optimizer_s > dp.optimizer_s + (len(trainable) - 1) * 1e-3
 
 
 @pytest.fixture(scope="module")

@@ -90,12 +90,17 @@ def group_collective_time(kind: str, nbytes: int, axes: tuple[int, ...], mesh_sh
     group = math.prod(mesh_shape[a] for a in axes)
     if group == 1 or nbytes == 0:
         return 0.0
-    prof = cluster.profile
-    if prof is not None:
-        fit = prof.collective(kind, group, math.prod(mesh_shape), axis_label(mesh_shape, axes[0]) if len(axes) == 1 else "")
-        if fit is not None:
-            return fit.time(nbytes)
-    return collective_time(kind, nbytes, group, cluster.link_for_axes(mesh_shape, axes))
+    label = axis_label(mesh_shape, axes[0]) if len(axes) == 1 else ""
+    return measured_collective_time(kind, nbytes, group, math.prod(mesh_shape), cluster.link_for_axes(mesh_shape, axes), cluster, label)
+
+
+def measured_collective_time(kind: str, nbytes: int, group: int, world: int, link, cluster: ClusterPreset, axis: str = "") -> float:
+    """One collective over `group` of the `world` ranks: the profile's fit (of this mesh axis if `axis`
+    names one measured) if it has one, else the alpha-beta ring model on `link`."""
+    if group == 1 or nbytes == 0:
+        return 0.0
+    fit = cluster.profile.collective(kind, group, world, axis) if cluster.profile is not None else None
+    return fit.time(nbytes) if fit is not None else collective_time(kind, nbytes, group, link)
 
 
 def local_copy_bytes(step: CommStep, n: int) -> float:
@@ -207,3 +212,9 @@ def optimizer_step_time(numels: Sequence[int], optimizer: str, mesh_shape: tuple
     if optimizer not in _OPTIMIZER_BYTES_PER_ELEMENT:
         raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(_OPTIMIZER_BYTES_PER_ELEMENT)}")
     return _OPTIMIZER_BYTES_PER_ELEMENT[optimizer] * sum(numels) / cluster.device.memory_bandwidth
+
+
+def dtensor_step_overhead(optimizer: str, mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
+    """Seconds one parameter tensor's optimizer step costs more as a DTensor than as a plain tensor
+    (the profile's measured dispatch; 0 without a profile)."""
+    return optimizer_step_time([0], optimizer, mesh_shape, cluster, dtensor=True) - optimizer_step_time([0], optimizer, mesh_shape, cluster)

@@ -29,7 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from meshplan.cost_model.collectives import collective_time
-from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES
+from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, group_collective_time, measured_collective_time
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes
 from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
 from meshplan.cost_model.schedule_kinds import SCHEDULES, actions_per_microbatch, check_schedule, chunks_per_device
@@ -203,10 +203,9 @@ def dp_sync_s(grad_bytes: float, data: int, mesh: tuple[int, ...], axis: int, cl
     """Bucketed gradient all-reduce over the data-parallel axis."""
     if data <= 1 or grad_bytes <= 0:
         return 0.0
-    link = cluster.link_for_axis(mesh, axis)
-    fixed = collective_time("all_reduce", 1, data, link)
+    fixed = group_collective_time("all_reduce", 1, (axis,), mesh, cluster)
     buckets = max(1, math.ceil(grad_bytes / GRAD_BUCKET_BYTES))
-    return collective_time("all_reduce", int(grad_bytes), data, link) + (buckets - 1) * fixed
+    return group_collective_time("all_reduce", int(grad_bytes), (axis,), mesh, cluster) + (buckets - 1) * fixed
 
 
 def _cut_prices(units: list[Unit], p: int, d: int, t: int, schedule: str, cluster: ClusterPreset) -> tuple[float, float]:
@@ -277,7 +276,7 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
     sched = schedule_time(schedule, p, m, slow / 3.0, virtual=virtual) if p > 1 else schedule_time("1f1b", 1, m, slow / 3.0)
     if p > 1:  # tied parameters living on several stages (embedding and head) sum their gradients between them
         shared = tied_grad_bytes(units)
-        tie = collective_time("all_reduce", shared, 2, link) if shared else 0.0
+        tie = measured_collective_time("all_reduce", shared, 2, p * d * t, link, cluster)
     else:
         tie = 0.0
     step = sched.step_s + max(dev_sync) + tie

@@ -29,7 +29,7 @@ from meshplan.planner.recompute import check_recompute, internal_outputs, recomp
 from meshplan.planner.solver import InfeasiblePlan, Solution, SolveTimeout, evaluate, solve
 from meshplan.planner.strategies import generate
 from meshplan.planner.tying import tie_repeated_layers
-from meshplan.plans.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer
+from meshplan.plans.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer, keeps_plain
 from meshplan.plans.strategy import Strategy
 from meshplan.progress import phase
 
@@ -273,6 +273,10 @@ def _assemble(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: Pla
         if g.name in solution.recompute:
             peak = max((rematerialised.get(layer, 0.0) for layer in g.layers), default=0.0)
             memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=int(peak))
+    if tables.dtensor_step_s and not keeps_plain(params):
+        # the runtime makes every parameter a DTensor once one is sharded or offloaded (Plan.plain_params): each step pays its dispatch
+        params = [dataclasses.replace(p, optimizer_s=p.optimizer_s + tables.dtensor_step_s) if p.optimizer_s else p for p in params]
+        optimizer_s = sum(p.optimizer_s for p in params)
     buckets = _grad_buckets(graph, params, shape, cluster)
     flops, flops_dtype = model_flops(graph)
     comm_s += sum(b.time_s for b in buckets)  # gradient sync as the runtime runs it, not per parameter

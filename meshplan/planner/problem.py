@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshplan.cost_model.compute import is_view
-from meshplan.cost_model.estimate import compute_time, grad_sync_time, local_bytes, optimizer_step_time, transfer_times
+from meshplan.cost_model.estimate import compute_time, dtensor_step_overhead, grad_sync_time, local_bytes, optimizer_step_time, transfer_times
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.redistribution import InfeasibleRedistribution
@@ -21,7 +21,7 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Replicate
 from meshplan.ir.regions import region_op
 from meshplan.planner.recompute import RecomputeGroup, RecomputeTerms
-from meshplan.planner.solver import Edge, Problem
+from meshplan.planner.solver import Edge, Problem, Switch
 from meshplan.planner.tying import Tying, tie_repeated_layers
 from meshplan.plans.strategy import Strategy
 from meshplan.progress import timed
@@ -90,6 +90,17 @@ def transfer_memory(meta: TensorMeta, src: Placements, dst: Placements, consumer
     return local_bytes(meta, dst, mesh_shape)
 
 
+def dtensor_switch(graph: Graph, by_node: dict[str, list[Strategy]], rep: dict[str, str], cost: float) -> Switch:
+    """The runtime keeps parameters plain only while every parameter and buffer is replicated on every
+    axis (`Plan.plain_params`); any sharded one makes all of them DTensors, whose optimizer step costs
+    `cost` more in all."""
+    members = {
+        node.name: frozenset(k for k, s in enumerate(by_node[node.name]) if not all(isinstance(q, Replicate) for q in s.outputs[0]))
+        for node in graph.nodes if node.kind in ("param", "buffer") and rep[node.name] == node.name
+    }
+    return Switch("dtensor_params", cost, {v: ks for v, ks in members.items() if ks})
+
+
 def keeps_copy(consumer: Node) -> bool:
     """A resharded input of this consumer is saved for its backward."""
     return consumer.kind == "op" and any(consumer.requires_grad)
@@ -118,6 +129,8 @@ class Tables:
     """The same for a region op inside a layer, forward only: what recomputing it adds, its own collectives included."""
     forward_s: dict[str, list[float]] = field(default_factory=dict)
     """Op class representative inside a layer -> its forward seconds per strategy (what recomputing it adds)."""
+    dtensor_step_s: float = 0.0
+    """Seconds each trainable parameter's step costs more when the plan's parameters are DTensors (`dtensor_switch`)."""
     _moves: dict[TensorMeta, dict[tuple, tuple[float, float] | None]] = field(default_factory=dict)
 
     def move_time(self, meta: TensorMeta, src: Placements, dst: Placements, backward: bool) -> float | None:
@@ -192,11 +205,9 @@ def build_tables(
                 for s, r in zip(strategies, own)
             ]
         elif node.kind == "param" and node.grad(0):
-            # the step updates each device's local shard: sharding a parameter divides its step; a sharded
-            # parameter is a DTensor in the runtime, whose step pays DTensor's dispatch (a replicated one is
-            # priced plain, exact where the whole plan replicates: the runtime keeps plain tensors then)
-            step = [optimizer_step_time([local_bytes(node.out, s.outputs[0], shape) // node.out.itemsize], optimizer, shape, cluster,
-                                        dtensor=not all(isinstance(q, Replicate) for q in s.outputs[0]))
+            # the step updates each device's local shard: sharding a parameter divides its step (priced plain
+            # here; the DTensor dispatch every parameter pays once any is sharded is the plan's `dtensor_params` switch)
+            step = [optimizer_step_time([local_bytes(node.out, s.outputs[0], shape) // node.out.itemsize], optimizer, shape, cluster)
                     for s in strategies]
             optimizer_s[node.name] = step
             costs = [grad_sync_time(node.out, s.outputs[0], shape, cluster) + t for s, t in zip(strategies, step)]
@@ -217,7 +228,11 @@ def build_tables(
             ]
             terms.add_node(node.name, forward_s[node.name], [float(m.activations) for m in breakdowns[node.name]])
     node_costs = {name: [c * count[name] for c in costs] for name, costs in unit_costs.items()}
-    tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget), tying, unit_costs, shape, cluster, optimizer_s,
+    dtensor_s = dtensor_step_overhead(optimizer, shape, cluster)
+    trainable = sum(count[name] for name in optimizer_s)
+    switches = [dtensor_switch(graph, by_node, rep, dtensor_s * trainable)] if dtensor_s * trainable > 0 else []
+    tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget, switches=switches), tying, unit_costs, shape, cluster, optimizer_s,
+                    dtensor_step_s=dtensor_s,
                     memory=breakdowns, regions=regions, regions_forward=regions_forward, forward_s=forward_s)
 
     # every graph edge, as an edge between the classes it joins, counted as often as it occurs

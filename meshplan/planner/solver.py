@@ -77,6 +77,20 @@ class Recompute:
 
 
 @dataclass(slots=True)
+class Switch:
+    """A cost paid once when any node takes one of the listed strategies: the runtime makes every
+    parameter a DTensor as soon as one is sharded, so the optimizer step of all of them pays DTensor's
+    dispatch (runtime/parallel_module.py), a cost of the plan as a whole, not of one parameter's choice.
+    Exact in the MIP: a binary `on` with `on >= sum of the node's listed x` for every listed node."""
+
+    name: str
+    cost: float
+    """Seconds added when the switch is on."""
+    members: dict[str, frozenset[int]]
+    """node -> the indexes of its strategies that turn the switch on."""
+
+
+@dataclass(slots=True)
 class Problem:
     node_costs: dict[str, list[float]]
     """node -> cost of each of its strategies (seconds)."""
@@ -89,6 +103,8 @@ class Problem:
     """Bytes per device: the sum of node and edge memory of the chosen strategies may not exceed it."""
     recompute: list[Recompute] = field(default_factory=list)
     """Groups of layers the solve may recompute (see `Recompute`)."""
+    switches: list[Switch] = field(default_factory=list)
+    """Costs of the plan as a whole (see `Switch`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +145,12 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> tuple[float, float]:
             raise InfeasiblePlan(f"the choice moves {e.src}->{e.dst} from {pair[0]} to {pair[1]}, which no redistribution does")
         objective += e.cost[pair]
         memory += e.memory.get(pair, 0.0)
+    objective += sum(sw.cost for sw in problem.switches if switched_on(sw, choice))
     return objective, memory
+
+
+def switched_on(switch: Switch, choice: dict[str, int]) -> bool:
+    return any(choice[v] in ks for v, ks in switch.members.items())
 
 
 def trivial_bound(problem: Problem) -> float:
@@ -257,7 +278,20 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
             pick = [pick[pick2[s]] for s in range(len(pick2))]
             u = u2
         merged[v] = (u, pick)
-    return Problem(node_costs, edges, dict(problem.fixed), node_memory, problem.memory_budget, problem.recompute), merged
+    switches = [_switch_on_roots(sw, merged) for sw in problem.switches]
+    return Problem(node_costs, edges, dict(problem.fixed), node_memory, problem.memory_budget, problem.recompute, switches), merged
+
+
+def _switch_on_roots(switch: Switch, merged: dict[str, tuple[str, list[int]]]) -> Switch:
+    """A folded member turns the switch on through the root strategies that pick one of its own."""
+    members: dict[str, set[int]] = {}
+    for v, ks in switch.members.items():
+        if v in merged:
+            root, pick = merged[v]
+            members.setdefault(root, set()).update(s for s, k in enumerate(pick) if k in ks)
+        else:
+            members.setdefault(v, set()).update(ks)
+    return dataclasses.replace(switch, members={v: frozenset(ks) for v, ks in members.items() if ks})
 
 
 def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, minimize: str, *, relax: bool = False) -> tuple[Solution | None, float]:
@@ -338,6 +372,9 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
         for b, mass in dst_mass.items():
             _add_equal(solver, into.get(b, []), mass, f"{e.src}->{e.dst}")
 
+    for sw in problem.switches:
+        const += _add_switch(solver, objective, sw, x, binary, by_memory)
+
     held = [
         _add_recompute(solver, objective, unit, r[unit.name], x, [t for t in edge_recompute if t[0] == unit.name], mem_terms, by_memory)
         for unit in problem.recompute
@@ -377,6 +414,23 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
         chosen_units, solver.NumConstraints(),
     )
     return solution, bound
+
+
+def _add_switch(solver, objective, switch: Switch, x: dict, binary, by_memory: bool) -> float:
+    """The switch's variable and rows; returns its cost when a fixed node turns it on (a constant)."""
+    cost = 0.0 if by_memory else switch.cost
+    if any(isinstance(x[v][k], float) and x[v][k] == 1.0 for v, ks in switch.members.items() for k in ks):
+        return cost
+    on = binary(f"switch[{switch.name}]")
+    objective.SetCoefficient(on, cost)
+    for v, ks in switch.members.items():
+        terms = [x[v][k] for k in ks if not isinstance(x[v][k], float)]
+        if terms:  # on >= the node's mass on its listed strategies
+            row = solver.Constraint(0.0, solver.infinity())
+            row.SetCoefficient(on, 1.0)
+            for t in terms:
+                row.SetCoefficient(t, -1.0)
+    return 0.0
 
 
 # a tie-breaker: with nothing to gain, do not recompute

@@ -137,6 +137,11 @@ class SolverInfo:
         return self.status == "optimal"
 
 
+def keeps_plain(params) -> bool:
+    """`Plan.plain_params` of these `ParamChoice`s."""
+    return all(all(isinstance(q, Replicate) for q in p.layout) and not p.offload for p in params)
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """How a model runs on a mesh: layouts, collectives, and their predicted cost (reading methods: inspect/methods.py)."""
@@ -193,6 +198,12 @@ class Plan:
         if self.pipeline:
             return self.pipeline.step_s
         return self.compute_s + self.comm_s + self.host_s + self.optimizer_s
+
+    @property
+    def plain_params(self) -> bool:
+        """Every parameter and buffer whole on every rank, none offloaded: the runtime keeps them plain tensors
+        (as DDP does); otherwise all of them are DTensors, and their optimizer step pays DTensor's dispatch."""
+        return keeps_plain(self.params)
 
     @property
     def devices(self) -> int:

@@ -3,7 +3,7 @@
 A `ParallelModule` holds each parameter and buffer as a DTensor on the plan's DeviceMesh, and a
 `PipelineRunner` on its stage's sub-mesh (a torch optimizer keeps its state in DTensors of the same
 layout), so DCP records where every shard sits in the whole tensor. Under a data-parallel plan they
-are plain whole tensors (`parallel_module.replicated_everywhere`); their optimizer state is saved
+are plain whole tensors (`Plan.plain_params`); their optimizer state is saved
 as replicated DTensors, so the checkpoint looks the same. A checkpoint saved under one
 plan (tp=4, or a pipeline, say) therefore loads under any other plan of the same model (dp=2 x tp=2,
 another world size, with or without a pipeline): DCP reads the overlapping pieces.
@@ -83,7 +83,7 @@ def _by_fqn(pmodel) -> dict[str, ParamChoice]:
 
 def model_state_dict(pmodel) -> dict[str, torch.Tensor]:
     """`pmodel.state_dict()`: every value a DTensor over this rank's shard (a whole tensor where the plan
-    replicates every parameter, `parallel_module.replicated_everywhere`), under the original model's keys
+    replicates every parameter, `Plan.plain_params`), under the original model's keys
     (`model.state_dict()`), so a single process can load the model part of a checkpoint into the unsharded
     model with plain `dcp.load`."""
     return dict(pmodel.state_dict(keep_vars=True))

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.op_kinds import is_random
-from meshplan.ir.placement import Placements, Replicate, local_shape
+from meshplan.ir.placement import Placements, local_shape
 from meshplan.ir.trace import TracedProgram
 from meshplan.plans.plan import InputChoice, Plan
 from meshplan.runtime import collectives
@@ -60,11 +60,6 @@ def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int)
     return t[block_slices(tuple(t.shape), layout, mesh, rank)]
 
 
-def replicated_everywhere(plan: Plan) -> bool:
-    """Every parameter and buffer whole on every rank, none offloaded: the runtime keeps them plain tensors."""
-    return all(all(isinstance(q, Replicate) for q in p.layout) and not p.offload for p in plan.params)
-
-
 class ParallelModule(nn.Module):
     """Runs `plan` on this rank with the user's own training loop.
 
@@ -73,7 +68,7 @@ class ParallelModule(nn.Module):
     arrive as DTensors of the same layout. So `torch.optim.*`, `clip_grad_norm_` (one global norm),
     LR schedulers, `state_dict()` / DCP and `named_parameters()` see the whole model, as on one process.
     A plan that replicates every parameter and buffer on every axis (data parallelism) keeps them
-    plain tensors, as DDP does (`replicated_everywhere`): each rank then holds the whole model with the
+    plain tensors, as DDP does (`Plan.plain_params`): each rank then holds the whole model with the
     same values and the same reduced gradients, so those tools give one process's numbers without
     DTensor's per-op dispatch, which made torch's optimizer step several times slower.
 
@@ -121,7 +116,7 @@ class ParallelModule(nn.Module):
         persistent = set(model.state_dict(keep_vars=True))  # so state_dict() has the model's own keys
         self._leaf: dict[str, torch.Tensor] = {}
         blocks = weights.blocks(plan.params, self.comm)
-        plain = replicated_everywhere(plan)
+        plain = plan.plain_params
         for p in plan.params:
             tensor = blocks.pop(p.node) if plain else as_dtensor(blocks.pop(p.node), p.layout, p.shape, self.comm)
             if p.is_buffer:

@@ -40,7 +40,7 @@ from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.local_view import local_view
 from meshplan.runtime.offload import make_optimizer
 from meshplan.runtime.parallel_module import (
-    ParallelModule, _owner, as_dtensor, check_same_plan, default_weights, group_device, replicated_everywhere, shard_tensor,
+    ParallelModule, _owner, as_dtensor, check_same_plan, default_weights, group_device, shard_tensor,
 )
 from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.rng import ProgramRng
@@ -178,7 +178,7 @@ class PipelineRunner:
         self.device_mesh = self.comm.device_mesh
         self.leaves: dict[str, torch.Tensor] = {}
         blocks = weights.blocks(plan.params, self.comm, wanted=needed)
-        plain = replicated_everywhere(plan)
+        plain = plan.plain_params
         for prm in plan.params:
             if prm.node in needed:
                 local = blocks.pop(prm.node) if plain else as_dtensor(blocks.pop(prm.node), prm.layout, prm.shape, self.comm)
