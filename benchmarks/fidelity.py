@@ -5,11 +5,11 @@ Out of sample (the honest test; meshplan/profiling/fidelity.py has the details),
     python benchmarks/fidelity.py --out-of-sample --save-profile fidelity_profile.json   # measure this machine once
     python benchmarks/fidelity.py --out-of-sample --profile fidelity_profile.json [--plot docs/fidelity.png]
 
-The second plans 21 plans (forced DP, FSDP, TP, DP x TP, HSDP, pipelined; the solver's own for three
-GPT sizes on 2, 4 and 8 processes) from the saved profile with nothing re-measured or rescaled,
+The second plans 25 plans (forced DP, FSDP, TP, DP x TP, HSDP, five pipelined; the solver's own for
+three GPT sizes on 2, 4 and 8 processes) from the saved profile with nothing re-measured or rescaled,
 trains each on local gloo processes, and compares the plans' own predictions (`plan.step_time_s`,
-the memory the solver bounded) with the measurements. Targets: Spearman >= 0.95, median time error
-<= 15 %, median memory error <= 10 %.
+`plan.memory`, the walked peak) with the measurements. Targets (issue 27, in each run): Spearman
+>= 0.97, time error median <= 10 % and max <= 25 %, memory error median <= 5 % and max <= 10 %.
 
 In sample (calibration: each world's collectives measured again next to its steps, predictions
 rescaled by the contention seen while measuring; the same as `meshplan validate`):
@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this che
 from meshplan.profiling import fidelity  # noqa: E402
 
 IN_SAMPLE_TARGETS = {"spearman": 0.9, "median_time_error": 0.20, "median_memory_error": 0.10}
-OUT_OF_SAMPLE_TARGETS = {"spearman": 0.95, "median_time_error": 0.15, "median_memory_error": 0.10}
+OUT_OF_SAMPLE_TARGETS = {"spearman": 0.97, "median_time_error": 0.10, "max_time_error": 0.25, "median_memory_error": 0.05,
+                         "max_memory_error": 0.10}
 
 
 def main() -> int:

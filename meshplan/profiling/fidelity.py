@@ -9,7 +9,7 @@ Two modes:
 
 - **Out of sample** (`out_of_sample_cases`, the honest test): the profile is measured once and
   saved; a later process plans every case from that file, with nothing re-measured or rescaled,
-  then measures. 21 plans: forced DP, FSDP, TP, DP x TP, HSDP and pipelined plans, and the plans
+  then measures. 25 plans: forced DP, FSDP, TP, DP x TP, HSDP and five pipelined plans, and the plans
   the solver chooses itself (the default call) for three model sizes on 2, 4 and 8 processes.
   Predicted: the plan's own figures, `plan.step_time_s` and `plan.memory` (the liveness walk's
   peak; a pipelined plan's fullest rank).
@@ -112,11 +112,18 @@ def out_of_sample_cases(quick: bool = False) -> list[Case]:
         return [Case(name="DP", world=2, options={"mode": "data_parallel"}, size="tiny"),
                 Case(name="PP", world=2, options={"pipeline": 2}, size="tiny"),
                 Case(name="auto", world=2, size="tiny")]
+    from meshplan.planner.pipeline import PipelineOptions
+
     forced = cases() + [
         Case(name="PP", world=2, options={"pipeline": 2}),
+        Case(name="PP 1F1B", world=2, options={"pipeline": PipelineOptions(degrees=(2,), schedules=("1f1b",))}),
         Case(name="PP", world=4, options={"pipeline": 2}),
+        Case(name="PPxTP", world=4, options={"pipeline": PipelineOptions(degrees=(2,), tensor_degrees=(2,))}),
+        Case(name="PP", world=8, options={"pipeline": 2}),
         Case(name="DP", world=8, options={"mode": "data_parallel"}),
         Case(name="FSDP", world=8, options=FSDP),
+        Case(name="DPxTP", world=8, options={"mode": "semi_auto", "mesh_shape": (4, 2), "axis_names": ("dp", "tp"),
+                                             "parallelize_plan": MEGATRON, "input_layouts": {"tokens": "S(0)R"}}),
     ]
     return forced + [Case(name=f"auto {size}", world=w, size=size) for size in ("small", "medium", "large") for w in (2, 4, 8)]
 
