@@ -65,6 +65,22 @@ def test_measured_action_cost_prices_every_stage_action_and_the_cut_bytes_only()
         assert priced.step_s > plain.step_s
 
 
+def test_measured_step_cost_is_paid_once_per_step():
+    """The runtime's work outside the schedule's actions (measured per step) adds to the step once, whatever the
+    microbatch count, and leaves the stages' own prices as they were."""
+    from meshplan.cost_model.profile import Profile
+
+    us = units(8)
+    base = get_cluster("h100")
+    c = 2e-3
+    measured = base.with_profile(Profile(device="x", torch_version="0", cluster="h100", pipeline_step_s={8: c}))
+    for m in (2, 8):
+        plain = evaluate(us, p=2, d=2, t=2, m=m, schedule="1f1b", cluster=base, budget=1e12, dp_in_profile=True)
+        priced = evaluate(us, p=2, d=2, t=2, m=m, schedule="1f1b", cluster=measured, budget=1e12, dp_in_profile=True)
+        assert [s.time_s for s in priced.stages] == [s.time_s for s in plain.stages]
+        assert priced.step_s == pytest.approx(plain.step_s + c)
+
+
 def test_recompute_when_memory_needs_it():
     us = units(8)
     roomy = evaluate(us, p=2, d=1, t=1, m=8, schedule="gpipe", cluster=get_cluster("h100"), budget=1e12, dp_in_profile=True)

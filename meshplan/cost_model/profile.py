@@ -145,6 +145,9 @@ class Profile:
     pipeline_action_s: Mapping[int, float] = field(default_factory=dict)
     """world size -> seconds the pipelining runtime spends per schedule action (one stage's forward or
     backward of one microbatch) beyond the stage's work and sends (profiling/pipeline_overhead.py)."""
+    pipeline_step_s: Mapping[int, float] = field(default_factory=dict)
+    """world size -> seconds the pipelining runtime spends once per step outside its actions (splitting the batch
+    into microbatches, starting and ending the schedule), measured with `pipeline_action_s`."""
     dtensor_optimizer_s: Mapping[str, float] = field(default_factory=dict)
     """optimizer name -> extra seconds of `optimizer.step()` per parameter that is a DTensor (torch's foreach
     ops dispatch through DTensor; the runtime keeps plain parameters only where every one is replicated)."""
@@ -153,6 +156,7 @@ class Profile:
         object.__setattr__(self, "ops", MappingProxyType(dict(self.ops)))
         object.__setattr__(self, "contention", MappingProxyType({int(k): float(v) for k, v in self.contention.items()}))
         object.__setattr__(self, "pipeline_action_s", MappingProxyType({int(k): float(v) for k, v in self.pipeline_action_s.items()}))
+        object.__setattr__(self, "pipeline_step_s", MappingProxyType({int(k): float(v) for k, v in self.pipeline_step_s.items()}))
         object.__setattr__(self, "dtensor_optimizer_s", MappingProxyType({k: float(v) for k, v in self.dtensor_optimizer_s.items()}))
         object.__setattr__(self, "optimizer_steps", MappingProxyType({k: (float(a), float(b)) for k, (a, b) in self.optimizer_steps.items()}))
 
@@ -168,6 +172,10 @@ class Profile:
     def pipeline_action(self, world: int) -> float:
         """Seconds per pipeline schedule action at `world` ranks: measured, else the nearest smaller measured world, else 0."""
         return _at_world(self.pipeline_action_s, world, 0.0)
+
+    def pipeline_step(self, world: int) -> float:
+        """Seconds per pipeline step outside its actions at `world` ranks: measured, else the nearest smaller measured world, else 0."""
+        return _at_world(self.pipeline_step_s, world, 0.0)
 
     def collective(self, kind: str, group: int, world: int, axis: str = "") -> CollectiveFit | None:
         """The fit for `kind` on groups of `group` ranks: measured on this mesh axis (`axis_label`)
@@ -195,6 +203,7 @@ class Profile:
             collectives=tuple(keep) + other.collectives,
             contention={**self.contention, **other.contention},
             pipeline_action_s={**self.pipeline_action_s, **other.pipeline_action_s},
+            pipeline_step_s={**self.pipeline_step_s, **other.pipeline_step_s},
             dtensor_optimizer_s={**self.dtensor_optimizer_s, **other.dtensor_optimizer_s},
             optimizer_steps={**self.optimizer_steps, **other.optimizer_steps},
             copy_seconds_per_byte=other.copy_seconds_per_byte or self.copy_seconds_per_byte,
@@ -227,6 +236,7 @@ class Profile:
             "node_overhead_s": self.node_overhead_s,
             "contention": {str(k): v for k, v in sorted(self.contention.items())},
             "pipeline_action_s": {str(k): v for k, v in sorted(self.pipeline_action_s.items())},
+            "pipeline_step_s": {str(k): v for k, v in sorted(self.pipeline_step_s.items())},
             "dtensor_optimizer_s": dict(sorted(self.dtensor_optimizer_s.items())),
             "optimizer_steps": {k: list(v) for k, v in sorted(self.optimizer_steps.items())},
             "ops": {k: {"forward_s": t.forward_s, "backward_s": t.backward_s, "runs": t.runs} for k, t in sorted(self.ops.items())},
@@ -252,6 +262,7 @@ class Profile:
                 node_overhead_s=_opt_float(d.get("node_overhead_s")),
                 contention={int(k): _pos(v) for k, v in d.get("contention", {}).items()},
                 pipeline_action_s={int(k): float(v) for k, v in d.get("pipeline_action_s", {}).items()},
+                pipeline_step_s={int(k): _pos(v) for k, v in d.get("pipeline_step_s", {}).items()},
                 dtensor_optimizer_s={_str(k): float(v) for k, v in d.get("dtensor_optimizer_s", {}).items()},
                 optimizer_steps={_str(k): (_pos(v[0]), _pos(v[1])) for k, v in d.get("optimizer_steps", {}).items()},
                 ops={_str(k): OpTiming(forward_s=_pos(v["forward_s"]), backward_s=_opt_float(v.get("backward_s")), runs=int(v.get("runs", 0)))

@@ -279,7 +279,9 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
         tie = measured_collective_time("all_reduce", shared, 2, p * d * t, link, cluster)
     else:
         tie = 0.0
-    step = sched.step_s + max(dev_sync) + tie
+    # the runtime's work once per step outside the schedule's actions (profiling/pipeline_overhead.py)
+    per_step = cluster.profile.pipeline_step(p * d * t) if p > 1 and cluster.profile else 0.0
+    step = sched.step_s + max(dev_sync) + tie + per_step
     return PipelinePlan(degree=p, schedule=schedule if p > 1 else "1f1b", microbatches=m, chunks=v if p > 1 else 1, stages=tuple(stages),
                         step_s=step, bubble_s=sched.bubble_s, bubble_fraction=sched.bubble_fraction, p2p_s=p2p)
 

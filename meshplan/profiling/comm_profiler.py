@@ -30,7 +30,7 @@ import torch.distributed as dist
 from meshplan.cost_model.collectives import COLLECTIVE_KINDS
 from meshplan.cost_model.profile import CollectiveFit, Profile, axis_label, device_name, torch_version
 from meshplan.profiling.op_profiler import OPTIMIZERS, Timer, dtensor_optimizer_overhead
-from meshplan.profiling.pipeline_overhead import measure_action_overhead
+from meshplan.profiling.pipeline_overhead import measure_schedule_overhead
 
 FULL_SIZES: tuple[int, ...] = tuple(4 * 2**10 * 4**k for k in range(10))
 """4 KiB, 16 KiB, ..., 256 MiB (bytes of the full tensor, as `collective_time` counts them)."""
@@ -266,11 +266,12 @@ def measure_cluster(
         for axis in range(len(shape)):  # every axis: two axes of one size may sit on different links
             fits += measure_axis(tuple(shape), axis, sizes=sizes, kinds=kinds, reps=reps)
     contention = measure_contention() if world > 1 else 1.0
-    actions = {world: measure_action_overhead()} if world > 1 else {}
+    per_action, per_step = measure_schedule_overhead() if world > 1 else (0.0, 0.0)
     dtensor_optimizer = _dtensor_optimizer_overheads()
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return Profile(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=torch.get_num_threads(),
-        collectives=tuple(fits), contention={world: contention}, backend=str(dist.get_backend()), pipeline_action_s=actions,
+        collectives=tuple(fits), contention={world: contention}, backend=str(dist.get_backend()),
+        pipeline_action_s={world: per_action} if world > 1 else {}, pipeline_step_s={world: per_step} if world > 1 else {},
         dtensor_optimizer_s=dtensor_optimizer,
     )

@@ -9,9 +9,11 @@ latency on 2 gloo ranks here, where a whole trivial 1F1B action took 0.34 ms). S
 search prices each action at the time measured here, handshake included, and a cut's sends at the
 fit's bytes term only (planner/pipeline.py).
 
-`measure_action_overhead` runs ranks (2k, 2k+1) as two-stage 1F1B pipelines of one tiny Linear
-each, every pair at once (as a pipeline's data-parallel copies run), and solves 1F1B's step
-(m + 1) * 2 a for the seconds a per action.
+A step also costs something once, outside its actions: torch splits the batch into microbatches,
+sets up and ends the schedule, and the runtime scales and writes back gradients.
+`measure_schedule_overhead` runs ranks (2k, 2k+1) as two-stage 1F1B pipelines of one tiny Linear
+each, every pair at once (as a pipeline's data-parallel copies run), with 2 and with 8
+microbatches, and solves 1F1B's step c + (m + 1) * 2 a for the seconds a per action and c per step.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import time
 import torch
 import torch.distributed as dist
 
-MICROBATCHES = 8
+MICROBATCHES = (2, 8)
 WIDTH = 8
 
 
-def measure_action_overhead(*, steps: int = 15, warmup: int = 3) -> float:
-    """Every rank: seconds per schedule action (see the module docstring); the same on every rank."""
+def measure_schedule_overhead(*, steps: int = 15, warmup: int = 3) -> tuple[float, float]:
+    """Every rank: (seconds per schedule action, seconds per step outside the actions) (see the module
+    docstring); the same on every rank."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -37,24 +40,31 @@ def measure_action_overhead(*, steps: int = 15, warmup: int = 3) -> float:
     if paired:  # the values do not matter; the caller's random state is left as it was
         with torch.random.fork_rng(devices=[device.index] if device.type == "cuda" else []):
             layer = torch.nn.Linear(WIDTH, WIDTH, device=device)
-        stage = PipelineStage(layer, rank % 2, 2, device, group=groups[rank // 2])
-        schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=lambda out, _: out.sum())
-        x = torch.ones(MICROBATCHES, WIDTH, device=device)
 
-    def step() -> float:
-        dist.barrier()
-        start = time.perf_counter()
+    def step_seconds(m: int) -> float:
         if paired:
-            schedule.step(x) if rank % 2 == 0 else schedule.step(target=x)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return float(took.item())
+            stage = PipelineStage(layer, rank % 2, 2, device, group=groups[rank // 2])
+            schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, _: out.sum())
+            x = torch.ones(m, WIDTH, device=device)
 
-    for _ in range(warmup):
-        step()
-    per_action = statistics.median(step() for _ in range(steps)) / (MICROBATCHES + 1) / 2
+        def step() -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            if paired:
+                schedule.step(x) if rank % 2 == 0 else schedule.step(target=x)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            return float(took.item())
+
+        for _ in range(warmup):
+            step()
+        return statistics.median(step() for _ in range(steps))
+
+    (few, t_few), (many, t_many) = [(m, step_seconds(m)) for m in MICROBATCHES]
+    per_action = max(0.0, (t_many - t_few) / (2 * (many - few)))
+    per_step = max(0.0, t_few - 2 * (few + 1) * per_action)
     for g in groups:
         dist.destroy_process_group(g)
-    return per_action
+    return per_action, per_step
