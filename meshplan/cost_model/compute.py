@@ -65,9 +65,11 @@ def _tensors(metas: list[TensorMeta | None]) -> list[TensorMeta]:
 
 
 def _need(target: str, inputs: list[TensorMeta], count: int, ndims: tuple[int, ...]) -> None:
-    assert len(inputs) >= count, f"{target}: expected {count} tensor inputs, got {len(inputs)}"
+    if len(inputs) < count:
+        raise AssertionError(f"{target}: expected {count} tensor inputs, got {len(inputs)}")
     for i, nd in enumerate(ndims):
-        assert len(inputs[i].shape) >= nd, f"{target}: input {i} {inputs[i]} needs at least {nd} dims"
+        if len(inputs[i].shape) < nd:
+            raise AssertionError(f"{target}: input {i} {inputs[i]} needs at least {nd} dims")
 
 
 def op_flops(target: str, inputs: list[TensorMeta], outputs: list[TensorMeta | None]) -> float:

@@ -133,14 +133,6 @@ def steps_time(steps: Sequence[CommStep], mesh_shape: tuple[int, ...], cluster: 
     return total
 
 
-def transfer_time(
-    meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...], cluster: ClusterPreset, *, backward: bool
-) -> float:
-    """Seconds to move a tensor from `src` to `dst` layout (and its gradient back, when `backward`)."""
-    fwd, bwd = transfer_times(meta, src, dst, mesh_shape, cluster)
-    return fwd + bwd if backward else fwd
-
-
 def transfer_times(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> tuple[float, float]:
     """(Seconds of the forward move, seconds of its gradient's move back): one redistribution plan for both."""
     fwd = redistribution_steps(meta, src, dst, mesh_shape)

@@ -80,7 +80,8 @@ def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple
     Unsharding runs innermost axis first and sharding outermost first, which keeps DTensor's
     nesting of several mesh axes on one tensor dim (the outer axis takes the outer blocks).
     """
-    assert len(src) == len(dst) == len(mesh_shape), (src, dst, mesh_shape)
+    if not (len(src) == len(dst) == len(mesh_shape)):
+        raise AssertionError((src, dst, mesh_shape))
     # on an axis of one device every layout holds the same local tensor: nothing to move
     src = tuple(d if size == 1 else s for s, d, size in zip(src, dst, mesh_shape))
     if src == dst:
@@ -141,7 +142,8 @@ def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple
         else:
             raise InfeasibleRedistribution(f"cannot reach {t} from {c} on mesh axis {a}")
         cur[a] = t
-    assert tuple(cur) == tuple(dst), (cur, dst)
+    if tuple(cur) != tuple(dst):
+        raise AssertionError((cur, dst))
     return tuple(steps)
 
 

@@ -100,7 +100,8 @@ class Node:
     @property
     def out(self) -> TensorMeta:
         meta = self.outputs[0]
-        assert meta is not None, f"node {self.name} has no tensor output 0"
+        if meta is None:
+            raise AssertionError(f"node {self.name} has no tensor output 0")
         return meta
 
     @property
@@ -163,7 +164,8 @@ class Graph:
 
     def meta(self, ref: TensorRef) -> TensorMeta:
         meta = self[ref.node].outputs[ref.index]
-        assert meta is not None, f"{ref} is not a tensor"
+        if meta is None:
+            raise AssertionError(f"{ref} is not a tensor")
         return meta
 
     def consumers(self) -> dict[str, list[tuple[str, int]]]:
@@ -179,7 +181,8 @@ class Graph:
     @property
     def output(self) -> Node:
         last = self.nodes[-1]
-        assert last.kind == "output", "graph must end with its output node"
+        if last.kind != "output":
+            raise AssertionError("graph must end with its output node")
         return last
 
     def layer_groups(self) -> dict[str, list[str]]:

@@ -68,10 +68,6 @@ def parse(text: str) -> Placements:
     return tuple(out)
 
 
-def replicated(ndim: int) -> Placements:
-    return (Replicate(),) * ndim
-
-
 def shard_factor(placements: Placements, mesh_shape: tuple[int, ...], dim: int) -> int:
     """How many pieces tensor dim `dim` is cut into."""
     return math.prod(n for p, n in zip(placements, mesh_shape) if p == Shard(dim))

@@ -253,7 +253,8 @@ def _splice(graph: fx.Graph, node: fx.Node, template: fx.GraphModule, inputs: li
         node.replace_all_uses_with(result)
     else:  # a multi-output op: its getitem users take the matching part
         for user in list(node.users):
-            assert user.target is operator.getitem, f"{node.format_node()} has a non-getitem user {user.format_node()}"
+            if user.target is not operator.getitem:
+                raise AssertionError(f"{node.format_node()} has a non-getitem user {user.format_node()}")
             user.replace_all_uses_with(result[user.args[1]])
             graph.erase_node(user)
     graph.erase_node(node)

@@ -196,7 +196,8 @@ def _matches(st: Strategy, slot: str, index: int, layout: list[Placement | None]
 def _check_even(graph: Graph, mesh: MeshSpec, node: str, slot: str, index: int, s: _Slot) -> None:
     n = graph[node]
     meta = n.outputs[index] if slot == "out" else graph.meta(n.inputs[index])
-    assert meta is not None, f"constraint on a non-tensor output {node}[{index}]"
+    if meta is None:
+        raise AssertionError(f"constraint on a non-tensor output {node}[{index}]")
     full = tuple(Replicate() if p is None else p for p in s.layout)
     if is_even(meta.shape, full, mesh.shape):
         return

@@ -21,5 +21,6 @@ def is_mask_partial(p: object) -> bool:
 
 def from_mask_partial(p: dt._MaskPartial, *, is_input: bool) -> Placement:
     """The ids/index input stays whole (the kernel masks it locally); the output is a sum partial."""
-    assert p.reduce_op == "sum", f"masked partial with reduce op {p.reduce_op}"
+    if p.reduce_op != "sum":
+        raise AssertionError(f"masked partial with reduce op {p.reduce_op}")
     return Replicate() if is_input else Partial("sum")

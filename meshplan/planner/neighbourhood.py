@@ -188,7 +188,8 @@ def search(
         if best is None or found.objective < best.objective:
             best = found
     if best is None:
-        assert error is not None, "a neighbourhood search needs at least one start"
+        if error is None:
+            raise AssertionError("a neighbourhood search needs at least one start")
         raise error
     since, axis = 0, 0  # one-axis problems solved around the incumbent without improving it
     while since < ndim and time.perf_counter() - began < time_limit_s:

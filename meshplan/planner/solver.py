@@ -299,7 +299,8 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
     With `relax`, the LP relaxation: a solution only when it is integral (then it is the MIP's
     optimum), else None and the LP optimum as the bound."""
     solver = pywraplp.Solver.CreateSolver(backend)
-    assert solver is not None, f"OR-Tools has no {backend} backend"
+    if solver is None:
+        raise AssertionError(f"OR-Tools has no {backend} backend")
     solver.SetNumThreads(1)  # deterministic: every rank must get the identical plan
     if backend == "HIGHS":
         solver.SetSolverSpecificParametersAsString("output_flag=false\n")

@@ -201,7 +201,8 @@ def profile_comm(
         phase(f"collectives on {w} local processes")
         got = Profile.from_json(run_local(w, _comm_worker, cluster, sizes, reps, timeout=timeout)[0])
         profile = got if profile is None else profile.merged(got)
-    assert profile is not None, "no world measured"
+    if profile is None:
+        raise AssertionError("no world measured")
     if out is not None:
         profile = save_merged(profile, profile_path() if str(out) == "local" else out)
     return profile

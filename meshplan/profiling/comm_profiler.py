@@ -71,7 +71,8 @@ def _groups(mesh_shape: tuple[int, ...], axis: int, rank: int) -> tuple[object, 
         pg = dist.new_group(ranks)
         if rank in ranks:
             mine = (pg, ranks)
-    assert mine is not None, (mesh_shape, axis, rank)
+    if mine is None:
+        raise AssertionError((mesh_shape, axis, rank))
     return mine
 
 
@@ -98,7 +99,8 @@ def _run(kind: str, nbytes: int, n: int, pg, ranks: list[int], rank: int):
     if kind == "all_to_all":
         out, inp = torch.empty(numel), torch.zeros(numel)
         return lambda: dist.all_to_all_single(out, inp, group=pg)
-    assert kind == "send_recv", kind
+    if kind != "send_recv":
+        raise AssertionError(kind)
     me = ranks.index(rank)
     send, recv = torch.zeros(numel), torch.empty(numel)
     peer_to, peer_from = ranks[(me + 1) % n], ranks[(me - 1) % n]

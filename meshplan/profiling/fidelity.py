@@ -276,7 +276,8 @@ def predict(plan, graph, optimizer: str = "adam") -> tuple[tuple[float, float, f
     from meshplan.cost_model.peak import predict_peak
 
     parts = (plan.compute_s, plan.comm_s, plan.optimizer_s)
-    assert abs(sum(parts) - plan.step_time_s) <= 1e-12 * max(plan.step_time_s, 1.0), "no other term (pipeline, offload) is forced here"
+    if abs(sum(parts) - plan.step_time_s) > 1e-12 * max(plan.step_time_s, 1.0):
+        raise AssertionError("no other term (pipeline, offload) is forced here")
     return parts, float(predict_peak(graph, plan, optimizer=optimizer).peak)
 
 

@@ -95,7 +95,8 @@ def time_op(
     `grad_call_overhead`) is subtracted from each backward sample: a real backward pass starts
     autograd's engine once per step, not once per op.
     """
-    assert len(inputs) == len(needs_grad), (node, inputs, needs_grad)
+    if len(inputs) != len(needs_grad):
+        raise AssertionError((node, inputs, needs_grad))
     device = torch.device(device)
     timer = Timer(device)
     tensors = [make_tensor(m, device, g) for m, g in zip(inputs, needs_grad)]

@@ -30,7 +30,8 @@ LOG_SOFTMAX = torch.ops.aten._log_softmax.default
 def kernel_dim(kernel: str) -> int:
     """`'log_softmax(dim=1)'` -> 1."""
     m = re.fullmatch(r"log_softmax\(dim=(-?\d+)\)", kernel)
-    assert m, f"not a log_softmax kernel: {kernel!r}"
+    if not m:
+        raise AssertionError(f"not a log_softmax kernel: {kernel!r}")
     return int(m.group(1))
 
 

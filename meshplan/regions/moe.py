@@ -183,7 +183,8 @@ class MoEShard(nn.Module):
     def __init__(self, strategy, comm: MeshComm, top_k: int, normalize: bool, act: str) -> None:
         super().__init__()
         ep, es = moe_axes(strategy.inputs)
-        assert len(ep) + len(es) <= 1, f"moe experts split over more than one mesh axis: {strategy}"
+        if len(ep) + len(es) > 1:
+            raise AssertionError(f"moe experts split over more than one mesh axis: {strategy}")
         self.ep_axis = ep[0] if ep else None
         self.expert_axis = (ep + es)[0] if ep + es else None
         self.comm, self.top_k, self.normalize, self.act = comm, top_k, normalize, act

@@ -66,7 +66,7 @@ class StageModule(nn.Module):
                  localise: Callable[[str, torch.Tensor], torch.Tensor] | None, out_spec) -> None:
         super().__init__()
         self.program, self.index = program.gm, program.index
-        self._carried, self._locals = program.carried_in, program.locals_in
+        self._carried = program.carried_in
         self._leaves = [leaves[name] for name in program.locals_in]
         self._cast_of = _hoist_weight_casts(self.program, program.locals_in)
         self._casts: list[torch.Tensor] | None = None

@@ -68,7 +68,8 @@ def node_stages(gm: fx.GraphModule, of_traced: dict[str, int], last: int) -> dic
             # a checkpointed layer's fused body: its ops keep their sources
             body = getattr(gm, n.target).body
             hits = {last if m.meta[SOURCE] == "output" else of_traced[m.meta[SOURCE]] for m in body.graph.nodes if SOURCE in m.meta}
-            assert len(hits) == 1, f"recomputed {getattr(gm, n.target).layer} spans stages {hits}"
+            if len(hits) != 1:
+                raise AssertionError(f"recomputed {getattr(gm, n.target).layer} spans stages {hits}")
             out[n] = hits.pop()
         else:
             raise AssertionError(f"no pipeline stage for program node {n.format_node()}")
@@ -163,5 +164,6 @@ def _traced_meta(owner: fx.GraphModule, node: fx.Node, graph: Graph):
         return graph[node.name].outputs[0]
     if node.op == "call_function" and node.target is operator.getitem and SOURCE in node.args[0].meta:
         return graph[node.args[0].meta[SOURCE]].outputs[node.args[1]]
-    assert SOURCE in node.meta and node.op == "call_function", f"cannot tell the shape of {node.format_node()}"
+    if not (SOURCE in node.meta and node.op == "call_function"):
+        raise AssertionError(f"cannot tell the shape of {node.format_node()}")
     return graph[node.meta[SOURCE]].outputs[0]

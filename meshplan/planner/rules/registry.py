@@ -21,7 +21,8 @@ def register_rule(*ops: object) -> Callable[[RuleFn], RuleFn]:
     def wrap(fn: RuleFn) -> RuleFn:
         for op in ops:
             name = str(op)
-            assert name not in RULES, f"two meshplan rules for {name}"
+            if name in RULES:
+                raise AssertionError(f"two meshplan rules for {name}")
             RULES[name] = fn
         return fn
 
