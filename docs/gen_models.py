@@ -83,6 +83,11 @@ FLOP shares count forward FLOPs on whole tensors (`meshplan.cost_model.compute.o
   in-place ops (T5's `shift_right`) are functionalised. Tied layers are matched by aligning their
   op sequences, so T5's first block (which alone computes the position bias) still ties with the
   others.
+- **Flags in the call.** Non-tensor inputs (`use_cache=False`, `return_dict=True`, sizes, strings,
+  None) are constants of the trace: give keyword inputs as `example_kwargs=` (`example_inputs` is
+  the tuple of positional ones) and call the parallel model the same way,
+  `pmodel(ids, labels=ids, use_cache=False, return_dict=True)`; another value than the traced one is
+  a `ValueError` naming it (`tests/test_fixed_inputs.py`, with parity on Llama).
 - **Gradients of returned tensors.** A model that returns a scalar loss is planned as trained by
   that loss: its other outputs (logits, hidden states) get no gradient, so the plan lists no
   backward collectives for them.

@@ -19,11 +19,11 @@ from meshplan.cost_model.profile import Profile, resolve_profile
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.precision import MixedPrecision, resolve_precision
-from meshplan.ir.trace import trace
+from meshplan.ir.trace import example_call, trace
 from meshplan.planner.annotations import AnnotationError, module_annotations
 from meshplan.planner.constraints import Annotations
 from meshplan.planner.meshes import Devices, resolve_mesh
-from meshplan.planner.pipeline import PipelineOptions, pipeline_options, plan_pipeline
+from meshplan.planner.pipeline import PipelineOptions, microbatch_call, pipeline_options, plan_pipeline
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
 from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
 from meshplan.plans.plan import Plan
@@ -102,6 +102,7 @@ def plan(
     """
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be a positive number of seconds; got {time_limit_s!r}")
+    example_inputs, example_kwargs = example_call(example_inputs, example_kwargs)
     if profile is None and isinstance(cluster, ClusterPreset) and cluster.profile is not None:
         cluster_preset = cluster  # already calibrated
     else:
@@ -120,8 +121,7 @@ def plan(
                              f"{', layout annotations' if annotated else ''}; pass pipeline=None to plan without one")
         budget = None if memory_budget is None else float(parse_bytes(memory_budget))
         opts = pipeline_options("auto" if pipeline is None else pipeline, stage_config, optimizer, budget, float(time_limit_s))
-        inputs_ = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        return plan_pipeline(model, devices, inputs_, cluster=cluster_preset, options=opts, example_kwargs=example_kwargs,
+        return plan_pipeline(model, devices, example_inputs, cluster=cluster_preset, options=opts, example_kwargs=example_kwargs,
                              precision=precision).plan
     meshes = resolve_mesh(devices, mesh_shape, axis_names, cluster_preset.devices_per_node)
     options = PlanOptions(
@@ -133,8 +133,7 @@ def plan(
         ),
     )
     phase(f"tracing {type(model).__name__}")
-    graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs,
-                  precision=precision)
+    graph = trace(model, example_inputs, example_kwargs, precision=precision)
     return search_meshes(graph, meshes, cluster_preset, options, model_name=type(model).__name__)
 
 
@@ -228,7 +227,7 @@ def auto_parallelize(
         devices = world
     if isinstance(devices, int) and devices != world:
         raise ValueError(f"devices={devices} but the process group has {world} ranks; they must be equal")
-    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    example_inputs, example_kwargs = example_call(example_inputs, example_kwargs)
     # before planning: a model the runtime cannot take fails the same way on every rank, at once
     check_model_device(dict(model.named_parameters()) | dict(model.named_buffers()), group_device(group))
     source, checkpoint_dir = weight_source(model, weights, init_fn, group)
@@ -240,10 +239,11 @@ def auto_parallelize(
                              "without a pipeline (pipeline=None)")
         if loss_fn is None:
             raise ValueError("a pipelined plan runs forward and backward together: pass auto_parallelize(..., loss_fn=loss_fn)")
-        micro = plan.pipeline.microbatches
-        if any(x.shape[0] % micro for x in example_inputs):
-            raise ValueError(f"example inputs of batch {[x.shape[0] for x in example_inputs]} do not split into {micro} microbatches")
-        graph = trace(model, tuple(x[: x.shape[0] // micro] for x in example_inputs), example_kwargs, precision=plan.precision)
+        micro, batch = plan.pipeline.microbatches, int(example_inputs[0].shape[0])
+        if batch % micro:
+            raise ValueError(f"the example batch of {batch} does not split into the plan's {micro} microbatches")
+        # traced as the planner traced it: the plan's fingerprint is of that microbatch's graph
+        graph = trace(model, *microbatch_call(example_inputs, example_kwargs, batch // micro), precision=plan.precision)
         runner = PipelineRunner(model, graph, plan, loss_fn, timeout=timeout, weights=source)
         if checkpoint_dir is not None:
             load_checkpoint(checkpoint_dir, runner)

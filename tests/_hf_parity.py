@@ -17,8 +17,14 @@ from meshplan.runtime.parallel_module import shard_tensor
 STEPS = 2
 
 
-def hf_plan(name: str, mesh_shape: tuple[int, ...], **kw):
+def hf_model_called(name: str, flags: dict | None = None):
+    """`hf_model(name)` with `flags` (non-tensor keyword inputs such as `use_cache=False`) among its kwargs."""
     model, args, kwargs = hf_model(name)
+    return model, args, {**kwargs, **(flags or {})}
+
+
+def hf_plan(name: str, mesh_shape: tuple[int, ...], *, flags: dict | None = None, **kw):
+    model, args, kwargs = hf_model_called(name, flags)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return meshplan.plan(model, devices=math.prod(mesh_shape), example_inputs=args, example_kwargs=kwargs, mesh_shape=mesh_shape, **kw)
@@ -36,11 +42,12 @@ def hf_train(model, args, kwargs, steps: int = STEPS) -> list[float]:
     return losses
 
 
-def hf_rank_worker(rank: int, world: int, jobs: list[tuple[str, object]]):
-    """On every rank, for each (model name, plan): train the planned model; report losses, counts, params."""
+def hf_rank_worker(rank: int, world: int, jobs: list[tuple[str, object]], flags: dict | None = None):
+    """On every rank, for each (model name, plan): train the planned model (called with `flags` too); report
+    losses, counts, params."""
     out = []
     for name, plan in jobs:
-        model, args, kwargs = hf_model(name)
+        model, args, kwargs = hf_model_called(name, flags)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=args, example_kwargs=kwargs, plan=plan)
@@ -52,16 +59,17 @@ def hf_rank_worker(rank: int, world: int, jobs: list[tuple[str, object]]):
 
 
 @functools.lru_cache(maxsize=None)
-def hf_reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses and parameters of the single-process model after `STEPS` steps (the same for every plan)."""
-    model, args, kwargs = hf_model(name)
+def hf_reference(name: str, flags: tuple = ()) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and parameters of the single-process model (called with the (key, value) `flags`) after `STEPS`
+    steps (the same for every plan)."""
+    model, args, kwargs = hf_model_called(name, dict(flags))
     losses = hf_train(model, args, kwargs)
     return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 
-def hf_check_parity(name: str, plan, results, *, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    """`results`: one (losses, counts, params, plan hash) per rank for this (name, plan)."""
-    reference, ref_params = hf_reference(name)
+def hf_check_parity(name: str, plan, results, *, flags: dict | None = None, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """`results`: one (losses, counts, params, plan hash) per rank for this (name, plan), called with `flags`."""
+    reference, ref_params = hf_reference(name, tuple(sorted((flags or {}).items())))
     layouts = {f: p.layout for p in plan.params for f in p.fqns}
     expected = {k: v * STEPS for k, v in plan.collectives().items()}
     for rank, (losses, counts, params, plan_hash) in enumerate(results):

@@ -33,8 +33,7 @@ def plan_code(
     if graph is None:
         if model is None:
             raise ValueError("plan_code needs the model and example inputs the plan was made for (or graph=ir.Graph)")
-        graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs,
-                      precision=plan.precision)
+        graph = trace(model, example_inputs, example_kwargs, precision=plan.precision)
     if graph.fingerprint() != plan.graph_fingerprint:
         raise ValueError(
             f"the plan was made for graph {plan.graph_fingerprint} but this model traces to {graph.fingerprint()}: "

@@ -32,8 +32,7 @@ def load_plan(
     except OSError as e:
         raise ValueError(f"cannot read plan file {path!r}: {e.strerror}") from None
     plan = Plan.from_json(text)
-    graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs,
-                  precision=plan.precision)
+    graph = trace(model, example_inputs, example_kwargs, precision=plan.precision)
     if graph.fingerprint() != plan.graph_fingerprint:
         raise ValueError(
             f"plan file {path!r} was made for another model or other input shapes (plan model {plan.model}, graph "

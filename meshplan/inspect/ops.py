@@ -133,6 +133,5 @@ def list_ops(model: nn.Module, example_inputs: tuple = (), *, example_kwargs: di
     shape = tuple(mesh_shape)
     if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shape):
         raise ValueError(f"mesh_shape must be a tuple of positive ints such as (4,) or (2, 2), got {mesh_shape!r}")
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    graph = trace(model, inputs, example_kwargs)
+    graph = trace(model, example_inputs, example_kwargs)
     return graph_ops(graph, MeshSpec(shape), model=type(model).__name__)

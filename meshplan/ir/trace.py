@@ -15,6 +15,7 @@ import os
 import sysconfig
 import traceback
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
-from torch.export.graph_signature import InputKind, InputSpec, OutputKind
+from torch.export.graph_signature import ConstantArgument, InputKind, InputSpec, OutputKind
 
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
 from meshplan.ir.precision import MixedPrecision, cast_for_tracing
@@ -50,6 +51,18 @@ STRIDE_SAFE = {aten.view.default: aten.reshape.default, aten._unsafe_view.defaul
 view may meet a non-contiguous tensor, so views run as reshapes (a view whenever one is possible)."""
 
 
+@dataclass(frozen=True, slots=True)
+class FixedInput:
+    """A non-tensor input of the traced call (a flag such as `use_cache=False`, a size, a string, None):
+    torch.export bakes its value into the ops that read it, so the program has no input for it."""
+
+    name: str
+    """Where the call passes it: a keyword (`use_cache`) or a position (`args[1]`), then any nesting (`[0]`)."""
+    index: int
+    """Its position among the call's flattened inputs."""
+    value: Any
+
+
 @dataclass(slots=True)
 class TracedProgram:
     """What the runtime needs of the trace: the ATen graph module and how to call it."""
@@ -62,6 +75,62 @@ class TracedProgram:
     mutations: tuple[str, ...] = ()
     """FQNs of the buffers the program updates (batch norm's running statistics), one per leading
     output of the graph, in order; the user's outputs follow them."""
+    fixed: tuple[FixedInput, ...] = ()
+    """The traced call's non-tensor inputs, in call order."""
+
+    def user_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensors of the call `(*args, **kwargs)`, in the order the program's user inputs take them.
+
+        The call must be shaped like the traced one (keywords in any order) and pass every fixed input's
+        traced value: the program computes with that value, whatever the call says."""
+        keys = self.in_spec.child(1).context
+        if set(kwargs) == set(keys):  # flattening follows the keywords' order, the program the traced order
+            kwargs = {k: kwargs[k] for k in keys}
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.in_spec:
+            raise ValueError(f"the model was traced with {_call_shape(self.in_spec)} and is called with {_call_shape(spec)}"
+                             f"{_first_difference(self.in_spec, spec)}; call it as it was traced (example_inputs=, example_kwargs=)")
+        fixed = {f.index: f for f in self.fixed}
+        tensors = []
+        for i, x in enumerate(leaves):
+            f = fixed.get(i)
+            if f is None and not isinstance(x, torch.Tensor):
+                name = _input_name(pytree.tree_flatten_with_path((args, kwargs))[0][i][0])
+                raise ValueError(f"{name} was traced as a tensor; got {_brief(x)}")
+            if f is None:
+                tensors.append(x)
+            elif type(x) is not type(f.value) or x != f.value:
+                raise ValueError(
+                    f"{f.name}={_brief(x)}, but the model was traced (and planned) with {f.name}={f.value!r}: a non-tensor "
+                    f"input is a constant of the traced program; pass {f.name}={f.value!r}, or plan again with the new value"
+                )
+        return tensors
+
+
+def _input_name(path: tuple) -> str:
+    """`use_cache`, `args[1]`, `labels[0]`: where a flattened input of the call `(args, kwargs)` sits."""
+    first = path[1]
+    return (f"args[{first.idx}]" if path[0].idx == 0 else str(first.key)) + pytree.keystr(path[2:])
+
+
+def _brief(x: Any) -> str:
+    return f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
+
+
+def _call_shape(spec: Any) -> str:
+    """'1 positional input and keywords labels, use_cache' of a call's (args, kwargs) tree spec."""
+    n, keys = spec.child(0).num_children, spec.child(1).context
+    return f"{n} positional input{'' if n == 1 else 's'} and " + (f"keywords {', '.join(map(str, keys))}" if keys else "no keywords")
+
+
+def _first_difference(traced: Any, called: Any) -> str:
+    """Where two calls of the same positions and keywords nest differently (empty when their positions or keywords differ)."""
+    if _call_shape(traced) != _call_shape(called):
+        return ""
+    names = [f"args[{i}]" for i in range(traced.child(0).num_children)] + [str(k) for k in traced.child(1).context]
+    children = traced.child(0).children() + traced.child(1).children()
+    theirs = called.child(0).children() + called.child(1).children()
+    return next(f" ({n} holds other containers than the traced one)" for n, a, b in zip(names, children, theirs) if a != b)
 
 
 class TraceError(ValueError):
@@ -284,23 +353,24 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
           precision: MixedPrecision | None = None, copy_repeated: bool = True) -> Graph:
     """Trace `model(*example_inputs, **example_kwargs)` into an `ir.Graph`.
 
-    The inputs may be real, meta or fake tensors; nothing is computed on real data. `precision`: the
+    The inputs may be real, meta or fake tensors; nothing is computed on real data. Non-tensor inputs (flags
+    such as `use_cache=False`, sizes, strings, None) are constants of the program: it has no input for them,
+    and `TracedProgram.user_inputs` holds every call to the values traced. `precision`: the
     mixed-precision policy whose casts the program carries (ir/precision.py); None: the model's dtypes.
     `copy_repeated`: trace a few blocks of each stack of identical layers and copy one block's program for
     the rest (ir/repeat.py); False exports every block.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
+    example_inputs, example_kwargs = example_call(example_inputs, example_kwargs)
     if any(t.device.type == "meta" for t in itertools.chain(model.parameters(), model.buffers())):
         # a model built on the meta device traces with meta inputs (only shapes matter)
         example_inputs, example_kwargs = pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), (example_inputs, example_kwargs))
     stacks = repeated_stacks(model) if copy_repeated else []
-    ep, specs, grads = _exported(model, example_inputs, example_kwargs or {}, precision, stacks)
+    ep, specs, grads, fixed = _exported(model, example_inputs, example_kwargs, precision, stacks)
     if ep is None:
         log.info("the blocks of %s did not trace as copies of one block; tracing every block", ", ".join(s.path for s in stacks))
-        ep, specs, grads = _exported(model, example_inputs, example_kwargs or {}, precision, [])
+        ep, specs, grads, fixed = _exported(model, example_inputs, example_kwargs, precision, [])
     gm = ep.graph_module
 
     # FQNs of every tensor, so tied parameters collapse to the first placeholder naming them.
@@ -355,33 +425,69 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     gm.graph.lint()
     gm.recompile()
     nodes = [replace(n, requires_grad=grads.get(n.name, ())) if n.kind != "output" else n for n in nodes]
-    program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants, _buffer_mutations(ep))
+    program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants, _buffer_mutations(ep), fixed)
     graph = Graph(nodes, fx=program, input_names=tuple(input_names), precision=precision)
     verify(graph)
     return graph
 
 
 def _exported(model: nn.Module, args: tuple, kwargs: dict, precision: MixedPrecision | None, stacks: list,
-              ) -> tuple[torch.export.ExportedProgram | None, list[InputSpec], dict[str, tuple[bool, ...]]]:
-    """The exported program (weight casts placed, `stacks` traced in part and copied), its input specs and
-    which outputs of each node carry gradients; (None, [], {}) when a stack's copy cannot reproduce it."""
+              ) -> tuple[torch.export.ExportedProgram | None, list[InputSpec], dict[str, tuple[bool, ...]], tuple[FixedInput, ...]]:
+    """The exported program (weight casts placed, `stacks` traced in part and copied, no placeholders for
+    non-tensor inputs), its input specs, which outputs of each node carry gradients and the call's fixed
+    inputs; (None, [], {}, ()) when a stack's copy cannot reproduce it."""
     # blocks with data-dependent control flow trace as one op each
     with truncated(model, stacks), regions_patched(model), cast_for_tracing(model, precision):
         ep = _export(model, args, kwargs)
-    gm, specs = ep.graph_module, list(ep.graph_signature.input_specs)
+    gm, fixed = ep.graph_module, _fix_inputs(ep, args, kwargs)
+    specs = [s for s in ep.graph_signature.input_specs if not isinstance(s.arg, ConstantArgument)]
     if precision is not None:
         _place_weight_casts(gm, {s.arg.name for s in specs if s.kind == InputKind.PARAMETER})
     if stacks and _buffer_mutations(ep):
-        return None, [], {}  # the copies would have to extend the program's outputs too
+        return None, [], {}, ()  # the copies would have to extend the program's outputs too
     trainable = dict(model.named_parameters(remove_duplicate=False))
     grads = _requires_grad(gm, {s.arg.name: trainable[s.target].requires_grad for s in specs if s.target in trainable})
     for stack in stacks:  # a copy carries gradients where the block it copies does (blocks 1 and 2 agree)
         copied = replicate(gm, specs, stack, _module_path, grads)
         if copied is None:
-            return None, [], {}
+            return None, [], {}, ()
         specs = copied.specs
         grads.update((name, grads[src]) for name, src in copied.source.items() if src in grads)
-    return ep, specs, grads
+    return ep, specs, grads, fixed
+
+
+def _fix_inputs(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> tuple[FixedInput, ...]:
+    """Erase the placeholders of the call's non-tensor inputs, which no op reads (export put their values
+    in the ops), and say where each sits in the call and what it was."""
+    paths = [path for path, _ in pytree.tree_flatten_with_path((args, kwargs))[0]]
+    user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    if len(user) != len(paths):
+        raise AssertionError(f"export took {len(user)} user inputs of a call with {len(paths)}")
+    placeholders = {n.name: n for n in ep.graph_module.graph.nodes if n.op == "placeholder"}
+    fixed = []
+    for i, (spec, path) in enumerate(zip(user, paths)):
+        if isinstance(spec.arg, ConstantArgument):
+            node = placeholders[spec.arg.name]
+            if node.users:
+                raise AssertionError(f"the constant input {spec.arg.name} is read by {list(node.users)}")
+            ep.graph_module.graph.erase_node(node)
+            fixed.append(FixedInput(_input_name(path), i, spec.arg.value))
+    ep.graph_module.recompile()
+    return tuple(fixed)
+
+
+def example_call(example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:
+    """`(example_inputs, example_kwargs)` as the call's positional tuple and keyword dict; one input alone is
+    the one positional input."""
+    if isinstance(example_inputs, Mapping):
+        raise ValueError(
+            f"example_inputs must be a tuple of positional inputs; got a {type(example_inputs).__name__} with keys "
+            f"{', '.join(map(repr, example_inputs))}: pass keyword inputs as example_kwargs= (or a dict that is the "
+            "model's one positional input as example_inputs=(d,))"
+        )
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise ValueError(f"example_kwargs must be a dict of keyword inputs (or None); got {type(example_kwargs).__name__}")
+    return (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)), dict(example_kwargs or {})
 
 
 def _place_weight_casts(gm: fx.GraphModule, params: set[str]) -> None:

@@ -500,9 +500,7 @@ def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: Cluste
         if (n, cut) not in cache:
             if n > batch:
                 raise ValueError(f"a microbatch of {n} samples does not fit in the example batch of {batch}")
-            # every tensor with the batch as its first dim is a microbatch's slice (inputs, and labels among the kwargs)
-            inputs, kwargs = pytree.tree_map_only(torch.Tensor, lambda x: x[:n] if x.dim() and x.shape[0] == batch else x,
-                                                  (example_inputs, example_kwargs or {}))
+            inputs, kwargs = microbatch_call(example_inputs, example_kwargs, n)
             with truncated(model, stacks if cut else []):
                 cache[n, cut] = trace(model, inputs, kwargs, precision=precision, copy_repeated=not cut)
         return cache[n, cut]
@@ -510,6 +508,14 @@ def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: Cluste
     short = (lambda n: traced(n, True), stacks[0].path, stacks[0].length) if len(stacks) == 1 else None
     return search(lambda n: traced(n, False), devices, batch, cluster, options, model_name=type(model).__name__, fixed=fixed,
                   short=short)
+
+
+def microbatch_call(example_inputs: tuple, example_kwargs: dict | None, n: int) -> tuple[tuple, dict]:
+    """The example call at a microbatch of `n` samples: every tensor whose first dim is the batch (the first
+    input's) is sliced (inputs, and labels among the kwargs); other inputs (flags, sizes) stay as given."""
+    batch = int(example_inputs[0].shape[0])
+    return pytree.tree_map_only(torch.Tensor, lambda x: x[:n] if x.dim() and x.shape[0] == batch else x,
+                                (example_inputs, example_kwargs or {}))
 
 
 def module_stage_pins(model) -> dict[str, int]:

@@ -170,8 +170,7 @@ class ParallelModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         program = self._current()
-        leaves, _ = pytree.tree_flatten((args, kwargs))
-        user = iter(leaves)
+        user = iter(program.traced.user_inputs(args, kwargs))
         call = []
         for name in program.placeholders:
             if name in program.leaf_of:
@@ -194,14 +193,14 @@ class ParallelModule(nn.Module):
         out = out[len(mutated):]
         return pytree.tree_unflatten(out, program.traced.out_spec)
 
-    def step(self, *inputs, target, loss_fn: Callable | None = None) -> torch.Tensor:
+    def step(self, *inputs, target, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor:
         """Forward and backward of one batch: the training-step call a `PipelineRunner` takes too, so one loop
-        runs every plan. `loss_fn(output, target)` (default: the one given to `auto_parallelize`). Returns the
-        loss, detached; the user's optimizer steps afterwards."""
+        runs every plan. `loss_fn(output, target)` (default: the one given to `auto_parallelize`); `kwargs` are
+        the model's keyword inputs. Returns the loss, detached; the user's optimizer steps afterwards."""
         loss_fn = loss_fn or self.loss_fn
         if loss_fn is None:
             raise ValueError("step() needs a loss: pass step(..., loss_fn=) or auto_parallelize(..., loss_fn=)")
-        loss = loss_fn(self(*inputs), target)
+        loss = loss_fn(self(*inputs, **kwargs), target)
         loss.backward()
         return loss.detach()
 

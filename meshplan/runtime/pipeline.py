@@ -160,7 +160,7 @@ class PipelineRunner:
         of_traced = unit_stages(graph, pipe)
         n_stages = len(pipe.stages)
         self.stage_of_node = of_traced
-        traced = graph.fx
+        traced = self._traced = graph.fx
         leaf_nodes = {prm.node for prm in plan.params}
         placeholders = [x.name for x in traced.gm.graph.nodes if x.op == "placeholder"]
         user_inputs = [x for x in placeholders if x not in leaf_nodes and x not in traced.constants]
@@ -307,17 +307,18 @@ class PipelineRunner:
     def _params(self) -> dict[str, nn.Parameter]:
         return {k: v for k, v in self.leaves.items() if isinstance(v, nn.Parameter) and v.requires_grad}
 
-    def step(self, *inputs: torch.Tensor, target: torch.Tensor, loss_fn: Callable | None = None) -> torch.Tensor | None:
+    def step(self, *inputs, target: torch.Tensor, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor | None:
         """Forward and backward of one whole batch (split into the plan's microbatches) and the gradient sync.
 
-        Every rank passes the same batch (inputs are needed by the first stage, the target by the last). `loss_fn`
-        replaces the one given at construction. Returns the mean microbatch loss on the last stage's ranks, None
-        elsewhere."""
+        Every rank passes the same batch, `inputs` and the model's keyword inputs `kwargs` as traced (the first stage
+        needs them, the target the last). `loss_fn` replaces the one given at construction. Returns the mean microbatch
+        loss on the last stage's ranks, None elsewhere."""
         if loss_fn is not None:
             self.loss_fn = loss_fn
+        tensors = self._traced.user_inputs(inputs, kwargs)  # every rank checks the call: a bad one fails everywhere at once
         losses: list[torch.Tensor] = []
-        args = inputs if self.is_first else ()
-        kwargs = {"target": target, "losses": losses} if self.is_last else {}
+        args = tuple(tensors) if self.is_first else ()
+        ends = {"target": target, "losses": losses} if self.is_last else {}
         # gradient accumulation over steps: earlier steps' gradients are summed already; only this step's are scaled and summed
         earlier = {}
         for name, prm in self._params().items():
@@ -325,7 +326,7 @@ class PipelineRunner:
         self._grad_sync.start()
         try:
             with self._rng.active() if self._rng is not None else contextlib.nullcontext():
-                self.schedule.step(*args, return_outputs=False, **kwargs)  # the losses are what step() returns: no output kept
+                self.schedule.step(*args, return_outputs=False, **ends)  # the losses are what step() returns: no output kept
         finally:
             for module in self.modules.values():
                 module.new_step()  # the step's weight copies are not kept: the next step casts the updated weights
