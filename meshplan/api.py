@@ -26,6 +26,7 @@ from meshplan.planner.meshes import Devices, resolve_mesh
 from meshplan.planner.pipeline import PipelineOptions, microbatch_call, pipeline_options, plan_pipeline
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
 from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
+from meshplan.plans.axes import warn_wasted
 from meshplan.plans.plan import Plan
 from meshplan.progress import phase
 from meshplan.runtime.checkpoint import INFO_FILE, load_checkpoint
@@ -121,8 +122,10 @@ def plan(
                              f"{', layout annotations' if annotated else ''}; pass pipeline=None to plan without one")
         budget = None if memory_budget is None else float(parse_bytes(memory_budget))
         opts = pipeline_options("auto" if pipeline is None else pipeline, stage_config, optimizer, budget, float(time_limit_s))
-        return plan_pipeline(model, devices, example_inputs, cluster=cluster_preset, options=opts, example_kwargs=example_kwargs,
-                             precision=precision).plan
+        result = plan_pipeline(model, devices, example_inputs, cluster=cluster_preset, options=opts, example_kwargs=example_kwargs,
+                               precision=precision).plan
+        warn_wasted(result)
+        return result
     meshes = resolve_mesh(devices, mesh_shape, axis_names, cluster_preset.devices_per_node)
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
@@ -134,7 +137,9 @@ def plan(
     )
     phase(f"tracing {type(model).__name__}")
     graph = trace(model, example_inputs, example_kwargs, precision=precision)
-    return search_meshes(graph, meshes, cluster_preset, options, model_name=type(model).__name__)
+    result = search_meshes(graph, meshes, cluster_preset, options, model_name=type(model).__name__)
+    warn_wasted(result)
+    return result
 
 
 MULTI_NODE = "multi_node"

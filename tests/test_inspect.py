@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import meshplan
+from meshplan.plans.axes import axis_view
 from meshplan.inspect.summary import grouped_units, layer_units
 from meshplan.ir.placement import Partial, Replicate, Shard, fmt, parse
 from meshplan.ir.tensor_map import from_tensor_map, to_tensor_map
@@ -85,14 +86,15 @@ def test_summary_has_mesh_layers_collectives_time_and_memory(mlp_plans):
     _, _, plan, _ = mlp_plans
     text = str(plan)
     assert text == plan.summary()
-    assert "mesh dp=2 x tp=2 (4 devices; axes dp, tp" in text
+    view = axis_view(plan)
+    assert f"mesh {view.mesh} (4 devices; cluster cpu)" in text
     assert re.search(r"compute [\d.]+ ms \+ communication [\d.]+ ms \+ optimizer step [\d.]+ ms \+ bubble 0\.000 ms", text)
     assert re.search(r"params .* grads .* optimizer .* activations .*=", text)
     for p in plan.params:  # MLP parameters live in layers.N: one row per layer, names relative to it
         layer, name = p.fqns[0].rsplit(".", 1)
         row = next(line for line in text.splitlines() if f"│ {layer} " in line or f"│ {layer}-" in line)
         assert row and f"{name} {fmt(p.layout)}" in text
-    names = plan.mesh.axis_names
+    names = view.names
     for t in plan.transfers:  # every collective appears in its layer's row with its mesh axis
         for phase, steps in (("fwd", t.forward), ("bwd", t.backward)):
             for step in steps:
@@ -186,16 +188,20 @@ def test_explain_rejects_unknown_names(mlp_plans):
 
 
 def test_diff_reports_changes_and_costs(mlp_plans):
-    _, _, a, b = mlp_plans
+    model, x, a, b = mlp_plans
     assert a.diff(a).identical and str(a.diff(a)) == "the plans are identical"
-    d = a.diff(b)
+    split = {"layers.0.weight": "RS(0)", "layers.0.bias": "RS(0)", "layers.1.weight": "RS(1)"}
+    tp = make(model, x, (2, 2), param_layouts=split)
+    d = tp.diff(b)
     assert not d.identical and d.same_graph
-    assert ("mesh", "dp=2 x tp=2", "dp=2") in d.settings
-    assert d.delta_step_time_s == pytest.approx(b.step_time_s - a.step_time_s)
-    assert d.delta_memory == b.memory.total - a.memory.total
-    assert {c.name for c in d.params} == {" = ".join(p.fqns) for p in a.params}  # every layout differs across meshes
+    assert ("devices", f"4 devices = {axis_view(tp).grid}", f"2 devices = {axis_view(b).grid}") in d.settings
+    assert d.delta_step_time_s == pytest.approx(b.step_time_s - tp.step_time_s)
+    assert d.delta_memory == b.memory.total - tp.memory.total
+    # the split weights changed; a parameter replicated in both plans means the same on either mesh
+    changed = {c.name for c in d.params}
+    assert set(split) <= changed and all(p.fqns[0] in split or fmt(p.layout) != "RR" for p in tp.params if p.fqns[0] in changed)
     text = str(d)
-    assert "mesh: dp=2 x tp=2 -> dp=2" in text and "predicted step:" in text and "memory per device:" in text
+    assert "devices: 4 devices = " in text and "predicted step:" in text and "peak memory per device:" in text
 
 
 # ---------------------------------------------------------------- strategy file

@@ -121,7 +121,7 @@ def test_searched_plan_prints_bubble_and_stage_memory(gpt_plan):
     text = str(plan)
     assert f"bubble {pipe.bubble_fraction:.1%}" in text
     for st in pipe.stages:
-        assert f"stage {st.index} (rank {st.device})" in text
+        assert f"stage {st.index} (pipeline rank {st.device})" in text
     assert plan.step_time_s == pipe.step_s > 0
 
 

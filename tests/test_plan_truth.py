@@ -103,7 +103,7 @@ def test_a_pipelined_plan_states_its_stage_plans_own_step_and_peaks():
     assert plan.memory.total == pipe.peak_memory <= budget
     assert f"{plan.step_time_s * 1e3:.3f} ms" in plan.summary()
     why = str(plan.explain("pipeline"))  # the configurations priced beside it, each with its own price
-    assert f"priced at {pipe.step_s:.4g} s per step; the search's stage profiles priced it at {pipe.searched_step_s:.4g} s" in why
+    assert f"priced at {pipe.step_s * 1e3:.3f} ms per step; the search's stage profiles priced it at {pipe.searched_step_s * 1e3:.3f} ms" in why
     assert "slower than the returned" in why
 
 

@@ -7,8 +7,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshplan.cost_model.memory import format_bytes
+from meshplan.inspect.figures import figures, ms, worded
+from meshplan.inspect.why import reasons
 from meshplan.ir.placement import fmt
 from meshplan.plans.alternatives import SIGNIFICANT_COMPUTE, NodeAlternatives
+from meshplan.plans.axes import AxisView, axis_view, devices_split
 from meshplan.plans.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -25,36 +28,62 @@ class Explanation:
     """(node, op, chosen strategy) of matched ops too cheap to have alternatives recorded."""
     notes: tuple[str, ...] = ()
     """Lines about the plan as a whole (`explain("pipeline")`: the configurations priced, and why the others lost)."""
+    why: tuple[tuple[str, ...], ...] = ()
+    """Per entry, one phrase per alternative: what it would move, sum or compute that the chosen does not (why.py)."""
+    figures: dict | None = None
+    """The plan's step, peak, MFU and devices, as every reading prints them (`figures.figures`)."""
+    view: AxisView | None = None
+    """How the plan's layouts print (axes.py); None: as stored."""
 
     def __str__(self) -> str:
+        head = [f"plan: {worded(self.figures)}"] if self.figures else []
         if self.notes:
-            return "\n".join([f"{self.query}:", *(f"  {n}" for n in self.notes)])
-        lines = [f"{self.query}: {len(self.entries) + len(self.unrecorded)} node(s)"]
-        for e in self.entries:
-            lines += _format_entry(e)
+            return "\n".join([*head, f"{self.query}:", *(f"  {n}" for n in self.notes)])
+        lines = [*head, f"{self.query}: {len(self.entries) + len(self.unrecorded)} node(s)"]
+        for k, e in enumerate(self.entries):
+            lines += _format_entry(e, self.why[k] if k < len(self.why) else (), self._layout)
         if self.unrecorded:
             lines.append(f"  cheap ops (under {SIGNIFICANT_COMPUTE:.0%} of the largest op's compute; no alternatives recorded):")
-            lines += [f"    {node} {op.removeprefix('aten.')}: {s}" for node, op, s in self.unrecorded]
+            lines += [f"    {node} {op.removeprefix('aten.')}: {self._strategy(s)}" for node, op, s in self.unrecorded]
         return "\n".join(lines)
 
+    def to_dict(self) -> dict:
+        """`meshplan explain --json`: layouts in the plan file's form (one placement per stored mesh axis)."""
+        def entry(k: int, e: NodeAlternatives) -> dict:
+            why = self.why[k] if k < len(self.why) else ()
+            return {
+                "node": e.node, "kind": e.kind, "what": e.what, "module_path": e.module_path, "chosen": str(e.chosen),
+                "chosen_cost_s": e.chosen_cost_s, "candidates": e.candidates,
+                "alternatives": [{"strategy": str(a.strategy), "delta_s": a.delta_s, "why": why[j] if j < len(why) else None}
+                                 for j, a in enumerate(e.alternatives)],
+                "ruled_out": [{"strategy": str(r.strategy), "reason": r.reason} for r in e.ruled_out], "ruled_out_total": e.ruled_out_total,
+            }
+        return {"query": self.query, "plan": self.figures, "entries": [entry(k, e) for k, e in enumerate(self.entries)],
+                "unrecorded": [{"node": n, "op": op, "strategy": str(s)} for n, op, s in self.unrecorded], "notes": list(self.notes)}
 
-def _layout(e: NodeAlternatives, s: Strategy) -> str:
-    return fmt(s.outputs[0]) if e.kind != "op" and s.outputs and s.outputs[0] is not None else str(s)
+    def _strategy(self, s: Strategy) -> str:
+        return str(s) if self.view is None else self.view.strategy(s)
+
+    def _layout(self, e: NodeAlternatives, s: Strategy) -> str:
+        if e.kind != "op" and s.outputs and s.outputs[0] is not None:
+            return fmt(s.outputs[0]) if self.view is None else self.view.layout(s.outputs[0])
+        return self._strategy(s)
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:+.4f} ms"
 
 
-def _format_entry(e: NodeAlternatives) -> list[str]:
+def _format_entry(e: NodeAlternatives, why: tuple[str, ...], layout) -> list[str]:
     label = e.what.removeprefix("aten.") if e.kind == "op" else f"{e.kind} {e.what}"
     where = f" at {e.module_path}" if e.module_path and e.kind == "op" else ""
-    lines = [f"  {e.node}: {label}{where}", f"    chosen {_layout(e, e.chosen)} [{e.chosen.source}]  local cost {e.chosen_cost_s * 1e3:.4f} ms"]
+    lines = [f"  {e.node}: {label}{where}", f"    chosen {layout(e, e.chosen)} [{e.chosen.source}]  local cost {e.chosen_cost_s * 1e3:.4f} ms"]
     if e.alternatives:
-        lines.append("    alternatives (local cost delta if only this node switched):")
-        for a in e.alternatives:
+        lines.append("    alternatives (local cost delta if only this node switched, and what it would add or save):")
+        for k, a in enumerate(e.alternatives):
             delta = "infeasible next to its neighbours' layouts" if a.delta_s is None else _ms(a.delta_s)
-            lines.append(f"      {_layout(e, a.strategy):<28} {delta}")
+            words = f": {why[k]}" if a.delta_s is not None and k < len(why) else ""
+            lines.append(f"      {layout(e, a.strategy):<28} {delta}{words}")
     more = e.candidates - 1 - len(e.alternatives)
     if more > 0:
         lines.append(f"      ... {more} more candidate(s) not listed")
@@ -62,7 +91,7 @@ def _format_entry(e: NodeAlternatives) -> list[str]:
         lines.append("    no other candidate reached the solver")
     if e.ruled_out:
         lines.append("    ruled out:")
-        lines += [f"      {_layout(e, r.strategy):<28} {r.reason}" for r in e.ruled_out]
+        lines += [f"      {layout(e, r.strategy):<28} {r.reason}" for r in e.ruled_out]
         if e.ruled_out_total > len(e.ruled_out):
             lines.append(f"      ... {e.ruled_out_total - len(e.ruled_out)} more ruled out")
     return lines
@@ -98,15 +127,17 @@ def explain(plan: Plan, query: str) -> Explanation:
         known = sorted({n.module_path for n in plan.nodes if n.module_path} | {f for p in plan.params for f in p.fqns})
         close = difflib.get_close_matches(query, known, n=5, cutoff=0.5) or known[:5]
         raise ValueError(f"{query!r} names no module, parameter or node of the plan; close matches: {', '.join(close)}")
-    return Explanation(query, tuple(entries), tuple(unrecorded))
+    view = axis_view(plan)
+    return Explanation(query, tuple(entries), tuple(unrecorded), why=tuple(reasons(plan, view, e) for e in entries),
+                       figures=figures(plan), view=view)
 
 
 def _explain_pipeline(plan: Plan) -> Explanation:
     pipe = plan.pipeline
     if pipe is None:
         raise ValueError("explain('pipeline'): the plan has no pipeline stages")
-    searched = "" if pipe.searched_step_s is None else f"; the search's stage profiles priced it at {pipe.searched_step_s:.4g} s"
-    notes = [f"returned: pp {pipe.degree} x {plan.mesh}, {pipe.schedule}, {pipe.microbatches} microbatches: its stage plan priced at "
-             f"{pipe.step_s:.4g} s per step{searched}; the fullest rank peaks at {format_bytes(plan.memory.total)}"]
+    searched = "" if pipe.searched_step_s is None else f"; the search's stage profiles priced it at {ms(pipe.searched_step_s)}"
+    notes = [f"returned: {devices_split(plan)}, {pipe.schedule}, {pipe.microbatches} microbatches: its stage plan priced at "
+             f"{ms(plan.step_time_s)} per step{searched}; the fullest pipeline rank peaks at {format_bytes(plan.peak_memory.total)}"]
     notes += list(plan.solver.skipped) or ["no other configuration was priced"]
-    return Explanation("pipeline", (), (), tuple(notes))
+    return Explanation("pipeline", (), (), tuple(notes), figures=figures(plan), view=axis_view(plan))

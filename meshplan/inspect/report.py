@@ -1,7 +1,10 @@
 """`Plan.report("plan.html")`: one self-contained HTML file (inline CSS, SVG and JS; nothing fetched).
 
-Sections: the predicted step (compute / communication / bubble), the layer list coloured by
-placement (one coloured segment per mesh axis: grey R, orange P, one hue per sharded tensor dim),
+Sections: the plan's step, peak and MFU as every reading prints them (figures.py), with the solver's proof and any
+mesh axis that splits nothing (axes.py); the predicted step, split as `step_parts` splits it (compute /
+communication / optimizer step / host / bubble, or a pipeline's working time and bubble); the layer list coloured
+by placement (one coloured segment per mesh axis of more than one device, named by use: grey R, orange P, one hue
+per sharded tensor dim),
 memory per device as stacked bars (per pipeline stage for a pipelined plan), the pipeline schedule
 (stages, ranks, microbatches, bubble, and the schedule drawn as a timeline, one row per pipeline rank,
 from the model that prices it: `PipelinePlan.timeline()`; or a note that the plan runs as one stage),
@@ -17,8 +20,10 @@ import math
 
 from meshplan.cost_model.memory import format_bytes
 from meshplan.cost_model.timeline import KINDS, Block, Timeline
+from meshplan.inspect.figures import figures, headline, solver_words, step_parts
 from meshplan.inspect.summary import comm_volume, format_seconds, grouped_units, layer_of
-from meshplan.ir.placement import Partial, Placements, Shard, fmt
+from meshplan.ir.placement import Partial, Placements, Shard
+from meshplan.plans.axes import AxisView, axis_view, devices_split, wasted
 from meshplan.plans.plan import Plan
 
 SHARD_COLOURS = ("#2f6fdf", "#2a9d5c", "#8e44ad", "#16a3a3", "#c0392b", "#7f8c2d")
@@ -27,6 +32,9 @@ REPLICATE_COLOUR = "#b9bec7"
 PARTIAL_COLOUR = "#e67e22"
 MEMORY_COLOURS = {"params": "#2f6fdf", "grads": "#2a9d5c", "optimizer": "#8e44ad", "activations": "#e67e22"}
 PHASE_COLOURS = {"forward": "#2f6fdf", "backward": "#8e44ad", "grad_sync": "#2a9d5c"}
+STEP_COLOURS = {"compute": "#2f6fdf", "communication": "#e67e22", "optimizer step": "#2a9d5c", "host": "#7f8c2d",
+                "working": "#2f6fdf", "bubble": "#c0392b"}
+"""Segments of the step bar (figures.step_parts)."""
 MAX_DEVICE_BARS = 64
 """Devices drawn one bar each; larger meshes draw one bar per distinct memory figure."""
 TIMELINE_COLOURS = {"forward": "#2f6fdf", "backward": "#8e44ad", "weight": "#2a9d5c", "send": "#e67e22", "bubble": "#f2c4be"}
@@ -68,12 +76,14 @@ def _placement_colour(p) -> str:
     return REPLICATE_COLOUR
 
 
-def chip(layout: Placements, axis_names: tuple[str, ...]) -> str:
+def chip(layout: Placements, view: AxisView) -> str:
+    """One coloured segment per shown mesh axis (axes of one device are hidden, as everywhere)."""
     segs = "".join(
-        f'<span class="seg" style="background:{_placement_colour(p)}" title="{html.escape(a)}: {p}">{html.escape(str(p))}</span>'
-        for p, a in zip(layout, axis_names)
+        f'<span class="seg" style="background:{_placement_colour(layout[a])}" title="{html.escape(view.names[a])}: {layout[a]}">'
+        f"{html.escape(str(layout[a]))}</span>"
+        for a in view.shown
     )
-    return f'<span class="chip" title="{html.escape(fmt(layout))}">{segs}</span>'
+    return f'<span class="chip" title="{html.escape(view.layout(layout))}">{segs}</span>'
 
 
 def _bar_svg(rows: list[tuple[str, list[tuple[str, float, str]]]], unit) -> str:
@@ -106,42 +116,46 @@ def _legend(items: list[tuple[str, str]]) -> str:
 
 def render(plan: Plan) -> str:
     mesh = plan.mesh
+    view = axis_view(plan)
     e = html.escape
+    where = f"mesh {view.mesh} ({plan.devices} devices)" if plan.pipeline is None else devices_split(plan, view)
+    renamed = "" if view.names == mesh.axis_names else f" (axes named by use; stored as {', '.join(mesh.axis_names)})"
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>meshplan plan {e(plan.model)} on {e(str(mesh))}</title><style>{_CSS}</style></head><body>",
+        f"<title>meshplan plan {e(plan.model)} on {e(where)}</title><style>{_CSS}</style></head><body>",
         f"<h1>meshplan plan for {e(plan.model)}</h1>",
-        f'<div class="muted">mesh {e(str(mesh))} ({mesh.size} devices), cluster {e(plan.cluster)}, mode {e(plan.mode)}, '
-        f"inputs {e(plan.inputs_mode)}, solver {e(plan.solver.backend)} {e(plan.solver.status)}, plan hash {plan.hash()}</div>",
+        f'<div class="muted">{e(where)}{e(renamed)}, cluster {e(plan.cluster)}, mode {e(plan.mode)}, '
+        f"inputs {e(plan.inputs_mode)}, plan hash {plan.hash()}</div>",
+        f'<div class="card" id="figures">Predicted: {e(headline(plan))}<br><span class="muted">solver: {e(solver_words(plan.solver))}'
+        "</span></div>",
     ]
+    parts += [f'<div class="card wasted">Wasted: {e(line)}</div>' for line in wasted(plan, view)]
     # ---- step time
     parts.append("<h2>Predicted step time</h2>")
     pipe = plan.pipeline
-    if pipe is None:
-        step = [("compute", plan.compute_s, "#2f6fdf"), ("communication", plan.comm_s, "#e67e22"), ("bubble", 0.0, "#c0392b")]
-    else:  # compute_s and comm_s are one microbatch's on one stage's sub-mesh; the schedule's step holds them all
+    if pipe is not None:  # compute_s and comm_s are one microbatch's on one stage's sub-mesh; the schedule's step holds them all
         parts.append(f'<div class="muted">One microbatch on one stage\'s sub-mesh: compute {plan.compute_s * 1e3:.3f} ms, '
                      f"communication {plan.comm_s * 1e3:.3f} ms; the step runs {pipe.microbatches} microbatches through "
                      f"{pipe.degree} pipeline ranks.</div>")
-        step = [("working", pipe.step_s - pipe.bubble_s, "#2f6fdf"), ("bubble", pipe.bubble_s, "#c0392b")]
+    step = [(name, v, STEP_COLOURS[name]) for name, v in step_parts(plan)]
     parts.append(_bar_svg([("one step", step)], lambda v: f"{v * 1e3:.3f} ms"))
     parts.append(_legend([(f"{name} {v * 1e3:.3f} ms", c) for name, v, c in step]))
     # ---- layers
     parts.append("<h2>Layers, coloured by placement</h2>")
     parts.append(
-        '<div class="muted">Each chip has one segment per mesh axis (' + e(", ".join(mesh.axis_names)) + "). Identical repeated "
-        "layers are shown once.</div>"
+        '<div class="muted">Each chip has one segment per mesh axis (' + e(", ".join(view.names[a] for a in view.shown))
+        + "; axes of one device are left out). Identical repeated layers are shown once.</div>"
     )
     parts.append(_legend([("R replicate", REPLICATE_COLOUR), ("P partial sum", PARTIAL_COLOUR)]
                          + [(f"S({d}) shard tensor dim {d}", c) for d, c in enumerate(SHARD_COLOURS[:4])]))
     parts.append('<input type="search" id="layer-filter" placeholder="filter layers, e.g. mlp or S(1)"> '
                  '<span class="muted"><span id="layer-count"></span> layers shown</span>')
-    op_rows = _op_rows(plan)
+    op_rows = _op_rows(plan, view)
     parts.append("<table><tr><th>layer</th><th>parameters</th><th>ops and their output layout</th><th>compute</th></tr>")
     for label, count, unit in grouped_units(plan):
         params = "<br>".join(
-            f'{chip(p.layout, mesh.axis_names)}<span class="name">{e(" = ".join(p.fqns))}</span>'
+            f'{chip(p.layout, view)}<span class="name">{e(" = ".join(p.fqns))}</span>'
             for p in plan.params if layer_of(p.fqns[0]) == unit.name
         ) or "-"
         ops = "<br>".join(op_rows.get(unit.name, [])) or "-"
@@ -151,12 +165,11 @@ def render(plan: Plan) -> str:
     parts.append("</table>")
     # ---- memory
     parts.append("<h2>Memory per device</h2>")
-    mem = plan.memory
+    mem = plan.peak_memory
     segs = [(k, float(getattr(mem, k)), c) for k, c in MEMORY_COLOURS.items()]
     if pipe is not None:
         rows = [(f"stage {st.index} (pipeline rank {st.device})", [(k, float(getattr(st.memory, k)), c) for k, c in MEMORY_COLOURS.items()])
                 for st in pipe.stages]
-        mem = max(pipe.rank_memory(), key=lambda m: m.total)
         note = (f"Each device of a stage's {mesh.size}-device sub-mesh holds the stage's amount (shards are even); the "
                 "fullest pipeline rank (the sum of the stages it runs) sets the peak.")
     elif mesh.size <= MAX_DEVICE_BARS:
@@ -209,7 +222,7 @@ def render(plan: Plan) -> str:
     if plan.fallbacks:
         parts.append("<h2>Replicated for lack of a rule</h2><ul>" + "".join(f"<li>{e(f)}</li>" for f in plan.fallbacks) + "</ul>")
     parts.append(f"<details><summary>Plan summary (text)</summary><pre>{e(plan.summary())}</pre></details>")
-    parts.append(f'<script type="application/json" id="plan-meta">{e(json.dumps({"hash": plan.hash(), "devices": mesh.size}))}</script>')
+    parts.append(f'<script type="application/json" id="plan-meta">{e(json.dumps({"hash": plan.hash(), **figures(plan)}))}</script>')
     parts.append(f"<script>{_JS}</script></body></html>")
     return "\n".join(parts)
 
@@ -308,7 +321,7 @@ def _timeline_section(tl: Timeline, step_s: float) -> str:
     )
 
 
-def _op_rows(plan: Plan) -> dict[str, list[str]]:
+def _op_rows(plan: Plan, view: AxisView) -> dict[str, list[str]]:
     """Per layer unit: the significant ops with a chip of their first output layout."""
     top = max((n.time_s for n in plan.nodes), default=0.0)
     out: dict[str, list[str]] = {}
@@ -318,7 +331,7 @@ def _op_rows(plan: Plan) -> dict[str, list[str]]:
             continue
         op = n.target.removeprefix("aten.").split(".")[0]
         out.setdefault(layer_of(n.module_path), []).append(
-            f'{chip(layout, plan.mesh.axis_names)}<span class="name">{html.escape(n.module_path or "-")} {html.escape(op)}</span>'
+            f'{chip(layout, view)}<span class="name">{html.escape(n.module_path or "-")} {html.escape(op)}</span>'
         )
     return out
 

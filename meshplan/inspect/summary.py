@@ -15,13 +15,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshplan.cost_model.memory import format_bytes
+from meshplan.inspect.figures import figures, headline, ms, solver_words, step_parts
 from meshplan.ir.placement import fmt, local_shape
+from meshplan.plans.axes import AxisView, axis_view, devices_split, step_batch, wasted
 
 if TYPE_CHECKING:
     from meshplan.plans.plan import Plan
 
 TOP = "(top)"
 OUTPUT = "(output)"
+LEGEND = "placements, one per mesh axis shown: R replicated, S(d) split along tensor dim d, P partial sums still to be added up"
 SIGNIFICANT = 0.01
 """Ops whose compute is at least this share of the largest op's are listed with their activation layout."""
 
@@ -63,7 +66,7 @@ _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8
 def comm_volume(plan: Plan) -> list[CommVolume]:
     """Every communicating collective of one step, grouped by axes, phase and kind."""
     acc: dict[tuple[str, str, str], list[int]] = {}
-    names = plan.mesh.axis_names
+    names = axis_view(plan).names
 
     def add(axes: str, phase: str, kind: str, nbytes: int) -> None:
         slot = acc.setdefault((axes, phase, kind), [0, 0])
@@ -106,13 +109,14 @@ def layer_units(plan: Plan) -> list[_Unit]:
             return path
         return "" if path == name else path[len(name) + 1 :] if path.startswith(name + ".") else path
 
-    names = plan.mesh.axis_names
+    view = axis_view(plan)
+    names = view.names
     where = {n.name: n.module_path for n in plan.nodes}
     sig: dict[str, list] = {}
     for p in plan.params:
         u = unit(layer_of(p.fqns[0]))
         label = " = ".join(rel(f, u.name) for f in p.fqns)
-        u.params.append(f"{label} {fmt(p.layout)}")
+        u.params.append(f"{label} {view.layout(p.layout)}")
         sig.setdefault(u.name, []).append(("p", label, p.shape, fmt(p.layout)))
         if p.grad_sync_axes:  # per-parameter share of the bucketed gradient all-reduces
             key = f"grad sync({','.join(names[a] for a in p.grad_sync_axes)})"
@@ -124,7 +128,7 @@ def layer_units(plan: Plan) -> list[_Unit]:
         u.compute_s += n.time_s
         sig.setdefault(u.name, []).append(("o", rel(n.module_path, u.name), n.target, str(n.strategy)))
         if top > 0 and n.time_s >= SIGNIFICANT * top and n.strategy.outputs and n.strategy.outputs[0] is not None:
-            u.acts.append(f"{rel(n.module_path, u.name) or '-'} {n.target.removeprefix('aten.').split('.')[0]} {fmt(n.strategy.outputs[0])}")
+            u.acts.append(f"{rel(n.module_path, u.name) or '-'} {n.target.removeprefix('aten.').split('.')[0]} {view.layout(n.strategy.outputs[0])}")
     for t in plan.transfers:
         u = unit(OUTPUT if t.consumer == "output" else layer_of(where.get(t.consumer, "")))
         for phase, steps in (("fwd", t.forward), ("bwd", t.backward)):
@@ -161,59 +165,9 @@ def format_summary(plan: Plan, *, ops: bool = False) -> str:
 
     buf = io.StringIO()
     con = Console(file=buf, width=140, no_color=True, highlight=False)
-    mesh = plan.mesh
-    con.print(
-        f"meshplan plan for {plan.model} on mesh {mesh} ({mesh.size} devices; axes {', '.join(mesh.axis_names)}; "
-        f"cluster {plan.cluster}), mode {plan.mode}, inputs {plan.inputs_mode}"
-    )
-    if plan.pipeline is None:
-        con.print(
-            f"predicted step {plan.step_time_s * 1e3:.3f} ms = compute {plan.compute_s * 1e3:.3f} ms + communication "
-            f"{plan.comm_s * 1e3:.3f} ms + optimizer step {plan.optimizer_s * 1e3:.3f} ms + bubble {plan.bubble_s * 1e3:.3f} ms "
-            "(no pipeline stages)"
-            + (f" + host {plan.host_s * 1e3:.3f} ms (offloaded optimizer state)" if plan.host_s else "")
-        )
-        con.print(f"memory per device: {plan.memory}")
-    else:  # the intra-op figures below are one microbatch of the whole model on one stage's sub-mesh
-        searched = plan.pipeline.searched_step_s
-        con.print(
-            f"predicted step {plan.step_time_s * 1e3:.3f} ms over {plan.pipeline.degree * mesh.size} devices, with bubble "
-            f"{plan.bubble_s * 1e3:.3f} ms ({plan.pipeline.bubble_fraction:.1%}); peak memory per device "
-            f"{format_bytes(plan.pipeline.peak_memory)}"
-            + (f" (the stage plans' own figures; the search's profile priced this configuration at {searched * 1e3:.3f} ms)"
-               if searched is not None else "")
-        )
-        con.print(f"memory of the fullest pipeline rank: {plan.memory}")
-        con.print(plan.pipeline.summary())
-        con.print(f"one microbatch, whole model, on one stage's sub-mesh: compute {plan.compute_s * 1e3:.3f} ms + communication "
-                  f"{plan.comm_s * 1e3:.3f} ms")
-    precision = plan.precision.describe() if plan.precision else "fp32: the model's own dtypes, no casts"
-    con.print(f"precision: {precision}")
-    if plan.mfu is not None:
-        con.print(f"MFU {plan.mfu:.1%}: model FLOPs {plan.model_flops:.3g} per step / ({plan.devices} devices x peak "
-                  f"{plan.peak_flops:.3g} FLOP/s x predicted step)")
-    if plan.recompute:
-        con.print(f"recomputed in backward: {', '.join(plan.recompute)}")
-    offloaded = [p.fqns[0] for p in plan.params if p.offload]
-    if offloaded:
-        con.print(f"optimizer state in host memory for {len(offloaded)} parameters: {', '.join(offloaded[:6])}" + (", ..." if len(offloaded) > 6 else ""))
-    took = "" if plan.solver.seconds is None else f" in {plan.solver.seconds:.2f} s"
-    proof = "" if plan.solver.proven_optimal else ", not proven optimal"
-    con.print(f"solver {plan.solver.backend} {plan.solver.status} (gap {plan.solver.gap:.2%}{proof}){took}")
-    for reason in plan.solver.skipped:
-        con.print(f"skipped {reason}")
-    coll = plan.collectives()
-    con.print("collectives per step: " + (", ".join(f"{k} x{v}" for k, v in sorted(coll.items())) or "none"))
-    vol = comm_volume(plan)
-    if vol:
-        per_axis: dict[str, int] = {}
-        for v in vol:
-            per_axis[v.axes] = per_axis.get(v.axes, 0) + v.nbytes
-        con.print("bytes moved per step and device, by mesh axis: " + ", ".join(f"{a} {format_bytes(b)}" for a, b in per_axis.items()))
-    if plan.fallbacks:
-        con.print("replicated for lack of a rule: " + "; ".join(plan.fallbacks))
-    con.print("inputs: " + ", ".join(f"{i.name}{list(i.shape)} {fmt(i.layout)}" for i in plan.inputs))
-
+    view = axis_view(plan)
+    for line in _header(plan, view):
+        con.print(line, soft_wrap=True)  # whole lines: a wrapped sentence no longer greps
     table = Table(title="per layer (identical repeated layers shown once)", title_justify="left")
     for col in ("layer", "parameters", "activations (significant ops)", "collectives: kind(axis) count bytes", "compute"):
         table.add_column(col)
@@ -223,15 +177,99 @@ def format_summary(plan: Plan, *, ops: bool = False) -> str:
             else f"{k} x{u.comm[k]} {format_bytes(u.comm_bytes[k])}"
             for k in sorted(u.comm)
         ) or "-"
-        ms = format_seconds(u.compute_s) + (" each" if count > 1 else "")
-        table.add_row(label + (f" (x{count})" if count > 1 else ""), "\n".join(u.params) or "-", "\n".join(u.acts) or "-", comm, ms)
+        took = format_seconds(u.compute_s) + (" each" if count > 1 else "")
+        table.add_row(label + (f" (x{count})" if count > 1 else ""), "\n".join(u.params) or "-", "\n".join(u.acts) or "-", comm, took)
     con.print(table)
     if ops:
-        con.print(_ops_table(plan))
+        con.print(_ops_table(plan, view))
     return buf.getvalue().rstrip()
 
 
-def _ops_table(plan: Plan):
+def _header(plan: Plan, view: AxisView) -> list[str]:
+    """The lines above the per-layer table."""
+    pipe = plan.pipeline
+    count = f"{plan.devices} device{'s' if plan.devices > 1 else ''}"
+    where = f"mesh {view.mesh} ({count}; cluster {plan.cluster})" if pipe is None else f"{devices_split(plan, view)} (cluster {plan.cluster})"
+    lines = [f"meshplan plan for {plan.model} on {where}, mode {plan.mode}, inputs {plan.inputs_mode}"]
+    if view.names != plan.mesh.axis_names:
+        lines.append(f"mesh axes named by use (the plan file and the runtime's DeviceMesh call them {', '.join(plan.mesh.axis_names)})")
+    lines.append(f"predicted: {headline(plan)}")
+    parts = " + ".join(f"{name} {ms(s)}" for name, s in step_parts(plan))
+    if pipe is None:
+        lines.append(f"step {ms(plan.step_time_s)} = {parts} (no pipeline stages)")
+        lines.append(f"memory per device at the peak: {plan.peak_memory}")
+    else:
+        searched = "" if pipe.searched_step_s is None else \
+            f"; the stage plans' own figures (the search's profile priced this configuration at {ms(pipe.searched_step_s)})"
+        lines.append(f"step {ms(plan.step_time_s)} = {parts} ({pipe.bubble_fraction:.1%}, schedule {pipe.schedule}){searched}")
+        lines.append(f"memory of the fullest pipeline rank at its peak: {plan.peak_memory}")
+        lines.append(pipe.summary())
+        lines.append(f"one microbatch, whole model, on one stage's sub-mesh: compute {ms(plan.compute_s)} + communication {ms(plan.comm_s)}")
+    precision = plan.precision.describe() if plan.precision else "fp32: the model's own dtypes, no casts"
+    lines.append(f"precision: {precision}")
+    if plan.mfu is not None:
+        lines.append(f"MFU {plan.mfu:.1%}: model FLOPs {plan.model_flops:.3g} per step / ({plan.devices} devices x peak "
+                     f"{plan.peak_flops:.3g} FLOP/s x predicted step)")
+    if plan.recompute:
+        lines.append(f"recomputed in backward: {', '.join(plan.recompute)}")
+    offloaded = [p.fqns[0] for p in plan.params if p.offload]
+    if offloaded:
+        lines.append(f"optimizer state in host memory for {len(offloaded)} parameters: {', '.join(offloaded[:6])}"
+                     + (", ..." if len(offloaded) > 6 else ""))
+    took = "" if plan.solver.seconds is None else f" in {plan.solver.seconds:.2f} s"
+    lines.append(f"solver: {solver_words(plan.solver)}{took}")
+    lines += [f"skipped {reason}" for reason in plan.solver.skipped]
+    lines += [f"wasted: {line}" for line in wasted(plan, view)]
+    per = "per step" if pipe is None else "of one microbatch on one stage's sub-mesh (gradient all-reduces: per step)"
+    coll = plan.collectives()
+    lines.append(f"collectives {per}: " + (", ".join(f"{k} x{v}" for k, v in sorted(coll.items())) or "none"))
+    per_axis: dict[str, int] = {}
+    for v in comm_volume(plan):
+        per_axis[v.axes] = per_axis.get(v.axes, 0) + v.nbytes
+    if per_axis:
+        per = "per step and device" if pipe is None else "per device (one microbatch's transfers, the step's gradient all-reduces)"
+        lines.append(f"bytes moved {per}, by mesh axis: "
+                     + ", ".join(f"{a} {format_bytes(b)}" for a, b in per_axis.items()))
+    if plan.fallbacks:
+        lines.append("replicated for lack of a rule: " + "; ".join(plan.fallbacks))
+    given = ", ".join(f"{i.name}{list(i.shape)} {view.layout(i.layout)}" for i in plan.inputs)
+    if pipe is None:
+        lines.append(f"inputs: {given}")
+    else:
+        whole = ", ".join(f"{name}{list(shape)}" for name, shape in step_batch(plan))
+        lines.append(f"inputs of one microbatch ({pipe.microbatches} per step, the step's batch {whole} split along dim 0): {given}")
+    lines.append(LEGEND)
+    return lines
+
+
+def summary_dict(plan: Plan) -> dict:
+    """`meshplan show --json`: the summary's figures and facts as data (layouts in the plan file's form, one placement
+    per stored mesh axis)."""
+    view = axis_view(plan)
+    pipe = plan.pipeline
+    return {
+        "model": plan.model, "hash": plan.hash(), **figures(plan), "devices_split": devices_split(plan, view),
+        "mesh": {"shape": list(plan.mesh.shape), "axis_names": list(plan.mesh.axis_names), "named_by_use": list(view.names),
+                 "roles": list(view.roles)},
+        "step": dict(step_parts(plan)), "memory_at_peak": plan.peak_memory.to_dict(),
+        "pipeline": None if pipe is None else {
+            "degree": pipe.degree, "schedule": pipe.schedule, "microbatches": pipe.microbatches, "chunks": pipe.chunks,
+            "bubble_s": pipe.bubble_s, "bubble_fraction": pipe.bubble_fraction, "searched_step_s": pipe.searched_step_s,
+            "microbatch": {"compute_s": plan.compute_s, "comm_s": plan.comm_s},
+            "stages": [{"index": s.index, "pipeline_rank": s.device, "units": list(s.units), "time_s": s.time_s, "recompute": s.recompute,
+                        "peak_bytes": s.memory.total} for s in pipe.stages],
+        },
+        "solver": {"backend": plan.solver.backend, "status": plan.solver.status, "gap": plan.solver.gap,
+                   "proven_optimal": plan.solver.proven_optimal, "says": solver_words(plan.solver), "skipped": list(plan.solver.skipped)},
+        "wasted": wasted(plan, view),
+        "collectives": dict(sorted(plan.collectives().items())),
+        "inputs": [{"name": i.name, "shape": list(i.shape), "layout": fmt(i.layout)} for i in plan.inputs],
+        "step_inputs": [{"name": n, "shape": list(shape)} for n, shape in step_batch(plan)],
+        "fallbacks": list(plan.fallbacks), "recompute": list(plan.recompute), "precision": plan.precision.describe() if plan.precision else None,
+    }
+
+
+def _ops_table(plan: Plan, view: AxisView):
     from rich.table import Table
 
     moves: dict[str, list] = {}
@@ -244,9 +282,10 @@ def _ops_table(plan: Plan):
         ts = moves.get(n.name, [])
         if not ts and n.time_s < 0.01 * max(plan.compute_s, 1e-12):
             continue
-        fwd = " ".join(str(s) for t in ts for s in t.forward)
-        bwd = " ".join(str(s) for t in ts for s in t.backward)
-        table.add_row(n.module_path or "-", n.target.removeprefix("aten."), str(n.strategy), f"{fwd or '-'} | {bwd or '-'}", f"{n.time_s * 1e3:.3f}")
+        fwd = " ".join(view.step(s) for t in ts for s in t.forward)
+        bwd = " ".join(view.step(s) for t in ts for s in t.backward)
+        table.add_row(n.module_path or "-", n.target.removeprefix("aten."), view.strategy(n.strategy), f"{fwd or '-'} | {bwd or '-'}",
+                      f"{n.time_s * 1e3:.3f}")
     if moves.get("output"):
-        table.add_row(OUTPUT, "gather to user", "", " ".join(str(s) for t in moves["output"] for s in t.forward), "")
+        table.add_row(OUTPUT, "gather to user", "", " ".join(view.step(s) for t in moves["output"] for s in t.forward), "")
     return table

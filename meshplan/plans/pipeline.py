@@ -98,7 +98,7 @@ class PipelinePlan:
         for s in self.stages:
             span = s.units[0] if len(s.units) == 1 else f"{s.units[0]} .. {s.units[-1]}"
             lines.append(
-                f"  stage {s.index} (rank {s.device}): {span} ({len(s.units)} units), {s.time_s * 1e3:.3g} ms/microbatch"
+                f"  stage {s.index} (pipeline rank {s.device}): {span} ({len(s.units)} units), {s.time_s * 1e3:.3g} ms/microbatch"
                 f"{', recompute' if s.recompute else ''}; memory {format_bytes(s.memory.total)} "
                 f"(params {format_bytes(s.memory.params)}, grads {format_bytes(s.memory.grads)}, "
                 f"optimizer {format_bytes(s.memory.optimizer)}, activations {format_bytes(s.memory.activations)})"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -210,6 +211,12 @@ class Plan:
         return self.mesh.size * (self.pipeline.degree if self.pipeline else 1)
 
     @property
+    def peak_memory(self) -> MemoryBreakdown:
+        """The fullest device's memory at its peak: `memory`, or with a pipeline the fullest pipeline rank's (the sum of
+        the stages it runs). Every reading of the plan (summary, explain, diff, report, the file's `peak_bytes`) uses it."""
+        return max(self.pipeline.rank_memory(), key=lambda m: m.total) if self.pipeline else self.memory
+
+    @property
     def mfu(self) -> float | None:
         """Model FLOPs utilisation of the predicted step: model FLOPs / (devices x peak x step time)."""
         if not self.model_flops or not self.peak_flops or self.step_time_s <= 0:
@@ -256,6 +263,8 @@ class Plan:
             del d["solver"]["skipped"]  # plans of a single mesh keep the bytes they always had
         for entry, p in zip(d["params"], self.params):
             entry["device_matrix"], entry["tensor_map"] = to_tensor_map(p.layout, self.mesh.shape, len(p.shape))
+        # derived, for readers of the file alone: the figures `show` prints (files without them load the same)
+        d["step_time_s"], d["peak_bytes"] = self.step_time_s, self.peak_memory.total
         return d
 
     def to_json(self) -> str:
@@ -287,6 +296,7 @@ class Plan:
 
         check_plan(plan)
         _check_tensor_maps(d, plan)
+        _check_figures(d, plan)
         return plan
 
     def save(self, path: str) -> None:
@@ -377,6 +387,14 @@ def _decode_param(p: dict, seq) -> ParamChoice:
         p["node"], seq(p["fqns"]), seq(p["shape"]), parse(p["layout"]), seq(p["grad_sync_axes"]), p["is_buffer"], p["time_s"], dtype=p["dtype"],
         offload=p.get("offload", False), optimizer_s=p.get("optimizer_s", 0.0),
     )
+
+
+def _check_figures(d: dict, plan: Plan) -> None:
+    """The stored step time and peak are derived too: a file whose figures disagree with its parts was edited wrongly."""
+    for key, value in (("step_time_s", plan.step_time_s), ("peak_bytes", plan.peak_memory.total)):
+        stored = d.get(key, value)  # absent in files written before the figures were stored
+        if isinstance(stored, bool) or not isinstance(stored, (int, float)) or not math.isclose(stored, value, rel_tol=1e-9):
+            raise ValueError(f"plan file is malformed: {key} {stored!r:.60} does not match the plan's own figure {value!r}")
 
 
 def _check_tensor_maps(d: dict, plan: Plan) -> None:
