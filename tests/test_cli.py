@@ -47,7 +47,7 @@ def test_plan_writes_a_plan_and_prints_it(plans):
     assert rc == 0 and rc_b == 0, err
     a, b = Plan.from_json((d / "a.json").read_text()), Plan.from_json((d / "b.json").read_text())
     assert a.mesh.shape == (2,) and b.mesh.shape == (2, 2) and b.cluster == "h100" and b.mode == "data_parallel"
-    assert out.startswith("meshplan plan for MLP on mesh dp=2 ") and f"plan saved to a.json (hash {a.hash()})" in out
+    assert out.startswith("meshplan plan for MLP on mesh rep=2 (2 devices") and f"plan saved to a.json (hash {a.hash()})" in out
     # --verbose logs each phase with its duration through logging
     for phase in ("meshplan.progress INFO: tracing MLP", "candidate strategies on mesh dp=2", "ilp search on mesh dp=2"):
         assert phase in err
@@ -68,7 +68,7 @@ def test_show_explain_diff_report_read_the_plan_file(plans):
     assert res["show"][1].rstrip("\n") == b.summary(ops=True)
     assert res["explain"][1].rstrip("\n") == str(b.explain("layers.1"))
     a = Plan.from_json((d / "a.json").read_text())
-    assert res["diff"][1].rstrip("\n") == str(a.diff(b)) and "mesh: dp=2 -> dp=2 x tp=2" in res["diff"][1]
+    assert res["diff"][1].rstrip("\n") == str(a.diff(b)) and "devices: 2 devices = rep 2 -> 4 devices = " in res["diff"][1]
     html = (d / "b.html").read_text()
     assert res["report"][1].strip() == "report written to b.html" and html.startswith("<!DOCTYPE html>") and b.hash() in html
 

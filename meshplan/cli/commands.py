@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = commands.add_parser("show", parents=[common], help="print a plan file", description="Print a saved plan.")
     s.add_argument("plan")
     s.add_argument("--ops", action="store_true", help="also list every costly op and every op whose inputs move")
+    s.add_argument("--json", action="store_true", help="print the summary's figures and facts as JSON (no tables)")
     s.set_defaults(handler=_show)
 
     e = commands.add_parser(
@@ -88,11 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("plan")
     e.add_argument("node", metavar="NODE")
+    e.add_argument("--json", action="store_true", help="print the explanation as JSON")
     e.set_defaults(handler=_explain)
 
     d = commands.add_parser("diff", parents=[common], help="compare two plan files", description="What changed from plan A to plan B and what it costs.")
     d.add_argument("a")
     d.add_argument("b")
+    d.add_argument("--json", action="store_true", help="print the differences as JSON")
     d.set_defaults(handler=_diff)
 
     r = commands.add_parser("report", parents=[common], help="write a self-contained HTML report", description="Write an HTML report of a plan.")
@@ -257,17 +260,35 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    print(read_plan(args.plan).summary(ops=args.ops))
+    the_plan = read_plan(args.plan)
+    if args.json:
+        from meshplan.inspect.summary import summary_dict
+
+        return _print_json(summary_dict(the_plan))
+    print(the_plan.summary(ops=args.ops))
     return 0
 
 
 def _explain(args: argparse.Namespace) -> int:
-    print(read_plan(args.plan).explain(args.node))
+    explanation = read_plan(args.plan).explain(args.node)
+    if args.json:
+        return _print_json(explanation.to_dict())
+    print(explanation)
     return 0
 
 
 def _diff(args: argparse.Namespace) -> int:
-    print(read_plan(args.a).diff(read_plan(args.b)))
+    differences = read_plan(args.a).diff(read_plan(args.b))
+    if args.json:
+        return _print_json(differences.to_dict())
+    print(differences)
+    return 0
+
+
+def _print_json(data: dict) -> int:
+    import json
+
+    print(json.dumps(data, indent=1))
     return 0
 
 
