@@ -106,6 +106,11 @@ def test_plan_files_without_the_stored_figures_still_load_and_edited_figures_fai
         for key in ("step_time_s", "peak_bytes"):
             with pytest.raises(ValueError, match=f"plan file is malformed: {key} .* does not match the plan's own figure"):
                 Plan.from_json(json.dumps({**d, key: d[key] * 2}))
+    # the peak sums each pipeline rank's stages: a stage on a rank the pipeline lacks is named, not an IndexError
+    d = json.loads(gpt_plans[0].to_json())
+    d["pipeline"]["stages"][1]["device"] = 2
+    with pytest.raises(ValueError, match=r"pipeline.stages\[1\].device is 2; the pipeline has ranks 0..1"):
+        Plan.from_json(json.dumps(d))
 
 
 def test_the_report_step_bar_is_the_whole_step(gpt_plans, tmp_path):

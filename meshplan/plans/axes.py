@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 GENERIC_NAME = re.compile(r"(dp\d*|tp|ax\d+)")
 """Axis names the planner gives by shape (ir/mesh.py); any other name is the user's and is kept."""
+SUGGESTED = 4
+"""Device counts suggested for an axis of n devices that splits nothing go up to this many times n."""
 
 
 class ReplicatedWorkWarning(UserWarning):
@@ -170,7 +172,7 @@ def wasted(plan: Plan, view: AxisView | None = None) -> list[str]:
     batch = [shape[0] for _, shape in step_batch(plan) if shape]
     if any(b % size for b in batch):
         whole = math.gcd(*batch)
-        fits = [k for k in range(2, whole + 1) if whole % k == 0]
+        fits = [k for k in range(2, min(whole, SUGGESTED * size) + 1) if whole % k == 0]
         per = " per pipeline stage" if plan.pipeline else ""
         line += f": the batch of {whole} does not split over {size}" + (
             f"; it splits evenly over {_either(fits)} devices{per}" if fits else "") + f", or use a batch that is a multiple of {size}"

@@ -71,6 +71,14 @@ def check_plan(plan) -> None:
         for name in b.params:
             if name not in trainable:
                 raise _bad(f"buckets[{i}].params", f"names {name!r}, which is not a parameter of the plan")
+    pipe = plan.pipeline
+    if pipe is not None:
+        for what in ("degree", "microbatches", "chunks"):
+            if getattr(pipe, what) < 1:
+                raise _bad(f"pipeline.{what}", f"is {getattr(pipe, what)}; expected at least 1")
+        for i, st in enumerate(pipe.stages):
+            if not 0 <= st.device < pipe.degree:
+                raise _bad(f"pipeline.stages[{i}].device", f"is {st.device}; the pipeline has ranks 0..{pipe.degree - 1}")
 
 
 def _bad(path: str, what: str) -> ValueError:
