@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 from meshplan.cost_model.memory import format_bytes
 from meshplan.inspect.figures import figures, ms, worded
 from meshplan.inspect.why import reasons
-from meshplan.ir.placement import fmt
 from meshplan.plans.alternatives import SIGNIFICANT_COMPUTE, NodeAlternatives
 from meshplan.plans.axes import AxisView, axis_view, devices_split
 from meshplan.plans.strategy import Strategy
@@ -26,48 +25,44 @@ class Explanation:
     entries: tuple[NodeAlternatives, ...]
     unrecorded: tuple[tuple[str, str, Strategy], ...]
     """(node, op, chosen strategy) of matched ops too cheap to have alternatives recorded."""
+    why: tuple[tuple[str, ...], ...]
+    """Per entry, one phrase per alternative: what it would move, sum or compute that the chosen does not (why.py)."""
+    figures: dict
+    """The plan's step, peak, MFU and devices, as every reading prints them (`figures.figures`)."""
+    view: AxisView
+    """How the plan's layouts print (plans/axes.py)."""
     notes: tuple[str, ...] = ()
     """Lines about the plan as a whole (`explain("pipeline")`: the configurations priced, and why the others lost)."""
-    why: tuple[tuple[str, ...], ...] = ()
-    """Per entry, one phrase per alternative: what it would move, sum or compute that the chosen does not (why.py)."""
-    figures: dict | None = None
-    """The plan's step, peak, MFU and devices, as every reading prints them (`figures.figures`)."""
-    view: AxisView | None = None
-    """How the plan's layouts print (axes.py); None: as stored."""
 
     def __str__(self) -> str:
-        head = [f"plan: {worded(self.figures)}"] if self.figures else []
+        head = [f"plan: {worded(self.figures)}"]
         if self.notes:
             return "\n".join([*head, f"{self.query}:", *(f"  {n}" for n in self.notes)])
         lines = [*head, f"{self.query}: {len(self.entries) + len(self.unrecorded)} node(s)"]
         for k, e in enumerate(self.entries):
-            lines += _format_entry(e, self.why[k] if k < len(self.why) else (), self._layout)
+            lines += _format_entry(e, self.why[k], self._layout)
         if self.unrecorded:
             lines.append(f"  cheap ops (under {SIGNIFICANT_COMPUTE:.0%} of the largest op's compute; no alternatives recorded):")
-            lines += [f"    {node} {op.removeprefix('aten.')}: {self._strategy(s)}" for node, op, s in self.unrecorded]
+            lines += [f"    {node} {op.removeprefix('aten.')}: {self.view.strategy(s)}" for node, op, s in self.unrecorded]
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         """`meshplan explain --json`: layouts in the plan file's form (one placement per stored mesh axis)."""
-        def entry(k: int, e: NodeAlternatives) -> dict:
-            why = self.why[k] if k < len(self.why) else ()
+        def entry(e: NodeAlternatives, why: tuple[str, ...]) -> dict:
             return {
                 "node": e.node, "kind": e.kind, "what": e.what, "module_path": e.module_path, "chosen": str(e.chosen),
                 "chosen_cost_s": e.chosen_cost_s, "candidates": e.candidates,
-                "alternatives": [{"strategy": str(a.strategy), "delta_s": a.delta_s, "why": why[j] if j < len(why) else None}
-                                 for j, a in enumerate(e.alternatives)],
+                "alternatives": [{"strategy": str(a.strategy), "delta_s": a.delta_s, "why": w} for a, w in zip(e.alternatives, why)],
                 "ruled_out": [{"strategy": str(r.strategy), "reason": r.reason} for r in e.ruled_out], "ruled_out_total": e.ruled_out_total,
             }
-        return {"query": self.query, "plan": self.figures, "entries": [entry(k, e) for k, e in enumerate(self.entries)],
+        return {"query": self.query, "plan": self.figures, "entries": [entry(e, why) for e, why in zip(self.entries, self.why)],
                 "unrecorded": [{"node": n, "op": op, "strategy": str(s)} for n, op, s in self.unrecorded], "notes": list(self.notes)}
 
-    def _strategy(self, s: Strategy) -> str:
-        return str(s) if self.view is None else self.view.strategy(s)
-
     def _layout(self, e: NodeAlternatives, s: Strategy) -> str:
+        """A parameter's or input's layout, or an op's strategy."""
         if e.kind != "op" and s.outputs and s.outputs[0] is not None:
-            return fmt(s.outputs[0]) if self.view is None else self.view.layout(s.outputs[0])
-        return self._strategy(s)
+            return self.view.layout(s.outputs[0])
+        return self.view.strategy(s)
 
 
 def _ms(seconds: float) -> str:
@@ -80,9 +75,9 @@ def _format_entry(e: NodeAlternatives, why: tuple[str, ...], layout) -> list[str
     lines = [f"  {e.node}: {label}{where}", f"    chosen {layout(e, e.chosen)} [{e.chosen.source}]  local cost {e.chosen_cost_s * 1e3:.4f} ms"]
     if e.alternatives:
         lines.append("    alternatives (local cost delta if only this node switched, and what it would add or save):")
-        for k, a in enumerate(e.alternatives):
+        for a, w in zip(e.alternatives, why):
             delta = "infeasible next to its neighbours' layouts" if a.delta_s is None else _ms(a.delta_s)
-            words = f": {why[k]}" if a.delta_s is not None and k < len(why) else ""
+            words = f": {w}" if a.delta_s is not None else ""
             lines.append(f"      {layout(e, a.strategy):<28} {delta}{words}")
     more = e.candidates - 1 - len(e.alternatives)
     if more > 0:
@@ -128,8 +123,7 @@ def explain(plan: Plan, query: str) -> Explanation:
         close = difflib.get_close_matches(query, known, n=5, cutoff=0.5) or known[:5]
         raise ValueError(f"{query!r} names no module, parameter or node of the plan; close matches: {', '.join(close)}")
     view = axis_view(plan)
-    return Explanation(query, tuple(entries), tuple(unrecorded), why=tuple(reasons(plan, view, e) for e in entries),
-                       figures=figures(plan), view=view)
+    return Explanation(query, tuple(entries), tuple(unrecorded), tuple(reasons(plan, view, e) for e in entries), figures(plan), view)
 
 
 def _explain_pipeline(plan: Plan) -> Explanation:
@@ -140,4 +134,4 @@ def _explain_pipeline(plan: Plan) -> Explanation:
     notes = [f"returned: {devices_split(plan)}, {pipe.schedule}, {pipe.microbatches} microbatches: its stage plan priced at "
              f"{ms(plan.step_time_s)} per step{searched}; the fullest pipeline rank peaks at {format_bytes(plan.peak_memory.total)}"]
     notes += list(plan.solver.skipped) or ["no other configuration was priced"]
-    return Explanation("pipeline", (), (), tuple(notes), figures=figures(plan), view=axis_view(plan))
+    return Explanation("pipeline", (), (), (), figures(plan), axis_view(plan), tuple(notes))
