@@ -77,7 +77,9 @@ def plan(
     `offload` ('never', 'auto', 'always') may keep optimizer state in host memory instead (train with
     `ParallelModule.make_optimizer`).
     Meshes that give no plan (the annotations cannot hold there, the budget is too small, the solve
-    ran out of time) are skipped; the plan's `solver.skipped` says which and why.
+    ran out of time) are skipped; the plan's `solver.skipped` says which and why. A returned plan with mesh axes that
+    split nothing (their devices compute the same) warns with a `ReplicatedWorkWarning` saying why and which device
+    counts the batch would split over (plans/axes.py).
 
     `time_limit_s`: seconds each mesh's solve may take. A solve stopped by it returns the best plan it
     has (at worst the propagation plan), labelled not proven optimal with its gap; meshes too large
