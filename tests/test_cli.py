@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,131 @@ def test_argument_parsers():
         parse_size("80 parsecs")
     with pytest.raises(SystemExit):
         main(["plan", "meshplan.models:mlp_small", "--devices", "2", "--mesh", "3y3", "-o", "x.json"])
+
+
+# ---------------------------------------------------------------- issue 31: check first, answer fast
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # --help, --version and argparse's own errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_flags_are_checked_before_the_model_is_built(tmp_path, capsys):
+    """Each bad flag is named before the factory runs: meshplan.models:MLP would fail on its own (no example_inputs())."""
+    argv = ["plan", "meshplan.models:MLP", "--devices", "2", "--no-progress"]
+    cases = [
+        (["--cluster", "H200x"], "--cluster 'H200x' is not a preset; allowed (any case): a100, cpu, h100, h200"),
+        (["--mode", "dataparallel"], "--mode 'dataparallel' is not supported; allowed: auto, data_parallel, semi_auto, manual"),
+        (["--inputs", "locall"], "--inputs 'locall' is not supported; allowed: global, local"),
+        (["--mixed-precision", "fp16"], "--mixed-precision 'fp16' is not supported; allowed: auto, fp32, bf16"),
+        (["--out", str(tmp_path / "missing" / "p.json")], f"directory {tmp_path / 'missing'} does not exist"),
+        (["--out", str(tmp_path)], f"--out {str(tmp_path)!r} is a directory"),
+    ]
+    for flags, message in cases:
+        rc, _, err = run_main(argv + flags, capsys)
+        assert rc == 2 and err.startswith("meshplan plan: error: ") and message in err and err.count("\n") == 1, (flags, err)
+
+
+def test_cluster_names_are_case_insensitive_and_listed(tmp_path, capsys):
+    rc, out, err = run_main(["plan", "meshplan.models:mlp_small", "--devices", "2", "--cluster", "H100", "-o", str(tmp_path / "p.json"),
+                             "--no-progress"], capsys)
+    assert rc == 0, err
+    assert Plan.from_json((tmp_path / "p.json").read_text()).cluster == "h100"
+    rc, out, _ = run_main(["clusters"], capsys)
+    assert rc == 0
+    rows = {line.split()[0]: line for line in out.splitlines()[1:] if line.strip() and not line.startswith("--cluster")}
+    assert set(rows) == {"a100", "cpu", "h100", "h200"}
+    assert rows["h100"].split()[1:4] == ["H100-SXM5-80GB", "8", "80.0"] and "NVLink4 450 GB/s" in rows["h100"] and "IB-NDR400 50 GB/s" in rows["h100"]
+
+
+def test_plan_without_out_prints_the_plan_and_says_it_is_not_saved(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_main(["plan", "meshplan.models:mlp_small", "--devices", "2", "--no-progress"], capsys)
+    assert rc == 0, err
+    assert out.startswith("meshplan plan for MLP on mesh ") and re.search(r"\nplan not saved, no --out given \(hash [0-9a-f]{16}\)\n$", out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_factory_from_a_file_path(tmp_path, capsys, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "helper.py").write_text("WIDTH = 32\n")
+    (tmp_path / "sub" / "my_net.py").write_text(
+        "import torch\nfrom helper import WIDTH  # a module beside the file\nfrom meshplan.models import MLP\n\n\n"
+        "def build():\n    return MLP(WIDTH, 64), (torch.zeros(8, WIDTH),)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    for target in ("./sub/my_net.py:build", str(tmp_path / "sub" / "my_net.py") + ":build", "sub/my_net.py:build"):
+        rc, out, err = run_main(["plan", target, "--devices", "2", "-o", "f.json", "--no-progress"], capsys)
+        assert rc == 0 and out.startswith("meshplan plan for MLP on mesh "), (target, err)
+    for target, message in (("./sub/my_net:build", "'./sub/my_net' of './sub/my_net:build' is not a module name"),
+                            ("./sub/nope.py:build", "no file './sub/nope.py'"), ("./sub/my_net.py:nope", "has no callable 'nope'")):
+        rc, _, err = run_main(["plan", target, "--devices", "2", "-o", "f.json"], capsys)
+        assert rc == 2 and message in err and err.count("\n") == 1, (target, err)
+
+
+TINY_LLAMA = {
+    "model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32, "torch_dtype": "bfloat16",
+}
+
+
+def test_plan_a_hugging_face_config(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(TINY_LLAMA))
+    rc, out, err = run_main(["plan", "--hf", "llama/config.json", "--batch", "2", "--seq", "16", "--devices", "2", "-o", "hf.json",
+                             "--no-progress"], capsys)
+    assert rc == 0, err
+    plan = Plan.from_json((tmp_path / "hf.json").read_text())
+    assert plan.model == "LlamaForCausalLM" and out.startswith("meshplan plan for LlamaForCausalLM")
+    # built in fp32 whatever the config's torch_dtype (the planner prices mixed precision), with its loss inside
+    assert {p.dtype for p in plan.params} == {"float32"} and "aten._log_softmax.default" in {n.target for n in plan.nodes}
+    rc, out, err = run_main(["ops", "--hf", "llama", "--batch", "2", "--seq", "16", "--min-share", "0.05"], capsys)  # the directory works too
+    assert rc == 0 and "LlamaForCausalLM" in out, err
+    (tmp_path / "bad.json").write_text("{not json")
+    cases = [
+        (["--hf", "missing.json", "--batch", "2", "--seq", "16"], "--hf 'missing.json': no such file"),
+        (["--hf", "bad.json", "--batch", "2", "--seq", "16"], "--hf 'bad.json' is not a Hugging Face model config"),
+        (["--hf", "llama", "--batch", "2", "--seq", "64"], "--seq 64 exceeds the model's max_position_embeddings 32"),
+        (["--hf", "llama", "--batch", "2"], "--hf needs --batch B and --seq S"),
+        (["meshplan.models:mlp_small", "--hf", "llama", "--batch", "2", "--seq", "16"], "got both 'meshplan.models:mlp_small' and --hf 'llama'"),
+        ([], "give the model as MODULE:FACTORY"),
+        (["meshplan.models:mlp_small", "--seq", "16"], "--batch and --seq go with --hf"),
+    ]
+    for flags, message in cases:
+        rc, _, err = run_main(["plan", *flags, "--devices", "2"], capsys)
+        assert rc == 2 and message in err and err.count("\n") == 1, (flags, err)
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    rc, out, _ = run_main(["--version"], capsys)
+    assert rc == 0 and out == f"meshplan {version('meshplan')} (torch {version('torch')})\n"
+
+
+def _modules_after(code: str) -> set[str]:
+    res = subprocess.run([sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"], env=env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return set(res.stdout.split("\n")[-2].split())
+
+
+def test_help_and_version_import_no_torch():
+    modules = _modules_after("from meshplan.cli import main\nfor a in ('--help', '--version'):\n"
+                             "    try:\n        main([a])\n    except SystemExit as e:\n        assert e.code == 0")
+    assert "torch" not in modules and "meshplan.cli.commands" in modules
+
+
+def test_reading_commands_import_neither_the_planner_nor_the_runtime(plans):
+    d, *_ = plans
+    modules = _modules_after(f"import os\nos.chdir({str(d)!r})\nfrom meshplan.cli import main\n"
+                             "for argv in (['show', 'b.json', '--ops'], ['diff', 'a.json', 'b.json'], ['explain', 'b.json', 'layers.1']):\n"
+                             "    assert main(argv) == 0")
+    assert "meshplan.plans.plan" in modules and "meshplan.inspect.explain" in modules
+    assert not sorted(m for m in modules if m.startswith(("meshplan.planner", "meshplan.runtime", "meshplan.regions")))

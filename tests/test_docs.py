@@ -2,13 +2,15 @@
 
 For each page, the ```python blocks run in order as one script in a fresh process, in a temporary
 directory. In docs/cli.md, each ```python block is also written to the file its first comment
-names (`# my_models.py`), and each line of a ```bash block must be a `meshplan ...` command, run
-through `meshplan.cli.main` (the installed command's entry point) in that directory; all must
-exit 0. Blocks in other languages (```sh, ```text) are not executed.
+names (`# my_models.py`), its ```json block to config.json, and each line of a ```bash block must be
+a `meshplan ...` command, run through `meshplan.cli.main` (the installed command's entry point) in
+that directory; all must exit 0, and every command has one. Blocks in other languages (```sh,
+```text) are not executed.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -65,23 +67,65 @@ def test_python_blocks_run(page, tmp_path):
     assert res.returncode == 0, f"{page} examples failed:\n{res.stderr[-3000:]}"
 
 
-def test_cli_page_runs(tmp_path, monkeypatch, capsys):
+STARTS_PROCESSES = ("meshplan demo", "meshplan validate", "meshplan profile comm")
+"""cli.md commands that start local gloo processes: a bash block with one of them is in the multiprocess lane."""
+
+
+def cli_commands(*, starting_processes: bool) -> list[str]:
+    """The `meshplan ...` lines of cli.md's bash blocks that start processes, or of those that do not."""
+    chosen = [b for b in blocks("cli.md", "bash") if any(c in b for c in STARTS_PROCESSES) == starting_processes]
+    return [line for block in chosen for line in block.splitlines() if line.strip()]
+
+
+def run_cli_page(commands: list[str], tmp_path: Path, monkeypatch, capsys) -> str:
+    """Write cli.md's files into `tmp_path` (each python block to the file its first comment names, the json block to
+    config.json), run `commands` there through the installed command's entry point, and return their stdout."""
     from meshplan.cli import main
 
     for code in blocks("cli.md", "python"):
         name = re.match(r"# (\S+\.py)\n", code)
         assert name, "each python block of cli.md starts with the file name it shows"
         (tmp_path / name.group(1)).write_text(code)
-    res = run_python("import my_models, meshplan\nmodel, inputs = my_models.build()\nmeshplan.plan(model, 2, inputs)", tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
-
+    (config,) = blocks("cli.md", "json")
+    (tmp_path / "config.json").write_text(config)
     monkeypatch.chdir(tmp_path)
-    commands = [line for block in blocks("cli.md", "bash") for line in block.splitlines() if line.strip()]
-    assert len(commands) >= 6
     for line in commands:
         argv = shlex.split(line)
         assert argv[0] == "meshplan", f"cli.md bash lines must be meshplan commands: {line!r}"
-        assert main(argv[1:]) == 0, f"{line!r} failed:\n{capsys.readouterr().err}"
-    assert (tmp_path / "plan.html").exists() and (tmp_path / "auto.json").exists()
-    out = capsys.readouterr().out
-    assert "rank 1 of mesh dp=2 x tp=2" in out
+        try:
+            rc = main(argv[1:])
+        except SystemExit as e:  # --help and --version
+            rc = e.code
+        assert rc == 0, f"{line!r} failed:\n{capsys.readouterr().err}"
+    return capsys.readouterr().out
+
+
+def test_cli_page_runs(tmp_path, monkeypatch, capsys):
+    commands = cli_commands(starting_processes=False)
+    assert len(commands) >= 6
+    out = run_cli_page(commands, tmp_path, monkeypatch, capsys)
+    res = run_python("import my_models, meshplan\nmodel, inputs = my_models.build()\nmeshplan.plan(model, 2, inputs)", tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "plan.html").exists() and (tmp_path / "auto.json").exists() and (tmp_path / "llama.json").exists()
+    assert "rank 1 of mesh dp=2 x tp=2" in out and "plan not saved, no --out given" in out and re.search(r"^meshplan \S+ \(torch \S+\)$", out, re.M)
+
+
+@pytest.mark.multiprocess
+def test_cli_page_commands_that_start_processes_run(tmp_path, monkeypatch, capsys):
+    commands = cli_commands(starting_processes=True)
+    out = run_cli_page(commands, tmp_path, monkeypatch, capsys)
+    assert (tmp_path / "prof.json").exists() and "PARITY OK" in out
+
+
+def test_cli_page_shows_every_command():
+    from meshplan.cli.commands import build_parser
+
+    def names(parser: argparse.ArgumentParser, prefix: str) -> list[str]:
+        sub = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not sub:
+            return [prefix]
+        return [n for name, p in sub[0].choices.items() for n in names(p, f"{prefix} {name}")]
+
+    shown = cli_commands(starting_processes=False) + cli_commands(starting_processes=True)
+    missing = [c for c in names(build_parser(), "meshplan") if not any(line == c or line.startswith(c + " ") for line in shown)]
+    assert not missing, f"docs/cli.md has no example of {missing}"

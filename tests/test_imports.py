@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import networkx as nx
 import pytest
+
+import meshplan
 
 PACKAGE = Path(__file__).resolve().parents[1] / "meshplan"
 
@@ -25,9 +29,11 @@ def _modules() -> dict[str, Path]:
 
 
 def import_graph() -> nx.DiGraph:
-    """module -> the meshplan modules it imports (a `from package import name` counts the submodule `name` where there is one)."""
+    """module -> the meshplan modules it imports (a `from package import name` counts the submodule `name` where there is one;
+    the root package's public names, which load on first use, count as imports of the modules named in its `_EXPORTS`)."""
     modules = _modules()
     graph = nx.DiGraph()
+    graph.add_edges_from(("meshplan", m) for m in set(meshplan._EXPORTS.values()))
     for name, path in modules.items():
         graph.add_node(name)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -107,6 +113,34 @@ def test_packages_import_only_the_layers_below():
     assert set(map(_package, graph)) == set(layer), "a package is missing from LAYERS"
     upward = sorted({(a, b) for a, b in graph.edges if layer[_package(a)] <= layer[_package(b)] and _package(a) != _package(b)})
     assert not upward, f"imports that do not point down the layers: {upward}"
+
+
+def test_import_meshplan_is_light_and_every_name_still_works():
+    """`import meshplan` imports no torch (the command line's --help starts at once); each public name loads on first
+    use, a Plan has its reading methods however its module was imported, and the built-in region ops are registered
+    once the planner or the runtime is imported, whichever comes first (meshplan.regions itself imports the runtime)."""
+    code = """
+import sys
+import meshplan
+assert "torch" not in sys.modules, "import meshplan imported torch"
+from meshplan.plans.plan import Plan
+assert callable(Plan.summary) and Plan.__str__ is Plan.summary
+assert "meshplan.planner" not in sys.modules and "meshplan.runtime" not in sys.modules
+from meshplan.ir.regions import region_op
+assert region_op("aten._log_softmax.default") is None  # nothing registered while only the plan data is loaded
+import {first}
+assert region_op("aten._log_softmax.default").name == "log_softmax"
+for name in meshplan.__all__:
+    assert getattr(meshplan, name) is not None, name
+try:
+    meshplan.no_such_name
+except AttributeError as e:
+    assert "no attribute 'no_such_name'" in str(e)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
+    for first in ("meshplan.planner.strategies", "meshplan.runtime.collectives", "meshplan.regions.moe"):
+        res = subprocess.run([sys.executable, "-c", code.format(first=first)], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, f"{first}: {res.stderr[-3000:]}"
 
 
 def test_the_old_calibrate_module_still_works_and_warns():

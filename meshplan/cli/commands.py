@@ -1,8 +1,10 @@
-"""The `meshplan` command line (also `python -m meshplan`): plan, show, explain, diff, report, code, ops, demo,
-profile (compute | comm | show), validate.
+"""The `meshplan` command line (also `python -m meshplan`): plan, show, explain, diff, report, code, ops, clusters,
+demo, profile (compute | comm | show), validate.
 
 Every command but `plan`, `code`, `ops` and `demo` reads only the plan file. Bad input exits with status 2
-and one line on stderr naming what was given and what is allowed.
+and one line on stderr naming what was given and what is allowed; `plan` checks its flags before it builds
+the model. This module imports nothing heavy at the top: `--help`, `--version` and the commands that read a
+plan file load only what they use.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+
+from meshplan.cli.models import FACTORY_FORMS, hf_model, load_factory
 
 MODELS = ("gpt", "llama")
 
@@ -45,26 +49,42 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class _Version(argparse.Action):
+    """`--version`, read from the installed metadata only when asked (importing importlib.metadata costs every
+    other command time)."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the versions of meshplan and torch")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from importlib.metadata import version
+
+        print(f"meshplan {version('meshplan')} (torch {version('torch')})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshplan", description="Auto-parallel planner for PyTorch: plan, print, explain, compare and run shardings."
     )
+    parser.add_argument("--version", action=_Version)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help="log progress (-vv: debug)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log progress (-vv: debug)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = commands.add_parser(
-        "plan", parents=[common], help="plan a model and save the plan file",
-        description="Plan the model that FACTORY builds (MODULE:FACTORY, e.g. meshplan.models:gpt_small) and save the plan. "
+        "plan", parents=[common], help="plan a model, print the plan and save it",
+        description="Plan the model that FACTORY builds (MODULE:FACTORY, e.g. meshplan.models:gpt_small, or "
+        "path/file.py:FACTORY), or the Hugging Face model of a config.json (--hf), print the plan and save it (--out). "
         "FACTORY() returns (model, example_inputs), (model, example_inputs, example_kwargs), or a model with an "
         "example_inputs() method.",
     )
-    p.add_argument("target", metavar="MODULE:FACTORY")
+    _add_model_arguments(p)
     p.add_argument("--devices", type=_positive_int, required=True, help="number of devices to plan for")
     p.add_argument("--mesh", type=parse_mesh, help="mesh shape such as 8x8 (default: try every shape of up to 3 axes whose inner axis fits in a node)")
     p.add_argument("--axis-names", help="comma-separated mesh axis names (default dp / dp,tp / dp0,dp1,tp)")
-    p.add_argument("--cluster", help="hardware preset (see meshplan.cost_model.presets.CLUSTERS; default cpu, or h100 with CUDA)")
+    p.add_argument("--cluster", help="hardware preset, any case (`meshplan clusters` lists them; default cpu, or h100 with CUDA)")
     p.add_argument("--memory", type=parse_size, help="per-device memory budget such as 80GB or 80GiB")
     p.add_argument("--profile", help="measured profile JSON (or 'local': this machine's, see `meshplan profile`)")
     p.add_argument("--mode", default="auto", help="auto, data_parallel, semi_auto or manual (default auto)")
@@ -72,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds each mesh's solve may take (default 60); a plan stopped by it is labelled not proven optimal")
     p.add_argument("--mixed-precision", default="auto",
                    help="bf16 (compute in bf16, fp32 master weights), fp32, or auto (default): bf16 where the cluster's device has a bf16 peak above its fp32 one")
-    p.add_argument("--out", "-o", required=True, help="plan file to write (JSON)")
+    p.add_argument("--out", "-o", help="plan file to write (JSON; default: print the plan only)")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(handler=_plan)
 
@@ -108,11 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print the per-rank program of a plan with its collectives; needs the model it was planned for.",
     )
     c.add_argument("plan")
-    c.add_argument("target", metavar="MODULE:FACTORY")
+    _add_model_arguments(c)
     c.add_argument("--rank", type=int, default=0, help="which rank (default 0)")
     c.set_defaults(handler=_code)
 
     _add_ops_command(commands, common)
+    k = commands.add_parser(
+        "clusters", parents=[common], help="list the hardware presets --cluster takes",
+        description="The hardware presets the cost model prices plans with, and their key figures.",
+    )
+    k.set_defaults(handler=_clusters)
 
     demo = commands.add_parser(
         "demo", parents=[common],
@@ -150,7 +175,7 @@ def _add_profile_parser(commands, common) -> None:
     c = what.add_parser("compute", parents=[common], help="time every op shape a model's candidate plans run",
                         description="Time, forward and backward, every distinct (op, local shapes, dtype) of the candidate "
                         "strategies of the model FACTORY builds, on every mesh of each --devices count.")
-    c.add_argument("target", metavar="MODULE:FACTORY")
+    _add_model_arguments(c)
     c.add_argument("--devices", type=_positive_int, nargs="+", default=[2, 4], help="device counts to plan for (default 2 4)")
     c.add_argument("--cluster", default="cpu", help="the cluster preset the profile calibrates (default cpu)")
     c.add_argument("--out", "-o", default="local", help="profile file to write or merge into (default: local)")
@@ -174,39 +199,66 @@ def _add_profile_parser(commands, common) -> None:
 # ---------------------------------------------------------------- helpers
 
 
-def load_factory(target: str):
-    """`MODULE:FACTORY` -> (model, example_inputs, example_kwargs)."""
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected MODULE:FACTORY such as meshplan.models:gpt_small; got {target!r}")
-    if os.getcwd() not in sys.path:  # the console script does not put the working directory on the path
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import module {module_name!r} of {target!r}: {e}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ValueError(f"{module_name} has no callable {attr!r}; callables there: {', '.join(_callables(module)) or 'none'}")
-    made = factory()
-    from torch import nn
-
-    if isinstance(made, nn.Module):
-        if not callable(getattr(made, "example_inputs", None)):
-            raise ValueError(f"{target} returned a model without an example_inputs() method; return (model, example_inputs) instead")
-        made = (made, made.example_inputs())
-    if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], nn.Module):
-        raise ValueError(
-            f"{target} returned {type(made).__name__}; allowed: (model, example_inputs), (model, example_inputs, "
-            "example_kwargs) or a model with an example_inputs() method"
-        )
-    model, inputs = made[0], made[1]
-    kwargs = made[2] if len(made) == 3 else None
-    return model, inputs if isinstance(inputs, tuple) else (inputs,), kwargs
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", metavar="MODULE:FACTORY", nargs="?", help=f"{FACTORY_FORMS} (or --hf)")
+    p.add_argument("--hf", metavar="CONFIG", help="a Hugging Face config.json (or its directory): plan the causal LM it "
+                   "describes, built on the meta device (needs --batch and --seq)")
+    p.add_argument("--batch", type=_positive_int, help="with --hf: sequences per step")
+    p.add_argument("--seq", type=_positive_int, help="with --hf: tokens per sequence")
 
 
-def _callables(module) -> list[str]:
-    return sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:12]
+def check_model_args(args: argparse.Namespace) -> None:
+    """The model is named once: a factory or --hf, with the inputs --hf needs."""
+    if (args.target is None) == (args.hf is None):
+        given = f"both {args.target!r} and --hf {args.hf!r}" if args.target else "neither"
+        raise ValueError(f"give the model as {FACTORY_FORMS}, or as --hf CONFIG; got {given}")
+    if args.hf is not None and (args.batch is None or args.seq is None):
+        raise ValueError(f"--hf needs --batch B and --seq S (the example inputs); got --batch {args.batch}, --seq {args.seq}")
+    if args.hf is None and (args.batch is not None or args.seq is not None):
+        raise ValueError("--batch and --seq go with --hf; a factory returns its own example inputs")
+
+
+def build_model(args: argparse.Namespace):
+    """(model, example_inputs, example_kwargs) of the factory or the --hf config."""
+    check_model_args(args)
+    return load_factory(args.target) if args.hf is None else hf_model(args.hf, args.batch, args.seq)
+
+
+def cluster_name(name: str | None) -> str | None:
+    """`H100` -> 'h100': a preset named in any case (None, the default, stays None)."""
+    if name is None:
+        return None
+    from meshplan.cost_model.presets import CLUSTERS
+
+    if name.lower() not in CLUSTERS:
+        raise ValueError(f"--cluster {name!r} is not a preset; allowed (any case): {', '.join(sorted(CLUSTERS))}")
+    return name.lower()
+
+
+def check_plan_args(args: argparse.Namespace) -> None:
+    """What `plan` can check before it builds and traces the model, which takes seconds to minutes."""
+    check_model_args(args)
+    if args.out is not None:
+        check_writable(args.out)
+    args.cluster = cluster_name(args.cluster)
+    from meshplan.ir.precision import CHOICES
+    from meshplan.planner.planner import INPUT_MODES, MODES
+
+    for flag, value, allowed in (("--mode", args.mode, MODES), ("--inputs", args.inputs, INPUT_MODES),
+                                 ("--mixed-precision", args.mixed_precision, CHOICES)):
+        if value not in allowed:
+            raise ValueError(f"{flag} {value!r} is not supported; allowed: {', '.join(allowed)}")
+
+
+def check_writable(path: str) -> None:
+    """`path` can be written: its directory exists and takes files, and it is no directory itself."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path!r} is a directory; give a file name such as {os.path.join(path, 'plan.json')}")
+    if not os.path.isdir(directory):
+        raise ValueError(f"--out {path!r}: directory {directory} does not exist; create it or write elsewhere")
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"--out {path!r}: directory {directory} is not writable")
 
 
 def read_plan(path: str):
@@ -226,6 +278,7 @@ def read_plan(path: str):
 def _plan(args: argparse.Namespace) -> int:
     import warnings
 
+    check_plan_args(args)
     import meshplan
     from meshplan.cli.progress import enabled
     from meshplan.progress import phase
@@ -240,22 +293,25 @@ def _plan(args: argparse.Namespace) -> int:
     if args.axis_names:
         kwargs["axis_names"] = tuple(a.strip() for a in args.axis_names.split(","))
     show = not args.no_progress and sys.stderr.isatty()
-    with enabled(f"meshplan plan {args.target}", show=show):
-        phase(f"building the model ({args.target})")
-        model, inputs, example_kwargs = load_factory(args.target)
+    source = args.target or f"--hf {args.hf}"
+    with enabled(f"meshplan plan {source}", show=show):
+        phase(f"building the model ({source})")
+        model, inputs, example_kwargs = build_model(args)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             the_plan = meshplan.plan(
                 model, args.devices, inputs, example_kwargs=example_kwargs, mesh_shape=args.mesh, cluster=args.cluster,
                 mode=args.mode, inputs=args.inputs, **kwargs,
             )
-        phase(f"writing {args.out}")
-        try:
-            the_plan.save(args.out)
-        except OSError as e:
-            raise ValueError(f"cannot write plan file {args.out!r}: {e.strerror}") from None
+        if args.out is not None:
+            phase(f"writing {args.out}")
+            try:
+                the_plan.save(args.out)
+            except OSError as e:
+                raise ValueError(f"cannot write plan file {args.out!r}: {e.strerror}") from None
     print(the_plan.summary())
-    print(f"\nplan saved to {args.out} (hash {the_plan.hash()})")
+    where = f"saved to {args.out}" if args.out is not None else "not saved, no --out given"
+    print(f"\nplan {where} (hash {the_plan.hash()})")
     return 0
 
 
@@ -302,7 +358,7 @@ def _code(args: argparse.Namespace) -> int:
     from meshplan.inspect.code import plan_code
 
     the_plan = read_plan(args.plan)
-    model, inputs, kwargs = load_factory(args.target)
+    model, inputs, kwargs = build_model(args)
     print(plan_code(the_plan, model, inputs, rank=args.rank, example_kwargs=kwargs))
     return 0
 
@@ -314,7 +370,7 @@ def _add_ops_command(commands, common) -> None:
         "rule (dtensor, meshplan, fallback), its share of the forward FLOPs and whether any candidate splits its work; "
         "nothing is planned or run.",
     )
-    o.add_argument("target", metavar="MODULE:FACTORY")
+    _add_model_arguments(o)
     o.add_argument("--mesh", type=parse_mesh, default=(2,), help="mesh shape the candidates are listed for (default 2)")
     o.add_argument("--min-share", type=float, default=0.0, help="only ops with at least this fraction of the FLOPs (e.g. 0.01)")
     o.add_argument("--views", action="store_true", help="also list view ops (reshape, transpose, ...)")
@@ -326,8 +382,27 @@ def _ops(args: argparse.Namespace) -> int:
 
     if not 0.0 <= args.min_share <= 1.0:
         raise ValueError(f"--min-share must be a fraction between 0 and 1, got {args.min_share}")
-    model, inputs, kwargs = load_factory(args.target)
+    model, inputs, kwargs = build_model(args)
     print(list_ops(model, inputs, example_kwargs=kwargs, mesh_shape=args.mesh).format(min_share=args.min_share, views=args.views))
+    return 0
+
+
+def _clusters(args: argparse.Namespace) -> int:
+    from meshplan.cost_model.memory import format_bytes
+    from meshplan.cost_model.presets import CLUSTERS
+
+    def link(preset) -> str:
+        return f"{preset.name} {preset.bandwidth / 1e9:g} GB/s"
+
+    rows = [("cluster", "device", "per node", "memory", "fp32 TFLOP/s", "bf16 TFLOP/s", "memory GB/s", "within a node", "between nodes")]
+    for name, c in sorted(CLUSTERS.items()):
+        d = c.device
+        rows.append((name, d.name, str(c.devices_per_node), format_bytes(d.memory_bytes), f"{d.peak('float32') / 1e12:g}",
+                     f"{d.peak('bfloat16') / 1e12:g}", f"{d.memory_bandwidth / 1e9:g}", link(c.intra_node), link(c.inter_node)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    print("\n--cluster takes any of these names, in any case; without it plans use h100 where CUDA is available, else cpu.")
     return 0
 
 
@@ -340,7 +415,8 @@ def _demo(args: argparse.Namespace) -> object:
 def _profile_compute(args: argparse.Namespace) -> int:
     from meshplan.profiling.calibrate import profile_model
 
-    model, inputs, kwargs = load_factory(args.target)
+    args.cluster = cluster_name(args.cluster)
+    model, inputs, kwargs = build_model(args)
     profile = profile_model(model, inputs, tuple(args.devices), example_kwargs=kwargs, cluster=args.cluster, out=args.out)
     print(profile.summary())
     print(f"written to {_profile_out(args.out)}")
@@ -352,6 +428,7 @@ def _profile_comm(args: argparse.Namespace) -> int:
     from meshplan.profiling.comm_profiler import FULL_SIZES, QUICK_SIZES
     from meshplan.runtime.launch import is_torchrun
 
+    args.cluster = cluster_name(args.cluster)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
     if args.max_size is not None:
         sizes = tuple(s for s in sizes if s <= args.max_size)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshplan.inspect.code import plan_code
 from meshplan.inspect.diff import PlanDiff, diff_plans
 from meshplan.inspect.explain import Explanation, explain as explain_plan
 from meshplan.inspect.report import write_report
@@ -38,6 +37,8 @@ def diff(self: Plan, other: Plan) -> PlanDiff:
 def code(self: Plan, rank: int = 0, *, model=None, example_inputs: tuple = (), example_kwargs: dict | None = None, graph=None) -> str:
     """The program rank `rank` runs, with its collectives visible; needs the traced model (`model` +
     `example_inputs`, or the `ir.Graph` it was planned from). See `meshplan.plan_code`."""
+    from meshplan.inspect.code import plan_code  # the runtime's rewrite: not needed to read a plan
+
     return plan_code(self, model, example_inputs, rank=rank, example_kwargs=example_kwargs, graph=graph)
 
 
