@@ -8,7 +8,8 @@ that rotates from round to round, so background load hits all alike. Printed: ea
 ratio to torch's, and its target:
 - `--help` and `--version`: at most 1.5 s (they import no torch);
 - `show`, `diff` and `explain` on plan files: at most torch's import time + 1 s (they import the plan data
-  and its readers, never the planner or the runtime; tests/test_cli.py checks that part).
+  and its readers, never the planner or the runtime; tests/test_cli.py checks that part). The plan data's
+  placements are DTensor's classes, so `import torch.distributed.tensor` is timed too: the floor of these three.
 
 The plan files are planned first (the small MLP for 2 and 2 x 2 devices), not timed.
 """
@@ -31,6 +32,8 @@ MESHPLAN = [sys.executable, "-m", "meshplan"]
 CASES = {
     "import torch": ([sys.executable, "-c", "import torch"], None),
     "import meshplan": ([sys.executable, "-c", "import meshplan"], None),
+    # a plan's placements are DTensor's own classes (ir/placement.py): reading one imports this package
+    "import torch.distributed.tensor": ([sys.executable, "-c", "import torch.distributed.tensor"], None),
     "meshplan --help": ([*MESHPLAN, "--help"], ("at most", 1.5)),
     "meshplan --version": ([*MESHPLAN, "--version"], ("at most", 1.5)),
     "meshplan show a.json": ([*MESHPLAN, "show", "a.json"], ("torch +", 1.0)),

@@ -26,7 +26,6 @@ _EXPORTS = {
     "load_checkpoint": "meshplan.runtime.checkpoint", "save_checkpoint": "meshplan.runtime.checkpoint",
     "CollectiveError": "meshplan.runtime.collectives",
     "ParallelModule": "meshplan.runtime.parallel_module",
-    "PipelineRunner": "meshplan.runtime.pipeline",
 }
 """Public name -> the module defining it (tests/test_imports.py counts these as the root's imports)."""
 
@@ -52,7 +51,7 @@ def _attach_reading_methods(module) -> None:
 
 
 def _import_regions(module) -> None:
-    import meshplan.regions  # noqa: F401  (registered as it finishes loading, below)
+    importlib.import_module("meshplan.regions")  # which registers them as it finishes loading (below)
 
 
 def _register_regions(module) -> None:
@@ -60,16 +59,16 @@ def _register_regions(module) -> None:
 
 
 class _AfterLoad(importlib.abc.MetaPathFinder):
-    """Runs an action as soon as a module finishes loading, however it was imported: what this package once did
-    eagerly on import, now done when the modules it concerns load. Region ops (ir/regions.py) are plugins that
-    planning and running look up, so the built-in ones are registered when the planner or the runtime loads; an
-    action runs after its module's own imports, when every module below it is complete."""
+    """Runs an action as a module finishes loading, however it was imported: what this package once did on its own
+    import, now done when the modules it concerns load. The built-in region ops (ir/regions.py: plugins that planning
+    and running look up) are registered once the planner or the runtime has loaded (`meshplan.ir.trace` used alone
+    sees none); meshplan.regions, which imports the runtime, registers them when it has itself loaded."""
 
     ACTIONS = {
         "meshplan.plans.plan": _attach_reading_methods,
         "meshplan.planner": _import_regions,
         "meshplan.runtime": _import_regions,
-        "meshplan.regions": _register_regions,  # a module importing the runtime may be loading it: it registers when done
+        "meshplan.regions": _register_regions,
     }
 
     def find_spec(self, fullname, path, target=None):

@@ -10,7 +10,6 @@ plan file load only what they use.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
