@@ -52,7 +52,7 @@ def test_measured_action_cost_prices_every_stage_action_and_the_cut_bytes_only()
     us = units(8)
     base = get_cluster("h100")
     a = 1e-3
-    measured = base.with_profile(Profile(device="x", torch_version="0", cluster="h100", pipeline_action_s={8: a}))
+    measured = base.with_profile(Profile(device="x", torch_version="0", cluster="h100", pipeline_action_s={"1f1b": {8: a}, "interleaved_zb": {8: a}}))
     link = base.link_for_axis((2, 2, 2), 0)
     latency = 2 * (link.call_overhead_s + link.latency_s + 1 / link.bandwidth)  # a cut's two sends, less their bytes
     for sched, actions in (("1f1b", 2), ("interleaved_zb", 3)):
@@ -73,7 +73,7 @@ def test_measured_step_cost_is_paid_once_per_step():
     us = units(8)
     base = get_cluster("h100")
     c = 2e-3
-    measured = base.with_profile(Profile(device="x", torch_version="0", cluster="h100", pipeline_step_s={8: c}))
+    measured = base.with_profile(Profile(device="x", torch_version="0", cluster="h100", pipeline_step_s={"1f1b": {8: c}}))
     for m in (2, 8):
         plain = evaluate(us, p=2, d=2, t=2, m=m, schedule="1f1b", cluster=base, budget=1e12, dp_in_profile=True)
         priced = evaluate(us, p=2, d=2, t=2, m=m, schedule="1f1b", cluster=measured, budget=1e12, dp_in_profile=True)

@@ -142,12 +142,12 @@ class Profile:
     that timing one op at a time misses (autograd's graph and engine, Python between ops,
     allocator and cache state)."""
 
-    pipeline_action_s: Mapping[int, float] = field(default_factory=dict)
-    """world size -> seconds the pipelining runtime spends per schedule action (one stage's forward or
+    pipeline_action_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    """schedule -> world size -> seconds the pipelining runtime spends per schedule action (one stage's forward or
     backward of one microbatch) beyond the stage's work and sends (profiling/pipeline_overhead.py)."""
-    pipeline_step_s: Mapping[int, float] = field(default_factory=dict)
-    """world size -> seconds the pipelining runtime spends once per step outside its actions (splitting the batch
-    into microbatches, starting and ending the schedule), measured with `pipeline_action_s`."""
+    pipeline_step_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    """schedule -> world size -> seconds the pipelining runtime spends once per step outside its actions (splitting
+    the batch into microbatches, starting and ending the schedule), measured with `pipeline_action_s`."""
     dtensor_optimizer_s: Mapping[str, float] = field(default_factory=dict)
     """optimizer name -> extra seconds of `optimizer.step()` per parameter that is a DTensor (torch's foreach
     ops dispatch through DTensor; the runtime keeps plain parameters only where every one is replicated)."""
@@ -155,8 +155,9 @@ class Profile:
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", MappingProxyType(dict(self.ops)))
         object.__setattr__(self, "contention", MappingProxyType({int(k): float(v) for k, v in self.contention.items()}))
-        object.__setattr__(self, "pipeline_action_s", MappingProxyType({int(k): float(v) for k, v in self.pipeline_action_s.items()}))
-        object.__setattr__(self, "pipeline_step_s", MappingProxyType({int(k): float(v) for k, v in self.pipeline_step_s.items()}))
+        for name in ("pipeline_action_s", "pipeline_step_s"):
+            by_schedule = {str(k): MappingProxyType({int(w): float(x) for w, x in v.items()}) for k, v in getattr(self, name).items()}
+            object.__setattr__(self, name, MappingProxyType(by_schedule))
         object.__setattr__(self, "dtensor_optimizer_s", MappingProxyType({k: float(v) for k, v in self.dtensor_optimizer_s.items()}))
         object.__setattr__(self, "optimizer_steps", MappingProxyType({k: (float(a), float(b)) for k, (a, b) in self.optimizer_steps.items()}))
 
@@ -169,13 +170,14 @@ class Profile:
         """Compute contention at `world` ranks: measured, else the nearest smaller measured world, else 1."""
         return _at_world(self.contention, world, 1.0)
 
-    def pipeline_action(self, world: int) -> float:
-        """Seconds per pipeline schedule action at `world` ranks: measured, else the nearest smaller measured world, else 0."""
-        return _at_world(self.pipeline_action_s, world, 0.0)
+    def pipeline_action(self, world: int, schedule: str) -> float:
+        """Seconds per action of `schedule` at `world` ranks: measured, else the nearest smaller measured world, else 0;
+        a schedule not measured takes 1F1B's (profiles before 2026-11-26 measured only 1F1B)."""
+        return _at_world(_of_schedule(self.pipeline_action_s, schedule), world, 0.0)
 
-    def pipeline_step(self, world: int) -> float:
-        """Seconds per pipeline step outside its actions at `world` ranks: measured, else the nearest smaller measured world, else 0."""
-        return _at_world(self.pipeline_step_s, world, 0.0)
+    def pipeline_step(self, world: int, schedule: str) -> float:
+        """Seconds per step of `schedule` outside its actions at `world` ranks, found as `pipeline_action`."""
+        return _at_world(_of_schedule(self.pipeline_step_s, schedule), world, 0.0)
 
     def collective(self, kind: str, group: int, world: int, axis: str = "") -> CollectiveFit | None:
         """The fit for `kind` on groups of `group` ranks: measured on this mesh axis (`axis_label`)
@@ -202,8 +204,8 @@ class Profile:
             ops={**self.ops, **other.ops},
             collectives=tuple(keep) + other.collectives,
             contention={**self.contention, **other.contention},
-            pipeline_action_s={**self.pipeline_action_s, **other.pipeline_action_s},
-            pipeline_step_s={**self.pipeline_step_s, **other.pipeline_step_s},
+            pipeline_action_s=_merged_by_schedule(self.pipeline_action_s, other.pipeline_action_s),
+            pipeline_step_s=_merged_by_schedule(self.pipeline_step_s, other.pipeline_step_s),
             dtensor_optimizer_s={**self.dtensor_optimizer_s, **other.dtensor_optimizer_s},
             optimizer_steps={**self.optimizer_steps, **other.optimizer_steps},
             copy_seconds_per_byte=other.copy_seconds_per_byte or self.copy_seconds_per_byte,
@@ -235,8 +237,8 @@ class Profile:
             "op_overhead_s": self.op_overhead_s,
             "node_overhead_s": self.node_overhead_s,
             "contention": {str(k): v for k, v in sorted(self.contention.items())},
-            "pipeline_action_s": {str(k): v for k, v in sorted(self.pipeline_action_s.items())},
-            "pipeline_step_s": {str(k): v for k, v in sorted(self.pipeline_step_s.items())},
+            "pipeline_action_s": {k: {str(w): x for w, x in sorted(v.items())} for k, v in sorted(self.pipeline_action_s.items())},
+            "pipeline_step_s": {k: {str(w): x for w, x in sorted(v.items())} for k, v in sorted(self.pipeline_step_s.items())},
             "dtensor_optimizer_s": dict(sorted(self.dtensor_optimizer_s.items())),
             "optimizer_steps": {k: list(v) for k, v in sorted(self.optimizer_steps.items())},
             "ops": {k: {"forward_s": t.forward_s, "backward_s": t.backward_s, "runs": t.runs} for k, t in sorted(self.ops.items())},
@@ -261,8 +263,8 @@ class Profile:
                 op_overhead_s=_opt_float(d.get("op_overhead_s")),
                 node_overhead_s=_opt_float(d.get("node_overhead_s")),
                 contention={int(k): _pos(v) for k, v in d.get("contention", {}).items()},
-                pipeline_action_s={int(k): float(v) for k, v in d.get("pipeline_action_s", {}).items()},
-                pipeline_step_s={int(k): _pos(v) for k, v in d.get("pipeline_step_s", {}).items()},
+                pipeline_action_s=_by_schedule(d.get("pipeline_action_s", {})),
+                pipeline_step_s=_by_schedule(d.get("pipeline_step_s", {})),
                 dtensor_optimizer_s={_str(k): float(v) for k, v in d.get("dtensor_optimizer_s", {}).items()},
                 optimizer_steps={_str(k): (_pos(v[0]), _pos(v[1])) for k, v in d.get("optimizer_steps", {}).items()},
                 ops={_str(k): OpTiming(forward_s=_pos(v["forward_s"]), backward_s=_opt_float(v.get("backward_s")), runs=int(v.get("runs", 0)))
@@ -292,6 +294,21 @@ class Profile:
             f"{len(self.ops)} op timings, {len(self.collectives)} collective fits ({self.backend or '-'}), contention {per}, "
             f"in-program overhead {'not measured' if self.node_overhead_s is None else f'{self.node_overhead_s * 1e6:.1f} us per op'}"
         )
+
+
+def _of_schedule(by_schedule: Mapping[str, Mapping[int, float]], schedule: str) -> Mapping[int, float]:
+    return by_schedule.get(schedule) or by_schedule.get("1f1b") or {}
+
+
+def _merged_by_schedule(a: Mapping[str, Mapping[int, float]], b: Mapping[str, Mapping[int, float]]) -> dict:
+    return {k: {**a.get(k, {}), **b.get(k, {})} for k in {*a, *b}}
+
+
+def _by_schedule(d: Any) -> dict[str, dict[int, float]]:
+    """schedule -> world -> seconds from JSON; a flat world -> seconds map (files before 2026-11-26) is 1F1B's."""
+    if all(not isinstance(v, dict) for v in d.values()):
+        d = {"1f1b": d} if d else {}
+    return {_str(k): {int(w): _pos(x) for w, x in v.items()} for k, v in d.items()}
 
 
 def _at_world(by_world: Mapping[int, float], world: int, default: float) -> float:

@@ -217,7 +217,7 @@ def _cut_prices(units: list[Unit], p: int, d: int, t: int, schedule: str, cluste
     p2p = 2 * collective_time("send_recv", int(cut_bytes), 2, link) if p > 1 else 0.0
     # the runtime's own cost of a stage's actions per microbatch, measured with their handshakes
     # (profiling/pipeline_overhead.py): the cut's sends then cost their bytes only
-    per_action = cluster.profile.pipeline_action(p * d * t) if p > 1 and cluster.profile else 0.0
+    per_action = cluster.profile.pipeline_action(p * d * t, schedule) if p > 1 and cluster.profile else 0.0
     if per_action:
         p2p = max(0.0, p2p - 2 * collective_time("send_recv", 1, 2, link))
     return p2p, actions_per_microbatch(schedule) * per_action
@@ -280,7 +280,7 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
     else:
         tie = 0.0
     # the runtime's work once per step outside the schedule's actions (profiling/pipeline_overhead.py)
-    per_step = cluster.profile.pipeline_step(p * d * t) if p > 1 and cluster.profile else 0.0
+    per_step = cluster.profile.pipeline_step(p * d * t, schedule) if p > 1 and cluster.profile else 0.0
     step = sched.step_s + max(dev_sync) + tie + per_step
     return PipelinePlan(degree=p, schedule=schedule if p > 1 else "1f1b", microbatches=m, chunks=v if p > 1 else 1, stages=tuple(stages),
                         step_s=step, bubble_s=sched.bubble_s, bubble_fraction=sched.bubble_fraction, p2p_s=p2p)

@@ -268,12 +268,12 @@ def measure_cluster(
         for axis in range(len(shape)):  # every axis: two axes of one size may sit on different links
             fits += measure_axis(tuple(shape), axis, sizes=sizes, kinds=kinds, reps=reps)
     contention = measure_contention() if world > 1 else 1.0
-    per_action, per_step = measure_schedule_overhead() if world > 1 else (0.0, 0.0)
+    overhead = measure_schedule_overhead() if world > 1 else {}
     dtensor_optimizer = _dtensor_optimizer_overheads()
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return Profile(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=torch.get_num_threads(),
         collectives=tuple(fits), contention={world: contention}, backend=str(dist.get_backend()),
-        pipeline_action_s={world: per_action} if world > 1 else {}, pipeline_step_s={world: per_step} if world > 1 else {},
+        pipeline_action_s={k: {world: a} for k, (a, _) in overhead.items()}, pipeline_step_s={k: {world: c} for k, (_, c) in overhead.items()},
         dtensor_optimizer_s=dtensor_optimizer,
     )
