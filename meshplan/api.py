@@ -34,7 +34,6 @@ from meshplan.runtime.collectives import resolve_timeout
 from meshplan.runtime.init_on_meta import FromInit
 from meshplan.runtime.launch import init_torchrun_group
 from meshplan.runtime.parallel_module import ParallelModule, check_model_device, default_weights, group_device
-from meshplan.runtime.pipeline import PipelineRunner
 from meshplan.runtime.weights import Empty, FromSafetensors, WeightSource
 
 log = logging.getLogger("meshplan")
@@ -204,8 +203,8 @@ def auto_parallelize(
     weights: str | os.PathLike | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     **plan_kwargs,
-) -> ParallelModule | PipelineRunner:
-    """Plan `model` (or take `plan`) and return this rank's `ParallelModule`.
+) -> ParallelModule:
+    """Plan `model` (or take `plan`) and return this rank's `ParallelModule`, the one runtime type for every plan.
 
     Call on every rank of an initialised process group (torchrun's environment is used to
     initialise one when none exists), or of `group`. The group's first rank plans and sends the plan
@@ -223,9 +222,10 @@ def auto_parallelize(
     collective the runtime runs: a rank that dies, never joins or skips a collective makes the
     others raise `CollectiveError` instead of hanging.
 
-    A plan with a pipeline (`pipeline=` in the plan options) returns a `PipelineRunner` instead, which
-    needs `loss_fn(output, target)`. `loss = pmodel.step(*batch, target=y)` then the user's
-    `optimizer.step()` trains either kind; a `ParallelModule` also takes `pmodel(x)` and `backward()`.
+    `loss = pmodel.step(*batch, target=y)` (with `loss_fn(output, target)` given here or to `step`) then the
+    user's `optimizer.step()` trains every plan; a plan without a pipeline also takes `pmodel(x)` and
+    `backward()`. A plan with a pipeline (`pipeline=` in the plan options) is traced at one microbatch and runs
+    on every rank of the job (docs/runtime.md).
     """
     timeout = resolve_timeout(timeout)
     _ensure_process_group(timeout)
@@ -241,26 +241,17 @@ def auto_parallelize(
     if plan is None:
         plan = plan_once(lambda: globals()["plan"](model, devices, example_inputs, example_kwargs=example_kwargs, **plan_kwargs), group)
     if plan.pipeline is not None:
-        if group is not None:
-            raise ValueError("a pipelined plan runs on every rank of the job; auto_parallelize(group=...) takes plans "
-                             "without a pipeline (pipeline=None)")
-        if loss_fn is None:
-            raise ValueError("a pipelined plan runs forward and backward together: pass auto_parallelize(..., loss_fn=loss_fn)")
         micro, batch = plan.pipeline.microbatches, int(example_inputs[0].shape[0])
         if batch % micro:
             raise ValueError(f"the example batch of {batch} does not split into the plan's {micro} microbatches")
         # traced as the planner traced it: the plan's fingerprint is of that microbatch's graph
-        graph = trace(model, *microbatch_call(example_inputs, example_kwargs, batch // micro), precision=plan.precision)
-        runner = PipelineRunner(model, graph, plan, loss_fn, timeout=timeout, weights=source)
-        if checkpoint_dir is not None:
-            load_checkpoint(checkpoint_dir, runner)
-        return runner
-    if plan.mesh.size != world:
+        example_inputs, example_kwargs = microbatch_call(example_inputs, example_kwargs, batch // micro)
+    elif plan.mesh.size != world:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.size} devices but the process group has {world} ranks")
     graph = trace(model, example_inputs, example_kwargs, precision=plan.precision)
     eval_source = functools.partial(_eval_program, model, example_inputs, example_kwargs, graph, plan, group)
-    pmodel = ParallelModule(model, graph, plan, group=group, timeout=timeout, eval_source=eval_source, weights=source)
-    pmodel.loss_fn = loss_fn
+    pmodel = ParallelModule(model, graph, plan, group=group, timeout=timeout, eval_source=eval_source, weights=source,
+                            loss_fn=loss_fn)
     if checkpoint_dir is not None:
         load_checkpoint(checkpoint_dir, pmodel)
     return pmodel

@@ -16,7 +16,7 @@ import meshplan
 from meshplan.ir.trace import trace
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
-from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 
 pytestmark = pytest.mark.multiprocess
 
@@ -75,15 +75,13 @@ def test_two_backward_passes_accumulate_like_one_process():
 
 
 def _pipeline_worker(rank, world, plan):
-    from meshplan.runtime.pipeline import PipelineRunner
-
     warnings.simplefilter("ignore")
     model, x = data()
-    runner = PipelineRunner(model, trace(model, (x[: BATCH // plan.pipeline.microbatches],)), plan, pipe_loss)
+    runner = ParallelModule(model, trace(model, (x[: BATCH // plan.pipeline.microbatches],)), plan, loss_fn=pipe_loss)
     x2 = torch.randint(0, 64, x.shape, generator=torch.Generator().manual_seed(7))
     runner.step(x, target=x)
     runner.step(x2, target=x2)
-    return {n: local_of(p.grad).clone() for n, p in runner.named_parameters()}, runner.local
+    return {n: local_of(p.grad).clone() for n, p in runner.named_parameters()}, runner.comm.rank
 
 
 def test_two_pipeline_steps_accumulate_like_one_process():

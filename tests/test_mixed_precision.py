@@ -221,7 +221,7 @@ def _pipeline_worker(rank, world, plans):
     for schedule, plan in plans.items():
         model, tokens, _ = build("gpt")
         runner = meshplan.auto_parallelize(model, example_inputs=(tokens,), plan=plan, loss_fn=lambda o, y: loss_fn("gpt", o, y))
-        hoisted = sum(len(m._cast_of) for m in runner.modules.values())
+        hoisted = sum(len(m._cast_of) for m in runner.pipeline.stages.values())
         opt = torch.optim.SGD(runner.parameters(), lr=LR, momentum=0.9)
         losses = []
         for i in range(STEPS):

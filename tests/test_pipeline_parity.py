@@ -3,7 +3,8 @@
 Each stage runs its intra-op plan on its sub-mesh: pp=2 alone (world 2), pp=2 x tp=2 (world 4),
 pp=2 x dp=2 x tp=2 (world 8), under GPipe, 1F1B, interleaved 1F1B and ZB-V; and the plan meshplan.plan's
 own search returns (pp=2 x dp=2 with pins and a recomputing stage) runs through auto_parallelize in
-the user's loop for two SGD steps. Every rank also
+the user's loop for two SGD steps, clipped by `pmodel.clip_grad_norm_` (one process's norm; torch's own
+`clip_grad_norm_` over a rank's parameters raises). Every rank also
 checks the plan is the truth: the collectives its stages ran in the step are exactly those the plan
 lists for them (each microbatch's moves, the gradient buckets, the tied-weight sum).
 """
@@ -25,7 +26,7 @@ from meshplan.models import GPT, GPTConfig
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
-from meshplan.runtime.parallel_module import shard_tensor
+from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 
 from _parity import megatron_layouts
 
@@ -73,7 +74,6 @@ def stage_plan(kind: str, mesh: tuple[int, ...], pipe: PipelinePlan):
 
 
 def worker(rank, world, plans, searched=None):
-    from meshplan.runtime.pipeline import PipelineRunner
     from meshplan.runtime.rewrite import Recomputed
 
     warnings.simplefilter("ignore")
@@ -89,28 +89,34 @@ def worker(rank, world, plans, searched=None):
             runner.reset_collective_counts()
             opt.zero_grad()
             loss = runner.step(x, target=x)
+            with pytest.raises(ValueError, match="would see only this rank's stages; call pmodel.clip_grad_norm_"):
+                torch.nn.utils.clip_grad_norm_(runner.parameters(), MAX_NORM)  # this rank's stages alone: refused
             norms.append(float(runner.clip_grad_norm_(MAX_NORM)))  # over both pipeline ranks' gradients
             opt.step()
             losses.append(None if loss is None else float(loss))
         params = {n: local_of(p.detach()).clone() for n, p in runner.named_parameters()}
-        checkpointed = sum(isinstance(m, Recomputed) for st in runner.modules.values() for m in st.modules())
-        out.append((losses, params, runner.local, runner.collective_counts(), runner.expected_collectives(), checkpointed, norms,
-                    _overlap(runner, searched, params)))
+        checkpointed = sum(isinstance(m, Recomputed) for st in runner.pipeline.stages.values() for m in st.modules())
+        out.append((losses, params, runner.comm.rank, runner.collective_counts(), runner.pipeline.expected_collectives(), checkpointed,
+                    norms, _overlap(runner, searched, params)))
     for plan in plans:
         model, x = data()
-        runner = PipelineRunner(model, trace(model, (x[: BATCH // plan.pipeline.microbatches],)), plan, loss_fn)
+        runner = ParallelModule(model, trace(model, (x[: BATCH // plan.pipeline.microbatches],)), plan, loss_fn=loss_fn)
+        if plan.pipeline.schedule == "zbv":  # torch's ZB-V runs backward actions even in its eval(): refused on every rank
+            with torch.no_grad(), pytest.raises(ValueError, match="ScheduleZBVZeroBubble cannot do"):
+                runner.step(x, target=x)
         runner.reset_collective_counts()
         loss = runner.step(x, target=x)
         grads = {n: local_of(p.grad).clone() for n, p in runner.named_parameters()}
-        out.append((None if loss is None else float(loss), grads, runner.local, runner.collective_counts(), runner.expected_collectives(),
-                    _overlap(runner, plan, grads), any(isinstance(p, DTensor) for p in runner.parameters())))
+        out.append((None if loss is None else float(loss), grads, runner.comm.rank, runner.collective_counts(),
+                    runner.pipeline.expected_collectives(), _overlap(runner, plan, grads),
+                    any(isinstance(p, DTensor) for p in runner.parameters())))
     return out
 
 
 def _overlap(runner, plan, held_fqns) -> tuple[int, int]:
     """(buckets whose all-reduce started while the schedule still ran, buckets this rank holds): all of them should."""
     held = {prm.node for prm in plan.params if prm.fqns[0] in held_fqns}
-    return runner.overlapped_buckets, sum(1 for b in plan.buckets if held & set(b.params))
+    return runner.pipeline.overlapped_buckets, sum(1 for b in plan.buckets if held & set(b.params))
 
 
 def check(plans, results):
@@ -289,15 +295,15 @@ def test_a_loss_that_is_a_view_reaches_the_schedule_as_its_own_tensor():
     (a model that returns its own loss can hand one back): the runner clones such a loss, and only such a one."""
     from types import SimpleNamespace
 
-    from meshplan.runtime.pipeline import PipelineRunner
+    from meshplan.runtime.pipeline import Pipeline
 
     out = torch.ones(3, requires_grad=True).sum(0, keepdim=True)
     runner = SimpleNamespace(loss_fn=lambda o, target: o.view(()))
-    loss = PipelineRunner._loss(runner, out, None)
+    loss = Pipeline._loss(runner, out, None)
     assert out.view(())._is_view() and not loss._is_view()
     loss.detach_()  # what torch's stage_backward_input does
     plain = torch.ones(3, requires_grad=True).sum()
-    assert PipelineRunner._loss(SimpleNamespace(loss_fn=lambda o, target: o), plain, None) is plain
+    assert Pipeline._loss(SimpleNamespace(loss_fn=lambda o, target: o), plain, None) is plain
 
 
 def _mlp():

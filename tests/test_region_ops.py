@@ -22,8 +22,7 @@ from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.runtime.collectives import all_reduce_axes, forward_phase
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
-from meshplan.runtime.parallel_module import shard_tensor
-from meshplan.runtime.pipeline import PipelineRunner
+from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
 
 STEPS = 3
 
@@ -267,11 +266,11 @@ def _pipelined_kernel_plan():
 
 def _pipeline_rank(rank: int, world: int, plan):
     model, x, y = _stack_and_data()
-    runner = PipelineRunner(model, trace(model, (x[: len(x) // MICROBATCHES],)), plan, nn.functional.mse_loss)
+    runner = ParallelModule(model, trace(model, (x[: len(x) // MICROBATCHES],)), plan, loss_fn=nn.functional.mse_loss)
     runner.reset_collective_counts()
     loss = runner.step(x, target=y)
     grads = {n: local_of(p.grad).clone() for n, p in runner.named_parameters()}
-    return None if loss is None else float(loss), grads, runner.local, runner.collective_counts(), runner.expected_collectives()
+    return None if loss is None else float(loss), grads, runner.comm.rank, runner.collective_counts(), runner.pipeline.expected_collectives()
 
 
 @pytest.mark.multiprocess

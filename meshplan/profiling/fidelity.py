@@ -133,8 +133,7 @@ def out_of_sample_cases(quick: bool = False) -> list[Case]:
 
 def resident_bytes(pmodel, opt) -> int:
     tensors = list(pmodel.parameters()) + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    buckets = getattr(pmodel, "_grad_buckets", None) or getattr(pmodel, "_grad_sync")  # ParallelModule's, PipelineRunner's
-    tensors += [b for b in buckets._flat if b is not None]
+    tensors += pmodel._grad_sync.buffers  # the packed gradient buckets
     tensors += [p.grad for p in pmodel.parameters() if p.grad is not None]
     return held_bytes(tensors)
 

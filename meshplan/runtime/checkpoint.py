@@ -1,8 +1,8 @@
 """Checkpoints that load under any plan: torch.distributed.checkpoint (DCP) of DTensor parameters.
 
-A `ParallelModule` holds each parameter and buffer as a DTensor on the plan's DeviceMesh, and a
-`PipelineRunner` on its stage's sub-mesh (a torch optimizer keeps its state in DTensors of the same
-layout), so DCP records where every shard sits in the whole tensor. Under a data-parallel plan they
+A `ParallelModule` holds each parameter and buffer as a DTensor on the plan's DeviceMesh (with a
+pipeline: those its stages read, on its stage's sub-mesh; a torch optimizer keeps its state in DTensors
+of the same layout), so DCP records where every shard sits in the whole tensor. Under a data-parallel plan they
 are plain whole tensors (`Plan.plain_params`); their optimizer state is saved
 as replicated DTensors, so the checkpoint looks the same. A checkpoint saved under one
 plan (tp=4, or a pipeline, say) therefore loads under any other plan of the same model (dp=2 x tp=2,

@@ -1,12 +1,13 @@
-"""Run a plan with a pipeline: each stage runs its intra-op plan on its sub-mesh, torch's schedules drive the stages.
+"""The pipeline of a pipelined plan: this rank's stages and the torch schedule that runs them.
 
-The world is `degree` pipeline ranks x `plan.mesh.size` sub-mesh ranks, pipeline axis outermost:
-global rank = stage_rank * mesh.size + sub-mesh rank. Every rank builds its per-rank program with
-the plan's collectives (runtime/rewrite.py) on its stage's sub-mesh, cuts it at the planned stage
-boundaries (runtime/stage_split.py) and wraps the stages it owns in `PipelineStage`s; the plan's
-schedule class (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`, ...) sends the
-activations crossing a cut between ranks with the same sub-mesh coordinate, which hold the same
-block of the crossing tensor.
+A `ParallelModule` whose plan has a pipeline runs it through a `Pipeline` (runtime/parallel_module.py holds
+everything else: parameters, inputs, the plan check, weights, clipping). The world is `degree` pipeline
+ranks x `plan.mesh.size` sub-mesh ranks, pipeline axis outermost: global rank = stage_rank * mesh.size +
+sub-mesh rank. Every rank builds its per-rank program with the plan's collectives (runtime/rewrite.py) on
+its stage's sub-mesh, cuts it at the planned stage boundaries (`cut_program`, runtime/stage_split.py) and
+wraps the stages it owns in `PipelineStage`s; the plan's schedule class (`ScheduleGPipe`, `Schedule1F1B`,
+`ScheduleInterleaved1F1B`, ...) sends the activations crossing a cut between ranks with the same sub-mesh
+coordinate, which hold the same block of the crossing tensor.
 
 Gradients are finished the way the plan lists (runtime/stage_grads.py): every gradient bucket of
 the plan is all-reduced over its mesh axes (data parallel, and tensor-parallel replicas) once per
@@ -17,36 +18,26 @@ embedding and head) sums its gradient over them.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, sum_reducer
 from torch.utils import _pytree as pytree
 
 from meshplan.cost_model.schedule_kinds import TORCH_SCHEDULE_CLASS
 from meshplan.ir.graph import Graph
-from meshplan.ir.op_kinds import is_random
-from meshplan.ir.placement import local_shape
 from meshplan.plans.plan import Plan
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.local_view import local_view
-from meshplan.runtime.offload import make_optimizer
-from meshplan.runtime.parallel_module import (
-    ParallelModule, _owner, as_dtensor, check_same_plan, default_weights, group_device, shard_tensor,
-)
-from meshplan.runtime.rewrite import local_program
-from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.stage_grads import StageGradSync, SyncingStage
 from meshplan.runtime.stage_split import StageProgram, example_values, node_stages, split_program, unit_stages
-from meshplan.runtime.weights import WeightSource
 
 
 def stage_device(k: int, p: int, schedule: str) -> int:
@@ -54,15 +45,52 @@ def stage_device(k: int, p: int, schedule: str) -> int:
     return (k if k < p else 2 * p - 1 - k) if schedule == "zbv" else k % p
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageCut:
+    """One rank's per-rank program cut at the planned stages."""
+
+    programs: list[StageProgram]
+    """Every stage's program (stage k at index k), this rank's and the others'."""
+    stage_of_node: dict[str, int]
+    """Traced node -> the stage that runs it."""
+    owner: dict[int, int]
+    """Stage -> the pipeline rank that runs it."""
+    rank: int
+    """This rank's pipeline rank."""
+
+    @property
+    def mine(self) -> list[int]:
+        """The stages this rank runs."""
+        return [k for k, r in self.owner.items() if r == self.rank]
+
+    @property
+    def needed(self) -> set[str]:
+        """Placeholders (parameters, buffers, constants) this rank's stages read."""
+        return {name for k in self.mine for name in self.programs[k].locals_in}
+
+
+def cut_program(program: fx.GraphModule, graph: Graph, plan: Plan, stage_rank: int) -> StageCut:
+    """`program` (this rank's, from `graph`) cut at `plan`'s stages; `stage_rank`: this rank's pipeline rank."""
+    pipe = plan.pipeline
+    of_traced = unit_stages(graph, pipe)
+    n_stages = len(pipe.stages)
+    leaf_nodes = {prm.node for prm in plan.params}
+    placeholders = [x.name for x in graph.fx.gm.graph.nodes if x.op == "placeholder"]
+    user_inputs = [x for x in placeholders if x not in leaf_nodes and x not in graph.fx.constants]
+    programs = split_program(program, node_stages(program, of_traced, n_stages - 1), n_stages, user_inputs)
+    owner = {k: stage_device(k, pipe.degree, pipe.schedule) for k in range(n_stages)}
+    return StageCut(programs, of_traced, owner, stage_rank)
+
+
 class StageModule(nn.Module):
-    """One stage's program with the local parameter shards it reads (registered under the model's FQNs).
+    """One stage's program with the local parameter shards it reads (registered so that torch's stage finds them).
 
     Mixed precision: the program casts parameters to the compute dtype (ir/precision.py). Cast per
     microbatch, every microbatch in flight would keep its own copy of the stage's weights for its
     backward; so each cast of a parameter becomes an input of the program, computed once per step
     (`new_step()`) and shared by the step's microbatches, as Megatron keeps one bf16 copy of the weights."""
 
-    def __init__(self, program: StageProgram, leaves: dict[str, torch.Tensor], fqns: dict[str, tuple[str, ...]],
+    def __init__(self, program: StageProgram, leaves: dict[str, torch.Tensor],
                  localise: Callable[[str, torch.Tensor], torch.Tensor] | None, out_spec) -> None:
         super().__init__()
         self.program, self.index = program.gm, program.index
@@ -71,13 +99,9 @@ class StageModule(nn.Module):
         self._cast_of = _hoist_weight_casts(self.program, program.locals_in)
         self._casts: list[torch.Tensor] | None = None
         self._localise, self._out_spec = localise, out_spec
-        for name in program.locals_in:
-            for fqn in fqns.get(name, ()):
-                t = leaves[name]
-                if isinstance(t, nn.Parameter):
-                    setattr(_owner(self, fqn), fqn.rsplit(".", 1)[-1], t)
-                else:
-                    _owner(self, fqn).register_buffer(fqn.rsplit(".", 1)[-1], t, persistent=False)
+        for i, t in enumerate(self._leaves):
+            if isinstance(t, nn.Parameter):  # torch's stage steps the weight part of backward over submod.parameters()
+                self.register_parameter(f"local_{i}", t)
 
     def forward(self, *carried):
         if self._localise is not None:  # stage 0: the user's (global) microbatch, sharded as the plan says
@@ -128,109 +152,39 @@ def output_merge_spec(outputs: tuple[torch.Tensor, ...], out_spec):
     return pytree.tree_unflatten(flat, out_spec) if out_spec is not None else (flat[0] if len(flat) == 1 else tuple(flat))
 
 
-class PipelineRunner:
-    """This rank's stages of a pipelined plan. `step(x, y)` runs one training step (forward, backward, gradient sync)
-    over the whole batch; the user's optimizer steps `parameters()` afterwards, as with any module."""
+class Pipeline:
+    """This rank's stages of a pipelined plan, driven by the plan's torch schedule: one per mode of the module
+    (the eval-mode program is cut at the same stages and runs forward only).
 
-    def __init__(self, model: nn.Module, graph: Graph, plan: Plan, loss_fn: Callable, *, timeout: timedelta | float | None = None,
-                 weights: WeightSource | None = None) -> None:
+    `leaves`: program placeholder -> the parameter, buffer or constant it takes (those of this rank's stages);
+    `localise(name, x)`: the user's input `name` as this rank's block; `pp_group`: the ranks at this rank's
+    sub-mesh position on every pipeline rank; `sync`: the gradient sync (None: forward only)."""
+
+    def __init__(self, cut: StageCut, graph: Graph, plan: Plan, program: fx.GraphModule, leaves: dict[str, torch.Tensor],
+                 localise: Callable, device: torch.device, pp_group, sync: StageGradSync | None) -> None:
         pipe = plan.pipeline
-        if pipe is None:
-            raise ValueError("PipelineRunner needs a plan with a pipeline (plan.pipeline is None); use ParallelModule for single-stage plans")
-        if plan.graph_fingerprint != graph.fingerprint():
-            raise ValueError(f"plan was made for a different graph (fingerprint {plan.graph_fingerprint}, this model traces to "
-                             f"{graph.fingerprint()}); trace the model at the plan's microbatch or re-plan")
-        n, p = plan.mesh.size, pipe.degree
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world != p * n:
-            raise ValueError(f"the plan runs {p} pipeline stages x {n} devices each = {p * n} ranks; the world has {world}")
-        self.plan, self.pipe, self.loss_fn = plan, pipe, loss_fn
-        self.stage_rank, self.local = divmod(rank, n)
-        axis_sets = [tuple(range(plan.mesh.ndim))] + [(a,) for a in range(plan.mesh.ndim)] + [b.axes for b in plan.buckets]
-        device = group_device()
-        if plan.precision is not None:
-            plan.precision.check_device(device)
-        self.comm = MeshComm(plan.mesh, self.local, range(self.stage_rank * n, (self.stage_rank + 1) * n), timeout=timeout, device=device)
-        self.comm.create_groups(axis_sets)  # each stage's groups, by its own ranks only
-        check_same_plan(plan, self.comm, group=None, rank=rank)
-        pp_groups = [dist.new_group([s * n + j for s in range(p)], timeout=self.comm.timeout) for j in range(n)]
-
-        # cut this rank's program at the planned stages
-        program = local_program(graph.fx, plan, self.comm)
-        of_traced = unit_stages(graph, pipe)
         n_stages = len(pipe.stages)
-        self.stage_of_node = of_traced
-        traced = self._traced = graph.fx
-        leaf_nodes = {prm.node for prm in plan.params}
-        placeholders = [x.name for x in traced.gm.graph.nodes if x.op == "placeholder"]
-        user_inputs = [x for x in placeholders if x not in leaf_nodes and x not in traced.constants]
-        programs = split_program(program, node_stages(program, of_traced, n_stages - 1), n_stages, user_inputs)
-        self.owner = {k: stage_device(k, p, pipe.schedule) for k in range(n_stages)}
-        self.mine = [k for k in range(n_stages) if self.owner[k] == self.stage_rank]
-
-        # parameters: this rank's blocks of those its stages read, as DTensors on its stage's sub-mesh (the
-        # model's own tensors are rank 0's, as one job; a meta model's come from its initialisation or `weights`).
-        # Data-parallel stages keep plain tensors, as ParallelModule does: a DTensor gradient accumulated once per
-        # microbatch made a tiny 2-stage GPT's 1F1B step 2.7x slower (61.8 vs 20.2 ms at 8 microbatches, gloo, CPU)
-        needed = {name for k in self.mine for name in programs[k].locals_in}
-        full = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
-        weights = weights or default_weights(model, device, whole_job=True)
-        self.device_mesh = self.comm.device_mesh
-        self.leaves: dict[str, torch.Tensor] = {}
-        blocks = weights.blocks(plan.params, self.comm, wanted=needed)
-        plain = plan.plain_params
-        for prm in plan.params:
-            if prm.node in needed:
-                local = blocks.pop(prm.node) if plain else as_dtensor(blocks.pop(prm.node), prm.layout, prm.shape, self.comm)
-                self.leaves[prm.node] = local if prm.is_buffer else nn.Parameter(local, requires_grad=full[prm.fqns[0]].requires_grad)
-        self.leaves.update({k: v for k, v in traced.constants.items() if k in needed})
-        fqns = {prm.node: prm.fqns for prm in plan.params}
-        self.fqn_of = {prm.node: prm.fqns[0] for prm in plan.params}
-        self._fqns = fqns
-        self.process_group = None
-        """every rank of the job (checkpoints are saved and loaded over it)"""
-        self.offload_copies: dict[str, nn.Parameter] = {}
-        """FQN -> host copy of each parameter whose optimizer state `make_optimizer` offloads"""
-        self.pp_group = pp_groups[self.local]
-        self._rng = ProgramRng(None, device, 0, self.comm.guard) if any(is_random(x.target) for x in graph.nodes if x.kind == "op") else None
-
-        # a parameter read on several pipeline ranks (tied embedding / head) sums its gradient over them
-        holders: dict[str, set[int]] = {}
-        for prog in programs:
-            for name in prog.locals_in:
-                if name in leaf_nodes:
-                    holders.setdefault(name, set()).add(self.owner[prog.index])
-        self.tied = {name: tuple(sorted(h)) for name, h in holders.items() if len(h) > 1}
-        self.tied_groups = {}
-        for devs in sorted(set(self.tied.values())):
-            for j in range(n):
-                g = dist.new_group([s * n + j for s in devs], timeout=self.comm.timeout)
-                if j == self.local and self.stage_rank in devs:
-                    self.tied_groups[devs] = g
-
-        inputs = {i.name: i for i in plan.inputs}
-        self.modules = {
-            k: StageModule(programs[k], self.leaves, fqns, self._localiser(inputs) if k == 0 else None,
-                           traced.out_spec if k == n_stages - 1 else None)
-            for k in self.mine
-        }
-        trainable = self._params()
-        holders = {name: {k for k in self.mine if name in programs[k].locals_in} for name in trainable}
-        self._grad_sync = StageGradSync(plan.buckets, trainable, holders, self.tied, self.tied_groups, pipe.microbatches,
-                                        self.comm, self.fqn_of)
-        stages = [
-            SyncingStage(self.modules[k], k, n_stages, device, group=pp_groups[self.local],
-                         input_args=example_values(program, programs[k].carried_in, graph, plan),
-                         output_args=example_values(program, programs[k].carried_out if k < n_stages - 1 else None, graph, plan),
-                         sync=self._grad_sync)
-            for k in self.mine
-        ]
+        self.cut, self.plan, self.pp_group, self.sync = cut, plan, pp_group, sync
+        self.traced = graph.fx
+        """the traced program the stages were cut from (it binds the user's calls)"""
+        self.loss_fn: Callable | None = None
+        """the loss of the step running (`step` sets it)"""
+        self.stages = {k: StageModule(cut.programs[k], leaves, localise if k == 0 else None,
+                                      graph.fx.out_spec if k == n_stages - 1 else None) for k in cut.mine}
+        """stage index -> this rank's module running it"""
+        torch_stages = []
+        for k in cut.mine:
+            args = dict(group=pp_group, input_args=example_values(program, cut.programs[k].carried_in, graph, plan),
+                        output_args=example_values(program, cut.programs[k].carried_out if k < n_stages - 1 else None, graph, plan))
+            torch_stages.append(SyncingStage(self.stages[k], k, n_stages, device, sync=sync, **args) if sync is not None
+                                else PipelineStage(self.stages[k], k, n_stages, device, **args))
         cls = getattr(torch_schedules, TORCH_SCHEDULE_CLASS[pipe.schedule])
         # gradients are scaled once per parameter by StageGradSync (a parameter two local stages share would be scaled twice by torch)
         kwargs = dict(n_microbatches=pipe.microbatches, loss_fn=self._loss, scale_grads=False,
-                      output_merge_spec=output_merge_spec(example_values(program, None, graph, plan), traced.out_spec))
-        self.schedule = cls(stages[0], **kwargs) if issubclass(cls, torch_schedules.PipelineScheduleSingle) else cls(stages, **kwargs)
-        self.is_first, self.is_last = 0 in self.mine, (n_stages - 1) in self.mine
+                      output_merge_spec=output_merge_spec(example_values(program, None, graph, plan), graph.fx.out_spec))
+        single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
+        self.schedule = cls(torch_stages[0], **kwargs) if single else cls(torch_stages, **kwargs)
+        self.is_first, self.is_last = 0 in cut.mine, (n_stages - 1) in cut.mine
 
     def _loss(self, out, target) -> torch.Tensor:
         """The user's loss of one microbatch. Zero-bubble schedules detach the loss in place after its input
@@ -239,136 +193,97 @@ class PipelineRunner:
         loss = self.loss_fn(out, target)
         return loss.clone() if loss._is_view() else loss
 
-    def _localiser(self, inputs: dict):
-        mesh, local = self.plan.mesh, self.local
-        global_inputs = self.plan.inputs_mode == "global"
-
-        def localise(name: str, x):
-            choice = inputs.get(name)
-            if choice is None or not isinstance(x, torch.Tensor):
-                return x
-            x = x.to(self.comm.device)
-            want = choice.shape if global_inputs else local_shape(choice.shape, choice.layout, mesh.shape)
-            if tuple(x.shape) != tuple(want):
-                raise ValueError(f"microbatch input {name} has shape {list(x.shape)} but the plan was made for {list(want)} "
-                                 f"({self.pipe.microbatches} microbatches per step); re-plan for the new batch")
-            return shard_tensor(x, choice.layout, mesh, local) if global_inputs else x
-
-        return localise
-
-    # ------------------------------------------------------------------ training
-
-    def parameters(self):
-        return iter(self._params().values())
-
-    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers by model FQN (every alias of a tied weight), as DTensors on its
-        stage's sub-mesh: `meshplan.save_checkpoint` / `load_checkpoint` take a runner like a ParallelModule,
-        and a checkpoint saved under one plan (pipelined or not) loads under any other."""
-        out = {}
-        for node, t in self.leaves.items():
-            for fqn in self._fqns.get(node, ()):
-                out[fqn] = t if keep_vars else t.detach()
-        return out
-
-    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
-        """`optimizer_cls(self.parameters(), **kwargs)`, with host-memory state for parameters the plan offloads."""
-        return make_optimizer(self, self.plan, self.leaves, optimizer_cls, **kwargs)
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """`clip_grad_norm_` over the whole model's gradients, which live on several pipeline ranks: each rank's
-        stages contribute their norm (a tied weight once, on its first holder), summed over the pipeline.
-        `torch.nn.utils.clip_grad_norm_(runner.parameters())` would see this rank's stages only."""
-        params = self._params()
-        counted = [p for name, p in params.items() if p.grad is not None and self.tied.get(name, (self.stage_rank,))[0] == self.stage_rank]
-        norm_type = float(norm_type)
-        if counted:
-            local = torch.nn.utils.get_total_norm([p.grad for p in counted], norm_type)
-            local = local.full_tensor() if isinstance(local, DTensor) else local  # over the stage's sub-mesh
-        else:
-            local = torch.zeros((), device=self.comm.device)
-        if norm_type == float("inf"):
-            total = local.clone()
-            with self.comm.guard("the gradient norm's maximum over pipeline ranks"):
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.pp_group)
-        else:
-            total = local.pow(norm_type)
-            with self.comm.guard("the gradient norm's sum over pipeline ranks"):
-                dist.all_reduce(total, group=self.pp_group)
-            total = total.pow(1.0 / norm_type)
-        torch.nn.utils.clip_grads_with_norm_([p for p in params.values() if p.grad is not None], max_norm, total)
-        return total
-
-    def named_parameters(self):
-        """(model FQN, local shard) of the parameters this rank's stages hold; a tied weight under its first name."""
-        return iter((self.fqn_of[k], v) for k, v in self._params().items())
-
-    def _params(self) -> dict[str, nn.Parameter]:
-        return {k: v for k, v in self.leaves.items() if isinstance(v, nn.Parameter) and v.requires_grad}
-
-    def step(self, *inputs, target: torch.Tensor, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor | None:
-        """Forward and backward of one whole batch (split into the plan's microbatches) and the gradient sync.
-
-        Every rank passes the same batch, `inputs` and the model's keyword inputs `kwargs` as traced (the first stage
-        needs them, the target the last). `loss_fn` replaces the one given at construction. Returns the mean microbatch
-        loss on the last stage's ranks, None elsewhere."""
-        if loss_fn is not None:
-            self.loss_fn = loss_fn
-        tensors = self._traced.user_inputs(inputs, kwargs)  # every rank checks the call: a bad one fails everywhere at once
+    def step(self, inputs: list, target, loss_fn: Callable, *, backward: bool) -> torch.Tensor | None:
+        """One step over the whole batch (`inputs`, bound as traced): forward, the loss and, if `backward`, backward
+        and the gradient sync. Returns the mean microbatch loss on the last stage's ranks, None elsewhere."""
+        if backward and self.sync is None:
+            raise AssertionError("a forward-only pipeline (the eval-mode program) was asked for a backward step")
+        if not backward and self.plan.pipeline.schedule == "zbv":
+            raise ValueError("an evaluation step (eval mode or torch.no_grad()) runs the pipeline forward only, which torch's "
+                             "ScheduleZBVZeroBubble cannot do (it runs its backward actions all the same); evaluate under a "
+                             "plan with another schedule")
+        self.loss_fn = loss_fn
         losses: list[torch.Tensor] = []
-        args = tuple(tensors) if self.is_first else ()
+        args = tuple(inputs) if self.is_first else ()
         ends = {"target": target, "losses": losses} if self.is_last else {}
-        # gradient accumulation over steps: earlier steps' gradients are summed already; only this step's are scaled and summed
-        earlier = {}
-        for name, prm in self._params().items():
-            earlier[name], prm.grad = prm.grad, None
-        self._grad_sync.start()
-        try:
-            with self._rng.active() if self._rng is not None else contextlib.nullcontext():
-                self.schedule.step(*args, return_outputs=False, **ends)  # the losses are what step() returns: no output kept
+        if backward:
+            self.sync.start()
+        try:  # the losses are what step() returns: no output kept
+            (self.schedule.step if backward else self.schedule.eval)(*args, return_outputs=False, **ends)
         finally:
-            for module in self.modules.values():
+            for module in self.stages.values():
                 module.new_step()  # the step's weight copies are not kept: the next step casts the updated weights
-        self._grad_sync.finish()
-        for name, prm in self._params().items():
-            if earlier[name] is not None:
-                prm.grad = earlier[name].add_(prm.grad)
+        if backward:
+            self.sync.finish()
         return torch.stack([x.detach() for x in losses]).mean() if self.is_last else None
 
-    @property
-    def overlapped_buckets(self) -> int:
-        """Gradient buckets of the last step whose all-reduce started before the schedule ended."""
-        return self._grad_sync.overlapped
+    def counts_in_norm(self, node: str) -> bool:
+        """Whether this rank's part of parameter `node`'s gradient counts in the norm: a tied weight's, reduced
+        over the pipeline ranks sharing it, counts on the first of them only."""
+        return self.sync.tied.get(node, (self.cut.rank,))[0] == self.cut.rank
 
-    def no_sync(self):
-        raise ValueError("no_sync() defers gradient reductions between backward calls, and a pipelined plan runs its whole "
-                         "batch in one step() call: pass the accumulated batch to step() instead (the plan splits it into "
-                         f"{self.pipe.microbatches} microbatches)")
-
-    # ------------------------------------------------------------------ the plan is the truth
+    @torch.no_grad()
+    def total_norm(self, local: torch.Tensor, norm_type: float, guard) -> torch.Tensor:
+        """The gradient norm over every pipeline rank from this rank's `local` one (a tied weight counted on one rank)."""
+        if norm_type == float("inf"):
+            total = local.clone()
+            with guard("the gradient norm's maximum over pipeline ranks"):
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.pp_group)
+            return total
+        total = local.pow(norm_type)
+        with guard("the gradient norm's sum over pipeline ranks"):
+            dist.all_reduce(total, group=self.pp_group)
+        return total.pow(1.0 / norm_type)
 
     def expected_collectives(self) -> Counter:
         """What the plan lists for this rank's stages in one step: each microbatch's moves (forward, backward,
         recompute) of the ops its stages hold and those ops' own collectives, its gradient buckets and tied-weight sums."""
-        m, last = self.pipe.microbatches, len(self.pipe.stages) - 1
-        mine = set(self.mine)
+        plan, cut = self.plan, self.cut
+        m, last = plan.pipeline.microbatches, len(plan.pipeline.stages) - 1
+        mine = set(cut.mine)
         c: Counter = Counter()
-        recomputed = set(self.plan.recompute)
-        per_microbatch = [t.collectives() for t in self.plan.transfers
-                    if (last if t.consumer == "output" else self.stage_of_node[t.consumer]) in mine]
-        per_microbatch += [n.collectives(recomputed) for n in self.plan.nodes if self.stage_of_node[n.name] in mine]  # region ops' own
+        recomputed = set(plan.recompute)
+        per_microbatch = [t.collectives() for t in plan.transfers
+                          if (last if t.consumer == "output" else cut.stage_of_node[t.consumer]) in mine]
+        per_microbatch += [n.collectives(recomputed) for n in plan.nodes if cut.stage_of_node[n.name] in mine]  # region ops' own
         for kinds in per_microbatch:
             for k in kinds:
                 c[k] += m
-        held = set(self._params())
-        c["grad_sync:all_reduce"] += sum(1 for b in self.plan.buckets if held & set(b.params))
-        c["tied_sync:all_reduce"] += sum(1 for name in self.tied if name in held)
+        held = set(self.sync.params)
+        c["grad_sync:all_reduce"] += sum(1 for b in plan.buckets if held & set(b.params))
+        c["tied_sync:all_reduce"] += sum(1 for name in self.sync.tied if name in held)
         return +c
 
-    # the process-wide counters, read and reset as a ParallelModule does
-    collective_counts = staticmethod(ParallelModule.collective_counts)
-    reset_collective_counts = staticmethod(ParallelModule.reset_collective_counts)
+    @property
+    def overlapped_buckets(self) -> int:
+        """Gradient buckets of the last step whose all-reduce started before the schedule ended."""
+        return self.sync.overlapped
 
 
-__all__ = ["PipelineRunner", "stage_device"]
+def train_pipeline(cut: StageCut, graph: Graph, plan: Plan, program: fx.GraphModule, leaves: dict[str, torch.Tensor],
+                   localise: Callable, comm: MeshComm, stage_rank: int, fqn_of: dict[str, str]) -> Pipeline:
+    """The training pipeline: its process groups (created by every rank of the job, in the same order) and its
+    gradient sync over the trainable parameters among `leaves`."""
+    n, p = plan.mesh.size, plan.pipeline.degree
+    pp_groups = [dist.new_group([s * n + j for s in range(p)], timeout=comm.timeout) for j in range(n)]
+    # a parameter read on several pipeline ranks (tied embedding / head) sums its gradient over them
+    leaf_nodes = {prm.node for prm in plan.params}
+    ranks_of: dict[str, set[int]] = {}
+    for prog in cut.programs:
+        for name in prog.locals_in:
+            if name in leaf_nodes:
+                ranks_of.setdefault(name, set()).add(cut.owner[prog.index])
+    tied = {name: tuple(sorted(r)) for name, r in ranks_of.items() if len(r) > 1}
+    tied_groups = {}
+    for devs in sorted(set(tied.values())):
+        for j in range(n):
+            g = dist.new_group([s * n + j for s in devs], timeout=comm.timeout)
+            if j == comm.rank and stage_rank in devs:
+                tied_groups[devs] = g
+    trainable = {k: v for k, v in leaves.items() if isinstance(v, nn.Parameter) and v.requires_grad}
+    holders = {name: {k for k in cut.mine if name in cut.programs[k].locals_in} for name in trainable}
+    sync = StageGradSync(plan.buckets, trainable, holders, tied, tied_groups, plan.pipeline.microbatches, comm, fqn_of)
+    return Pipeline(cut, graph, plan, program, leaves, localise, comm.device, pp_groups[comm.rank], sync)
+
+
+__all__ = ["Pipeline", "StageCut", "cut_program", "stage_device", "train_pipeline"]

@@ -15,7 +15,8 @@ order does not change the result, and the buckets holding tied parameters need n
 end of the step.
 
 The microbatches' gradients are summed by autograd; each parameter's is divided by the microbatch
-count before its reduction (the loss is a mean over microbatches).
+count before its reduction (the loss is a mean over microbatches). The reduction itself is the one every
+plan runs (`grad_buckets.BucketQueue`); what is particular to a pipeline is when a bucket is complete.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from meshplan.plans.plan import GradBucket
 from meshplan.runtime.collectives import MeshComm, count_collective
-from meshplan.runtime.grad_buckets import start_all_reduce
+from meshplan.runtime.grad_buckets import BucketQueue
 from meshplan.runtime.local_view import local_of
 
 
@@ -42,23 +43,28 @@ class StageGradSync:
     def __init__(self, buckets: tuple[GradBucket, ...], params: dict[str, nn.Parameter], holders: dict[str, set[int]],
                  tied: dict[str, tuple[int, ...]], tied_groups: dict, microbatches: int, comm: MeshComm,
                  fqn_of: dict[str, str]) -> None:
-        self._params, self._holders, self._comm, self._fqn_of = params, holders, comm, fqn_of
-        self._tied, self._tied_groups, self._microbatches = tied, tied_groups, microbatches
+        self.params, self.tied = params, tied
+        self._holders, self._comm, self._fqn_of = holders, comm, fqn_of
+        self._tied_groups, self._microbatches = tied_groups, microbatches
         held = [(i, b.axes, [x for x in b.params if x in params]) for i, b in enumerate(buckets)]
-        self._buckets = [b for b in held if b[2]]
-        self._flat: list[torch.Tensor | None] = [None] * len(self._buckets)  # reused every step; safe: finish() waits
+        self._names = [names for _, _, names in held if names]
+        self._queue = BucketQueue([(i, axes, [params[x] for x in names]) for i, axes, names in held if names], comm)
         self.overlapped = 0
         """Buckets of the last step whose all-reduce started before the schedule ended."""
         for name, p in params.items():
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
+        self._earlier: dict[str, torch.Tensor | None] = {}
         self._reset()
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The packed buckets this rank keeps."""
+        return [f for f in self._queue.flat if f is not None]
 
     def _reset(self) -> None:
         self._in_last: int | None = None  # the local stage running its last microbatch's backward
         self._done: dict[str, set[int]] = {}  # node -> the local stages whose last backward it has seen
-        self._next = 0  # first bucket not issued yet
         self._scaled: set[str] = set()
-        self._pending: list[tuple[int, torch.Tensor, object]] = []
 
     @contextlib.contextmanager
     def last_backward(self, stage: int):
@@ -83,25 +89,20 @@ class StageGradSync:
 
     @torch.no_grad()
     def _issue(self, *, ready_only: bool) -> None:
-        while self._next < len(self._buckets):
-            index, axes, names = self._buckets[self._next]
+        while self._queue.next < len(self._queue):
+            names = self._names[self._queue.next]
             if ready_only and not all(self._complete(x) for x in names):
                 return
             self._scale(names)
-            grads = [local_of(self._params[x].grad) for x in names]
-            flat, work = start_all_reduce(grads, self._flat[self._next], self._comm, axes,
-                                          f"gradient bucket {index} all_reduce over mesh axes {axes}")
-            self._flat[self._next] = flat
-            self._pending.append((self._next, flat, work))
+            self._queue.launch([local_of(self.params[x].grad) for x in names])
             if ready_only:
                 self.overlapped += 1
-            self._next += 1
 
     def _scale(self, names) -> None:
         for x in names:
             if x in self._scaled:
                 continue
-            p = self._params[x]
+            p = self.params[x]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             p.grad.div_(self._microbatches)
@@ -109,29 +110,30 @@ class StageGradSync:
 
     @torch.no_grad()
     def start(self) -> None:
-        """Before the schedule runs: nothing issued yet."""
+        """Before the schedule runs: nothing issued yet. Gradients accumulated by earlier steps are summed already:
+        they are set aside, so that only this step's are scaled and summed, and added back by `finish`."""
         self._reset()
         self.overlapped = 0
+        for name, p in self.params.items():
+            self._earlier[name], p.grad = p.grad, None
 
     @torch.no_grad()
     def finish(self) -> None:
-        """After the schedule: issue the remaining buckets, wait, write back, sum tied gradients over their pipeline ranks."""
-        self._scale(self._params)
+        """After the schedule: issue the remaining buckets, wait, write back, sum tied gradients over their pipeline
+        ranks, add back the earlier steps' gradients."""
+        self._scale(self.params)
         self._issue(ready_only=False)
-        for position, flat, work in self._pending:
-            index, axes, names = self._buckets[position]
-            with self._comm.guard(f"gradient bucket {index} all_reduce over mesh axes {axes}"):
-                work.wait(self._comm.timeout)
-            offset = 0
-            for x in names:
-                grad = local_of(self._params[x].grad)
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
-        for name in sorted(self._tied):
-            if name in self._params:
+        for p, summed in self._queue.drain():
+            local_of(p.grad).copy_(summed)
+        for name in sorted(self.tied):
+            if name in self.params:
                 count_collective("tied_sync", "all_reduce")
-                with self._comm.guard(f"summing the gradient of tied {self._fqn_of[name]} over pipeline ranks {self._tied[name]}"):
-                    dist.all_reduce(local_of(self._params[name].grad), group=self._tied_groups[self._tied[name]])
+                with self._comm.guard(f"summing the gradient of tied {self._fqn_of[name]} over pipeline ranks {self.tied[name]}"):
+                    dist.all_reduce(local_of(self.params[name].grad), group=self._tied_groups[self.tied[name]])
+        for name, p in self.params.items():
+            if self._earlier[name] is not None:
+                p.grad = self._earlier[name].add_(p.grad)
+        self._earlier = {}
         self._reset()
 
 
