@@ -241,3 +241,118 @@ def test_two_groups_train_their_own_plans():
         layouts = {f: p.layout for p in plan.params for f in p.fqns}
         for fqn, local in grads.items():
             torch.testing.assert_close(local, shard_tensor(ref_grads[fqn], layouts[fqn], plan.mesh, rank % 2), rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- one loop for a flat and a pipelined plan
+
+PIPE_CFG = dict(layers=4, hidden=32, heads=2, vocab_size=64, seq_len=8)
+
+
+def _small_gpt(dropout: float = 0.0):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**PIPE_CFG, dropout=dropout))
+    return model, torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _gpt_loss(out, y):
+    return loss_fn("gpt", out, y)
+
+
+def _pipelined(model, x):
+    options = meshplan.PipelineOptions(degrees=(2,), schedules=("1f1b",), microbatch_sizes=(4,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return meshplan.plan(model, 2, (x,), pipeline=options)
+
+
+def _one_loop(pmodel, x):
+    """The loop every plan takes: `step()`, `pmodel.clip_grad_norm_`, the optimizer; then an evaluation step in eval
+    mode. Returns the losses (None where a pipeline rank holds no last stage), the clip norms and the eval loss."""
+    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss = pmodel.step(x, target=x)
+        norms.append(float(pmodel.clip_grad_norm_(MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else float(loss))
+    pmodel.eval()
+    with torch.no_grad():
+        evaluated = pmodel.step(x, target=x)
+    pmodel.train()
+    return losses, norms, None if evaluated is None else float(evaluated)
+
+
+def _one_loop_worker(rank, world, flat, piped, piped_dropout):
+    out = {}
+    for name, plan in (("flat", flat), ("pipelined", piped)):
+        model, x = _small_gpt()
+        pmodel = meshplan.auto_parallelize(model, example_inputs=(x,), plan=plan, loss_fn=_gpt_loss)
+        assert type(pmodel) is ParallelModule
+        if name == "pipelined":  # what a pipelined plan cannot do raises, on every rank, before any collective
+            with pytest.raises(ValueError, match="a pipelined plan runs its whole batch in one step"):
+                pmodel.no_sync()
+            with pytest.raises(ValueError, match="call pmodel.step"):
+                pmodel(x)
+            pmodel.step(x, target=x)
+            with pytest.raises(ValueError, match="would see only this rank's stages; call pmodel.clip_grad_norm_"):
+                torch.nn.utils.clip_grad_norm_(pmodel.parameters(), MAX_NORM)
+            pmodel.zero_grad()
+        out[name] = _one_loop(pmodel, x)
+    # with dropout, the pipelined eval-mode program is the model's eval mode, and train mode is not
+    model, x = _small_gpt(dropout=0.2)
+    pmodel = meshplan.auto_parallelize(model, example_inputs=(x,), plan=piped_dropout, loss_fn=_gpt_loss)
+    with torch.no_grad():
+        pmodel.eval()
+        evaluated = pmodel.step(x, target=x)
+        pmodel.train()
+        trained = pmodel.step(x, target=x)
+    out["dropout"] = tuple(None if v is None else float(v) for v in (evaluated, trained))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_one_loop_trains_and_evaluates_a_flat_and_a_pipelined_plan():
+    """`step()`, `pmodel.clip_grad_norm_` (one global norm), the user's optimizer and an evaluation step in eval mode
+    give one process's numbers on a data-parallel and a 2-stage pipelined plan alike; the plain
+    `torch.nn.utils.clip_grad_norm_` over a pipelined plan's parameters, which would see one rank's stages, raises."""
+    model, x = _small_gpt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        flat = meshplan.plan(model, 2, (x,), mode="data_parallel")
+    piped = _pipelined(model, x)
+    dropout_model, _ = _small_gpt(dropout=0.2)
+    piped_dropout = _pipelined(dropout_model, x)
+    assert flat.pipeline is None and piped.pipeline.degree == 2 and piped_dropout.pipeline.degree == 2
+    results = run_local(2, _one_loop_worker, flat, piped, piped_dropout, timeout=900)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_losses, ref_norms = [], []
+    for _ in range(STEPS):
+        loss = _gpt_loss(model(x), x)
+        loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    assert min(ref_norms) > 10 * MAX_NORM, "the limit must make clipping scale the gradients"
+    with torch.no_grad():
+        ref_eval = _gpt_loss(model.eval()(x), x).item()
+        dropout_eval = _gpt_loss(dropout_model.eval()(x), x).item()
+    for name in ("flat", "pipelined"):
+        reported = 0
+        for rank, result in enumerate(results):
+            losses, norms, evaluated = result[name]
+            torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{name} rank {rank} clip norms: {m}")
+            if losses[0] is None:  # a pipeline rank without the last stage
+                assert name == "pipelined" and evaluated is None
+                continue
+            reported += 1
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{name} rank {rank} losses: {m}")
+            assert abs(evaluated - ref_eval) < 1e-4, (name, rank, evaluated, ref_eval)
+        assert reported == (2 if name == "flat" else 1), (name, reported)
+    evaluated, trained = next(r["dropout"] for r in results if r["dropout"][0] is not None)
+    assert abs(evaluated - dropout_eval) < 1e-4, (evaluated, dropout_eval)
+    assert abs(trained - dropout_eval) > 1e-3, "train mode must keep dropout"
