@@ -16,7 +16,7 @@ import sysconfig
 import traceback
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ from torch.utils import _pytree as pytree
 from torch.export.graph_signature import ConstantArgument, InputKind, InputSpec, OutputKind
 
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
+from meshplan.ir.mutations import (REGION_OUTPUT, UNSET, assigned, attributes, detach_parameter_updates, forward_attributes,
+                                   rebind_updated_parameters)
 from meshplan.ir.precision import MixedPrecision, cast_for_tracing
 from meshplan.ir.regions import regions_patched
 from meshplan.ir.repeat import replicate, repeated_stacks, truncated
@@ -73,10 +75,17 @@ class TracedProgram:
     constants: dict[str, torch.Tensor]
     """Lifted tensor constants by placeholder name."""
     mutations: tuple[str, ...] = ()
-    """FQNs of the buffers the program updates (batch norm's running statistics), one per leading
-    output of the graph, in order; the user's outputs follow them."""
+    """FQNs of the parameters and buffers the model updates in place in forward (batch norm's running
+    statistics, weights it rescales), one per leading output of the graph, which holds the new value, in
+    order; the user's outputs follow them."""
     fixed: tuple[FixedInput, ...] = ()
     """The traced call's non-tensor inputs, in call order."""
+    attributes: dict[str, Any] = field(default_factory=dict)
+    """The model's plain-valued module attributes (flags, counters) by `path.name` when it was traced: the program
+    computes what the model computes in that state."""
+    state_changes: dict[str, Any] = field(default_factory=dict)
+    """Attributes the forward reassigns, with the values it leaves, where the program traced from those values
+    differs from this one (RWKV's `layers_are_rescaled`): this program is then right for its first call only."""
 
     def user_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The tensors of the call `(*args, **kwargs)`, in the order the program's user inputs take them.
@@ -168,6 +177,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
             ep = torch.export.export(model, args, kwargs, strict=False)
             _inline_regions(ep.graph_module)
             _drop_checks(ep.graph_module)
+            rebind_updated_parameters(ep.graph_module, {s.arg.name for s in ep.graph_signature.input_specs
+                                                        if s.kind == InputKind.PARAMETER})
             if _decompose_in_place(ep.graph_module):
                 return ep
             table = torch.export.default_decompositions()
@@ -176,6 +187,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exporte
             ep = ep.run_decompositions(table)
             _inline_regions(ep.graph_module)
             _drop_checks(ep.graph_module)
+            detach_parameter_updates(ep.graph_module, [i for i, s in enumerate(ep.graph_signature.output_specs)
+                                                       if s.kind == OutputKind.PARAMETER_MUTATION])
             return ep
     except Exception as e:  # noqa: BLE001 - re-raised with context for the user
         where = user_frame(e)
@@ -220,6 +233,7 @@ def _inline_regions(gm: fx.GraphModule) -> None:
             def detach(a: fx.Node) -> fx.Node:
                 d = body.graph.call_function(aten.detach.default, (a,))
                 d.meta.update({k: a.meta[k] for k in ("val", "tensor_meta") if k in a.meta})
+                d.meta[REGION_OUTPUT] = True  # a parameter the region wrote stays the parameter (ir/mutations.py)
                 return d
 
             with body.graph.inserting_before(out):
@@ -359,6 +373,9 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     mixed-precision policy whose casts the program carries (ir/precision.py); None: the model's dtypes.
     `copy_repeated`: trace a few blocks of each stack of identical layers and copy one block's program for
     the rest (ir/repeat.py); False exports every block.
+
+    Module attributes the forward reassigns are put back, as torch.export does; where the program traced from the
+    values the forward leaves differs, the program records them (`TracedProgram.state_changes`).
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -366,6 +383,26 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     if any(t.device.type == "meta" for t in itertools.chain(model.parameters(), model.buffers())):
         # a model built on the meta device traces with meta inputs (only shapes matter)
         example_inputs, example_kwargs = pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), (example_inputs, example_kwargs))
+    before = attributes(model)
+    with forward_attributes(model) as left:
+        graph = _traced(model, example_inputs, example_kwargs, precision, copy_repeated)
+    changed = {k: v for k, v in left.items() if before.get(k, UNSET) != v}
+
+    def matters(values: dict[str, Any]) -> bool:  # a flag that picks a branch does; a counter nothing reads does not
+        with assigned(model, values):
+            again = _traced(model, example_inputs, example_kwargs, precision, copy_repeated).fx
+        return again.gm.code != graph.fx.gm.code or again.mutations != graph.fx.mutations
+
+    state = {k: v for k, v in changed.items() if matters({k: v})}
+    if not state and len(changed) > 1 and matters(changed):
+        state = changed
+    graph.fx.attributes, graph.fx.state_changes = before, state
+    return graph
+
+
+def _traced(model: nn.Module, example_inputs: tuple, example_kwargs: dict, precision: MixedPrecision | None,
+            copy_repeated: bool) -> Graph:
+    """One trace of the model as it is now (see `trace`)."""
     stacks = repeated_stacks(model) if copy_repeated else []
     ep, specs, grads, fixed = _exported(model, example_inputs, example_kwargs, precision, stacks)
     if ep is None:
@@ -425,7 +462,7 @@ def trace(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | N
     gm.graph.lint()
     gm.recompile()
     nodes = [replace(n, requires_grad=grads.get(n.name, ())) if n.kind != "output" else n for n in nodes]
-    program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants, _buffer_mutations(ep), fixed)
+    program = TracedProgram(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, constants, _mutations(ep), fixed)
     graph = Graph(nodes, fx=program, input_names=tuple(input_names), precision=precision)
     verify(graph)
     return graph
@@ -443,7 +480,7 @@ def _exported(model: nn.Module, args: tuple, kwargs: dict, precision: MixedPreci
     specs = [s for s in ep.graph_signature.input_specs if not isinstance(s.arg, ConstantArgument)]
     if precision is not None:
         _place_weight_casts(gm, {s.arg.name for s in specs if s.kind == InputKind.PARAMETER})
-    if stacks and _buffer_mutations(ep):
+    if stacks and _mutations(ep):
         return None, [], {}, ()  # the copies would have to extend the program's outputs too
     trainable = dict(model.named_parameters(remove_duplicate=False))
     grads = _requires_grad(gm, {s.arg.name: trainable[s.target].requires_grad for s in specs if s.target in trainable})
@@ -546,10 +583,30 @@ def _static_args(n: fx.Node) -> tuple:
     return tuple(a for a in pytree.tree_leaves((n.args, n.kwargs)) if not isinstance(a, fx.Node))
 
 
-def _buffer_mutations(ep: torch.export.ExportedProgram) -> tuple[str, ...]:
-    """FQNs of the buffers written by the graph's leading outputs."""
-    kinds = [s.kind for s in ep.graph_signature.output_specs]
-    mutated = tuple(s.target for s in ep.graph_signature.output_specs if s.kind == OutputKind.BUFFER_MUTATION)
-    if any(k != OutputKind.BUFFER_MUTATION for k in kinds[: len(mutated)]):
-        raise TraceError(f"the exported program mutates buffers after its user outputs ({kinds}); meshplan cannot run it")
+MUTATED = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)
+"""The updates the program hands back to be written into the module (runtime/write_back.py)."""
+
+
+def _mutations(ep: torch.export.ExportedProgram) -> tuple[str, ...]:
+    """FQNs of the buffers and parameters written by the graph's leading outputs. A forward that writes into
+    one of its inputs is a TraceError: the runtime hands each rank its part of the input, not the caller's tensor."""
+    specs = ep.graph_signature.output_specs
+    values = next(n for n in ep.graph_module.graph.nodes if n.op == "output").args[0]
+    for spec, value in zip(specs, values):
+        if spec.kind == OutputKind.USER_INPUT_MUTATION:
+            raise TraceError(
+                f"the model's forward writes in place into its input {spec.target} ({_made_by(value)}); meshplan's program "
+                "gives each rank its part of the input, so the caller's tensor would not change: write the result to a "
+                "new tensor instead")
+    mutated = tuple(s.target for s in specs if s.kind in MUTATED)
+    if any(s.kind not in MUTATED for s in specs[: len(mutated)]):
+        raise TraceError(f"the exported program mutates buffers or parameters after its user outputs "
+                         f"({[s.kind.name for s in specs]}); meshplan cannot run it")
     return mutated
+
+
+def _made_by(node: Any) -> str:
+    """`aten.mul.Tensor at blocks.1`: the op whose result an output is, and where the model runs it."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return f"{node}"
+    return f"{op_name(node.target)} at {_module_path(node) or '<top>'}"

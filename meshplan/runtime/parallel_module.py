@@ -16,6 +16,7 @@ import inspect
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,13 +41,7 @@ from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.stage_grads import StageGradSync
 from meshplan.runtime.weights import FromModel, WeightSource, block_slices
-
-
-def distribute(whole: torch.Tensor, layout: Placements, comm: MeshComm) -> DTensor:
-    """This rank's block of `whole` as a DTensor with `layout` on `comm`'s mesh (a copy: a chunk view
-    would keep `whole` alive)."""
-    local = shard_tensor(whole, layout, comm.mesh, comm.rank).clone(memory_format=torch.contiguous_format)
-    return as_dtensor(local, layout, tuple(whole.shape), comm)
+from meshplan.runtime.write_back import Update, check_state, refuse_in_pipeline, updates, write_back
 
 
 def as_dtensor(local: torch.Tensor, layout: Placements, shape: tuple[int, ...], comm: MeshComm) -> DTensor:
@@ -163,11 +158,12 @@ class ParallelModule(nn.Module):
             self._leaf[p.node] = tensor
         self._node_of = {f: p.node for p in plan.params for f in p.fqns}
         self._layout = {p.node: p.layout for p in plan.params}
-        self._fqns = {p.node: p.fqns for p in plan.params}
         self._rng = None
         if any(is_random(n.target) for n in graph.nodes if n.kind == "op"):
             self._rng = ProgramRng(self.process_group, device, ranks[0], self.comm.guard)
         self._eval_source = eval_source
+        self._attributes: dict[str, Any] = {}
+        """module attributes earlier forwards reassigned, by `path.name` (runtime/write_back.py, `check_state`)"""
         self._eval: _RankProgram | Pipeline | None = None
         self.loss_fn = loss_fn
         """the loss `step()` uses when given none"""
@@ -179,6 +175,7 @@ class ParallelModule(nn.Module):
             self._grad_sync: GradBuckets | StageGradSync = GradBuckets(plan.buckets, self._leaf, self.comm)
             self._train: _RankProgram | Pipeline = self._rank_program(graph, plan, self.program)
         else:
+            refuse_in_pipeline(graph)
             fqn_of = {p.node: p.fqns[0] for p in plan.params}
             self.pipeline = train_pipeline(cut, graph, plan, self.program, self._stage_leaves(graph, plan, cut.needed),
                                            self._localiser(plan), self.comm, stage_rank, fqn_of)
@@ -198,7 +195,8 @@ class ParallelModule(nn.Module):
 
     def _rank_program(self, graph: Graph, plan: Plan, program: fx.GraphModule) -> _RankProgram:
         return _RankProgram(program, graph.fx, {i.name: i for i in plan.inputs},
-                            [n.name for n in graph.fx.gm.graph.nodes if n.op == "placeholder"], self._leaf_of(plan))
+                            [n.name for n in graph.fx.gm.graph.nodes if n.op == "placeholder"], self._leaf_of(plan),
+                            updates(graph, plan, self.plan.params))
 
     def _stage_leaves(self, graph: Graph, plan: Plan, needed: set[str]) -> dict[str, torch.Tensor]:
         """What the stages of `plan`'s program take besides the user's inputs, by placeholder: parameters, buffers, constants."""
@@ -230,6 +228,7 @@ class ParallelModule(nn.Module):
         if self.pipeline is None:
             return self._rank_program(graph, plan, program)
         # the same stages, cut from the eval-mode program; forward only
+        refuse_in_pipeline(graph)
         plan = dataclasses.replace(plan, pipeline=self.plan.pipeline)
         cut = cut_program(program, graph, plan, self.pipeline.cut.rank)
         return Pipeline(cut, graph, plan, program, self._stage_leaves(graph, plan, cut.needed), self._localiser(plan),
@@ -241,6 +240,7 @@ class ParallelModule(nn.Module):
                              "live on the last stage's ranks: call pmodel.step(*inputs, target=y) (under torch.no_grad() "
                              "or in eval mode for the loss alone), not pmodel(*inputs)")
         program = self._current()
+        check_state(self._attributes, program.traced, "train" if self.training else "eval")
         user = iter(program.traced.user_inputs(args, kwargs))
         call = []
         for name in program.placeholders:
@@ -252,17 +252,9 @@ class ParallelModule(nn.Module):
                 call.append(self._localise_input(program.inputs.get(name), next(user)))
         with self._rng.active() if self._rng is not None else contextlib.nullcontext():
             out = list(program.gm(*call))
-        mutated = program.traced.mutations
-        # running statistics (batch norm): this rank's part becomes the buffer. A new tensor, not an
-        # in-place copy: the step's backward may still read the old one.
-        for fqn, value in zip(mutated, out):
-            node = self._node_of[fqn]
-            new = distribute(value.detach(), self._layout[node], self.comm)
-            for alias in self._fqns[node]:
-                _owner(self, alias)._buffers[alias.rsplit(".", 1)[-1]] = new
-            self._leaf[node] = new
-        out = out[len(mutated):]
-        return pytree.tree_unflatten(out, program.traced.out_spec)
+        write_back(self, program.updates, out)  # parameters and buffers the forward updated in place
+        self._attributes.update(program.traced.state_changes)
+        return pytree.tree_unflatten(out[len(program.updates):], program.traced.out_spec)
 
     def step(self, *inputs, target, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor | None:
         """One batch: forward, `loss_fn(output, target)` and, in train mode with autograd on, backward (with a
@@ -378,6 +370,8 @@ class _RankProgram:
     placeholders: list[str]
     leaf_of: dict[str, str]
     """placeholder -> the train plan's node of the same parameter or buffer (the key of `_leaf`)"""
+    updates: tuple[Update, ...]
+    """the parameters and buffers the program writes, one per leading output (runtime/write_back.py)"""
 
 
 def _owner(root: nn.Module, fqn: str) -> nn.Module:
