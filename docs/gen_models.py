@@ -91,6 +91,23 @@ FLOP shares count forward FLOPs on whole tensors (`meshplan.cost_model.compute.o
 - **Gradients of returned tensors.** A model that returns a scalar loss is planned as trained by
   that loss: its other outputs (logits, hidden states) get no gradient, so the plan lists no
   backward collectives for them.
+- **Updates in forward.** A forward that updates its own parameters in place (a weight rescaled or
+  normalised under `torch.no_grad()`) or its buffers (batch norm's running statistics) runs with
+  parity: the traced program hands each new value back, later reads of an updated weight take the
+  new value with the gradient going to the weight, as in one process (`meshplan/ir/mutations.py`),
+  and the runtime writes each rank's part into the tensor in its own layout
+  (`meshplan/runtime/write_back.py`). A forward that also reassigns a module attribute that changes
+  what later calls compute (Hugging Face RWKV's `layers_are_rescaled`: its first eval-mode call
+  halves the deeper blocks' output weights, the next ones leave them, the next training call
+  doubles them back) is followed as one process would be: the next call in each mode runs a
+  program traced from the attributes the last forward left, planned once with the training plan's
+  layouts (`meshplan/runtime/model_state.py`). Pipelined and recomputing plans refuse updates, and a
+  forward writing into its own input is a `TraceError`, each naming the tensor and the op.
+  `tests/test_forward_updates.py` runs RWKV's eval mode with the rescaled weights split over 2 ranks
+  (outputs and weights as one process's), a model that rescales as RWKV does through training and
+  evaluation in turn, and a model rescaling weights on every call (under three plans). RWKV's
+  training itself does not run yet: its traced program copies into slices with `aten.copy`, which
+  autograd cannot differentiate.
 """
 
 

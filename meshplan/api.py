@@ -8,6 +8,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from meshplan.cost_model.presets import ClusterPreset, get_cluster
 from meshplan.cost_model.profile import Profile, resolve_profile
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.mutations import assigned
 from meshplan.ir.precision import MixedPrecision, resolve_precision
 from meshplan.ir.trace import example_call, trace
 from meshplan.planner.annotations import AnnotationError, module_annotations
@@ -276,22 +278,26 @@ def weight_source(model: nn.Module, weights: str | os.PathLike | None, init_fn: 
 
 
 def _eval_program(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, graph: Graph, plan: Plan,
-                  group: dist.ProcessGroup | None) -> tuple[Graph, Plan] | None:
-    """The model traced in eval mode and planned with `plan`'s parameter and input layouts, or None when
-    eval mode traces to the same program. Every rank of `group` calls this (the first rank plans)."""
+                  group: dist.ProcessGroup | None, *, training: bool = False,
+                  attributes: dict[str, Any] | None = None) -> tuple[Graph, Plan] | None:
+    """The model traced in eval mode (`training`: train mode) and planned with `plan`'s parameter and input layouts,
+    or None when eval mode traces to the same program. `attributes`: module attributes (`path.name`) to trace it with,
+    those an earlier forward left (runtime/model_state.py). Every rank of `group` calls this (the first rank plans)."""
     was_training = model.training
-    model.eval()
+    model.train(training)
     try:
-        eval_graph = trace(model, example_inputs, example_kwargs, precision=plan.precision)
+        with assigned(model, attributes or {}):
+            eval_graph = trace(model, example_inputs, example_kwargs, precision=plan.precision)
     finally:
         model.train(was_training)
-    if eval_graph.fingerprint() == graph.fingerprint():
+    if not attributes and eval_graph.fingerprint() == graph.fingerprint():
         return None
     options = PlanOptions(
         inputs=plan.inputs_mode, recompute="never",
         param_layouts={p.fqns[0]: p.layout for p in plan.params}, input_layouts={i.name: i.layout for i in plan.inputs},
     )
-    phase(f"planning {type(model).__name__} in eval mode with the training plan's layouts")
+    phase(f"planning {type(model).__name__} in {'train' if training else 'eval'} mode"
+          f"{' from the attributes an earlier forward left' if attributes else ''} with the training plan's layouts")
     eval_plan = plan_once(lambda: make_plan(eval_graph, plan.mesh, get_cluster(plan.cluster), options,
                                             model_name=type(model).__name__), group)
     return eval_graph, eval_plan

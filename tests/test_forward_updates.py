@@ -1,10 +1,12 @@
 """Models that update their own state in forward (issue 28, item 3): parameters rescaled in place, buffers and
 module attributes. The traced program returns each updated parameter's new value with the gradient still going to
 the parameter (ir/mutations.py); the runtime writes each rank's part back in the parameter's layout
-(runtime/write_back.py), and refuses to run a program after an earlier forward changed the module attributes that
-picked its branch (Hugging Face RWKV's `layers_are_rescaled`). Parity with one process on 2 gloo ranks: a model
-rescaling its weights on every call (train and eval, under data-parallel, tensor-parallel and FSDP-style plans) and
-Hugging Face RWKV's eval forward, which rescales its weights on its first call."""
+(runtime/write_back.py), and where a forward moves on module attributes that pick later forwards' branches (Hugging
+Face RWKV's `layers_are_rescaled`) runs programs traced from the attributes it left (runtime/model_state.py).
+Parity with one process on 2 gloo ranks: a model rescaling its weights on every call (train and eval, under
+data-parallel, tensor-parallel and FSDP-style plans); Hugging Face RWKV's eval mode, whose first call halves its
+deeper blocks' output weights and whose next leaves them; and a model that does what RWKV does, and doubles its
+weight back on its next training call, through training and evaluation in turn."""
 
 from __future__ import annotations
 
@@ -56,11 +58,11 @@ class Rescaling(nn.Module):
         return y
 
 
-def _rescaling():
+def _rescaling(cls: type[nn.Module] = Rescaling):
     torch.manual_seed(0)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     y = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
-    return Rescaling(), x, y
+    return cls(), x, y
 
 
 def _rwkv():
@@ -118,19 +120,19 @@ def test_writing_into_an_input_is_a_trace_error():
 
 
 class Flagged(nn.Module):
-    """Rescales its weight on its first eval-mode call and records that in a flag, as Hugging Face RWKV does; counts
-    its calls in an attribute nothing reads."""
+    """As Hugging Face RWKV: its first eval-mode call halves its weight and records that in a flag, and its first
+    training call after that doubles the weight back; it also counts its calls in an attribute nothing reads."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc, self.rescaled, self.calls = nn.Linear(4, 4), False, 0
+        self.fc, self.rescaled, self.calls = nn.Linear(16, 8), False, 0
 
     def forward(self, x):
         self.calls += 1
-        if not self.training and not self.rescaled:
+        if self.rescaled == self.training:
             with torch.no_grad():
-                self.fc.weight.div_(2)
-            self.rescaled = True
+                self.fc.weight.mul_(2) if self.training else self.fc.weight.div_(2)
+            self.rescaled = not self.training
         return self.fc(x) * (2 if self.rescaled else 1)
 
 
@@ -138,11 +140,11 @@ def test_attributes_that_pick_the_branch_are_state_changes():
     """A flag the forward sets, from which the program traces differently, is recorded with the value it is left at;
     a counter nothing reads is not. Tracing leaves both as they were."""
     model = Flagged().eval()
-    program = trace(model, (torch.randn(2, 4),)).fx
+    program = trace(model, (torch.randn(2, 16),)).fx
     assert program.state_changes == {"rescaled": True}
     assert program.attributes["rescaled"] is False and program.attributes["calls"] == 0
     assert (model.rescaled, model.calls) == (False, 0)
-    assert trace(model.train(), (torch.randn(2, 4),)).fx.state_changes == {}
+    assert trace(model.train(), (torch.randn(2, 16),)).fx.state_changes == {}
 
 
 def _plan(model, x, **kw):
@@ -167,6 +169,23 @@ def test_updates_a_plan_cannot_honour_are_errors_naming_the_parameter_and_op():
         updates(graph, dataclasses.replace(plan, recompute=("fc1",)), plan.params)
 
 
+def test_a_program_traced_before_an_earlier_forward_moved_its_attributes_is_refused():
+    """Without a source to trace it again (a ParallelModule built without eval_source), a program whose attributes an
+    earlier forward moved on is a ValueError naming the attribute (runtime/model_state.py)."""
+    from meshplan.runtime.model_state import ModelState
+
+    model = Flagged()
+    train, evaluated = trace(model, (torch.randn(2, 16),)).fx, trace(model.eval(), (torch.randn(2, 16),)).fx
+    state = ModelState(train.attributes)
+    state.check(evaluated, "eval")
+    state.after(evaluated)
+    assert state.moved == {"rescaled": True}
+    with pytest.raises(ValueError, match="set the model's attribute rescaled to True, and it was False when the "
+                                         "train-mode program was traced"):
+        state.check(train, "train")
+    assert state.program(True, lambda training, attributes: (training, attributes)) == (True, {"rescaled": True})
+
+
 def test_pipelined_plans_refuse_forwards_that_update_state():
     """A pipeline's stages hand on only the model's outputs, and each microbatch runs the program traced before the
     first: ParallelModule refuses both kinds of update for a pipelined plan (runtime/write_back.py)."""
@@ -175,13 +194,13 @@ def test_pipelined_plans_refuse_forwards_that_update_state():
     model, x, _ = _rescaling()
     with pytest.raises(ValueError, match=r"updates tensor fc1\.weight in place \(aten\.div\.Tensor at <top>\); pipelined"):
         refuse_in_pipeline(trace(model, (x,)))
-    flagged = trace(Flagged().eval(), (torch.randn(2, 4),))
+    flagged = trace(Flagged().eval(), (torch.randn(2, 16),))
     with pytest.raises(ValueError, match="updates tensor fc.weight"):
         refuse_in_pipeline(flagged)
     flagged.fx.mutations = ()
     with pytest.raises(ValueError, match="sets the model's attribute rescaled to True"):
         refuse_in_pipeline(flagged)
-    refuse_in_pipeline(trace(Flagged(), (torch.randn(2, 4),)))  # train mode: nothing to refuse
+    refuse_in_pipeline(trace(Flagged(), (torch.randn(2, 16),)))  # train mode: nothing to refuse
 
 
 # ---------------------------------------------------------------- parity on 2 gloo ranks
@@ -204,16 +223,31 @@ def _train_and_evaluate(model, x, y) -> tuple[list[float], list[torch.Tensor], d
 
 
 def _rwkv_eval(model, args, kwargs):
-    """Two eval-mode calls: the first rescales the weights; the second must refuse (it would rescale them again)."""
+    """Two eval-mode calls (the first halves block 1's output weights, the second leaves them): each call's loss and
+    logits, then the parameters."""
     model.eval()
     with torch.no_grad():
-        out = model(*args, **kwargs)
-        try:
-            model(*args, **kwargs)
-            refused = ""
-        except ValueError as e:
-            refused = str(e)
-    return (out.loss, out.logits), {k: local_of(v.detach()) for k, v in model.named_parameters()}, refused
+        calls = [model(*args, **kwargs) for _ in range(2)]
+    return [(c.loss, c.logits) for c in calls], {k: local_of(v.detach()) for k, v in model.named_parameters()}
+
+
+def _cycle(model, x, y) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Training and evaluation in turn (train, eval, eval, train, train, eval): each call's output (a training step's
+    loss), then the parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    outs = []
+    for training in (True, False, False, True, True, False):
+        model.train(training)
+        if training:
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            outs.append(loss.detach())
+        else:
+            with torch.no_grad():
+                outs.append(model(x))
+    return outs, {k: local_of(v.detach()) for k, v in model.named_parameters()}
 
 
 def _worker(rank: int, world: int, jobs: list):
@@ -225,6 +259,9 @@ def _worker(rank: int, world: int, jobs: list):
                 warnings.simplefilter("ignore")
                 pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=args, example_kwargs=kwargs, plan=plan)
             results.append(_rwkv_eval(pmodel, args, kwargs))
+        elif name == "flagged":
+            model, x, y = _rescaling(Flagged)
+            results.append(_cycle(meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan), x, y))
         else:
             model, x, y = _rescaling()
             results.append(_train_and_evaluate(meshplan.auto_parallelize(model, devices=world, example_inputs=(x,), plan=plan), x, y))
@@ -237,6 +274,8 @@ def _jobs() -> list:
     jobs = [("rescaling", _plan(model, x, mode="data_parallel")),
             ("rescaling", _plan(model, x, param_layouts={"fc1.weight": "S(0)", "fc2.weight": "S(1)", "fc2.bias": "R"})),
             ("rescaling", _plan(model, x, param_layouts={"*": "S(0)"}))]
+    flagged, x, _ = _rescaling(Flagged)
+    jobs.append(("flagged", _plan(flagged, x, param_layouts={"fc.weight": "S(0)"})))
     model, args, kwargs = _rwkv()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -263,20 +302,23 @@ def test_models_updating_their_parameters_run_with_parity_on_two_ranks():
 
     model, x, y = _rescaling()
     losses, outs, params = _train_and_evaluate(model, x, y)
-    rwkv, args, kwargs = _rwkv()
-    rwkv.eval()
-    with torch.no_grad():
-        rwkv_out = rwkv(*args, **kwargs)
-    assert rwkv.rwkv.layers_are_rescaled  # the reference's weights are the rescaled ones
+    rwkv_calls, rwkv_params = _rwkv_eval(*_rwkv())
+    assert not torch.equal(rwkv_params["rwkv.blocks.1.attention.output.weight"], _rwkv()[0].rwkv.blocks[1].attention.output.weight)
+    flagged_outs, flagged_params = _cycle(*_rescaling(Flagged))
     for rank, ranks in enumerate(results):
         for (name, plan), result in zip(jobs, ranks):
             where = f"{name} on rank {rank}, plan {[str(p.layout) for p in plan.params][:4]}"
             if name == "rwkv":
-                (loss, logits), got, refused = result
-                torch.testing.assert_close(loss, rwkv_out.loss, rtol=1e-5, atol=1e-6)
-                torch.testing.assert_close(logits, rwkv_out.logits, rtol=1e-5, atol=1e-5)
-                _check_params(got, dict(rwkv.named_parameters()), plan, rank, where)
-                assert "rwkv.layers_are_rescaled to True, and it was False when the eval-mode program was traced" in refused
+                calls, got = result
+                for i, ((loss, logits), (want_loss, want_logits)) in enumerate(zip(calls, rwkv_calls)):
+                    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}, call {i} loss: {m}")
+                    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}, call {i}: {m}")
+                _check_params(got, rwkv_params, plan, rank, where)
+            elif name == "flagged":
+                cycle, got = result
+                for i, (a, b) in enumerate(zip(cycle, flagged_outs)):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}, call {i}: {m}")
+                _check_params(got, flagged_params, plan, rank, where)
             else:
                 got_losses, got_outs, got = result
                 torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(losses), rtol=1e-5, atol=1e-6)

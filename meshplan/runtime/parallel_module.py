@@ -16,7 +16,6 @@ import inspect
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,13 +34,14 @@ from meshplan.runtime import collectives
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.init_on_meta import FromInit
+from meshplan.runtime.model_state import ModelState
 from meshplan.runtime.offload import make_optimizer
 from meshplan.runtime.pipeline import Pipeline, cut_program, train_pipeline
 from meshplan.runtime.rewrite import local_program
 from meshplan.runtime.rng import ProgramRng
 from meshplan.runtime.stage_grads import StageGradSync
 from meshplan.runtime.weights import FromModel, WeightSource, block_slices
-from meshplan.runtime.write_back import Update, check_state, refuse_in_pipeline, updates, write_back
+from meshplan.runtime.write_back import Update, refuse_in_pipeline, updates, write_back
 
 
 def as_dtensor(local: torch.Tensor, layout: Placements, shape: tuple[int, ...], comm: MeshComm) -> DTensor:
@@ -90,7 +90,9 @@ class ParallelModule(nn.Module):
     `eval()` mode runs a second program, traced from the model in eval mode and planned with this
     plan's parameter and input layouts (dropout off, batch norm on running statistics). It is built
     on the first forward in eval mode by `eval_source()`, which returns that (graph, plan), or None
-    when eval mode traces to the same program; `auto_parallelize` provides it.
+    when eval mode traces to the same program; `auto_parallelize` provides it. Where a forward moves on module
+    attributes that change what later forwards compute (Hugging Face RWKV's `layers_are_rescaled`), each mode's
+    program for the new attributes comes from `eval_source(training=, attributes=)` (runtime/model_state.py).
 
     `weights`: where this rank's shards come from (runtime/weights.py): by default the model's own
     tensors, broadcast from the group's first rank, or, for a model on the meta device, the model's
@@ -162,8 +164,8 @@ class ParallelModule(nn.Module):
         if any(is_random(n.target) for n in graph.nodes if n.kind == "op"):
             self._rng = ProgramRng(self.process_group, device, ranks[0], self.comm.guard)
         self._eval_source = eval_source
-        self._attributes: dict[str, Any] = {}
-        """module attributes earlier forwards reassigned, by `path.name` (runtime/write_back.py, `check_state`)"""
+        self._state = ModelState(graph.fx.attributes)
+        """module attributes earlier forwards moved on, and the programs traced from them (runtime/model_state.py)"""
         self._eval: _RankProgram | Pipeline | None = None
         self.loss_fn = loss_fn
         """the loss `step()` uses when given none"""
@@ -212,6 +214,11 @@ class ParallelModule(nn.Module):
         return out
 
     def _current(self) -> _RankProgram | Pipeline:
+        if self._eval_source is not None:  # traced again where an earlier forward moved attributes on (RWKV's rescaling)
+            moved = self._state.program(self.training, lambda training, attributes: self._eval_program(
+                *self._eval_source(training=training, attributes=attributes)))
+            if moved is not None:
+                return moved
         if self.training:
             return self._train
         if self._eval is None:
@@ -240,7 +247,7 @@ class ParallelModule(nn.Module):
                              "live on the last stage's ranks: call pmodel.step(*inputs, target=y) (under torch.no_grad() "
                              "or in eval mode for the loss alone), not pmodel(*inputs)")
         program = self._current()
-        check_state(self._attributes, program.traced, "train" if self.training else "eval")
+        self._state.check(program.traced, "train" if self.training else "eval")
         user = iter(program.traced.user_inputs(args, kwargs))
         call = []
         for name in program.placeholders:
@@ -253,7 +260,7 @@ class ParallelModule(nn.Module):
         with self._rng.active() if self._rng is not None else contextlib.nullcontext():
             out = list(program.gm(*call))
         write_back(self, program.updates, out)  # parameters and buffers the forward updated in place
-        self._attributes.update(program.traced.state_changes)
+        self._state.after(program.traced)
         return pytree.tree_unflatten(out[len(program.updates):], program.traced.out_spec)
 
     def step(self, *inputs, target, loss_fn: Callable | None = None, **kwargs) -> torch.Tensor | None:

@@ -4,26 +4,19 @@ The traced program is functional: each parameter or buffer the forward writes in
 program's leading outputs, holding the new value (`TracedProgram.mutations`, ir/mutations.py). After each
 forward this rank's part of that value, in the tensor's own layout, goes into the module's tensor, so the module
 holds what one process's model holds after the same call.
-
-A forward may also reassign module attributes that pick what later forwards compute (Hugging Face RWKV rescales
-its weights on the first eval-mode call and records that in `layers_are_rescaled`). Each program was traced from
-the attributes the model had then; `check_state` refuses to run one after an earlier forward moved them on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshplan.ir.graph import Graph
-from meshplan.ir.mutations import UNSET
 from meshplan.ir.placement import Placements, Replicate
-from meshplan.ir.trace import TracedProgram
 from meshplan.plans.plan import ParamChoice, Plan
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.weights import block_slices
@@ -114,17 +107,3 @@ def write_back(module: nn.Module, program_updates: tuple[Update, ...], values: S
             owner._buffers[alias.rpartition(".")[2]] = new
         module._leaf[node] = new
 
-
-def check_state(state: dict[str, Any], traced: TracedProgram, mode: str) -> None:
-    """A ValueError when an earlier forward left a module attribute (`state`, by `path.name`) with another value than
-    `traced`'s program was traced with: it would compute what the model computed then, not now."""
-    for key, value in state.items():
-        then = traced.attributes.get(key, UNSET)
-        if then != value:
-            was = "did not exist" if then is UNSET else f"was {then!r}"
-            raise ValueError(
-                f"an earlier forward set the model's attribute {key} to {value!r}, and it {was} when the {mode}-mode program "
-                "was traced: the program computes what the model computed in that state, and meshplan does not trace it "
-                f"again for the new one. Keep {key} the same from call to call (Hugging Face RWKV: rescale_every=0 in its "
-                "config; its rescaling only keeps fp16 from overflowing)"
-            )
