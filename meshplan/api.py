@@ -107,6 +107,8 @@ def plan(
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be a positive number of seconds; got {time_limit_s!r}")
     example_inputs, example_kwargs = example_call(example_inputs, example_kwargs)
+    if isinstance(cluster, str):
+        cluster = get_cluster(cluster).name  # any case; an unknown name fails before the presets warning
     if profile is None and isinstance(cluster, ClusterPreset) and cluster.profile is not None:
         cluster_preset = cluster  # already calibrated
     else:

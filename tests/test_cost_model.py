@@ -103,6 +103,19 @@ def test_get_cluster():
     assert h100.device.peak("bfloat16") == 989e12 and h100.device.peak("float32") == 67e12
     with pytest.raises(ValueError, match=r"^unknown cluster 'x'; known: a100, cpu, h100, h200$"):
         get_cluster("x")
+    assert get_cluster("H100") is h100  # names in any case
+
+
+def test_an_unknown_cluster_fails_before_the_presets_warning(caplog):
+    import logging
+
+    import meshplan
+    from meshplan.models import mlp_small
+
+    model, x = mlp_small()
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError, match="unknown cluster 'H1000'"):
+        meshplan.plan(model, 2, (x,), cluster="H1000")
+    assert "presets" not in caplog.text
 
 
 # --- compute -----------------------------------------------------------------------------------

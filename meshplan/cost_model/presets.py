@@ -210,9 +210,9 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
 
 
 def get_cluster(name_or_preset: str | ClusterPreset) -> ClusterPreset:
-    """A preset by name (`"a100"`, `"h100"`, `"h200"`, `"cpu"`), or the given preset unchanged."""
+    """A preset by name in any case (`"a100"`, `"H100"`, `"h200"`, `"cpu"`), or the given preset unchanged."""
     if isinstance(name_or_preset, ClusterPreset):
         return name_or_preset
-    if isinstance(name_or_preset, str) and name_or_preset in CLUSTERS:
-        return CLUSTERS[name_or_preset]
+    if isinstance(name_or_preset, str) and name_or_preset.lower() in CLUSTERS:
+        return CLUSTERS[name_or_preset.lower()]
     raise ValueError(f"unknown cluster {name_or_preset!r}; known: {', '.join(sorted(CLUSTERS))}")
