@@ -211,7 +211,7 @@ class MoEShard(nn.Module):
         recv = recv_counts.view(n, local).sum(1).tolist()
         rows = TokenExchange.apply(x[token], recv, send, comm, axis)
         # rows arrive source by source, each source's rows grouped by local expert
-        expert_of_row = torch.repeat_interleave(torch.arange(local).repeat(n), recv_counts)
+        expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(n), recv_counts)
         done = torch.zeros_like(rows)
         for e in range(local):
             idx = torch.where(expert_of_row == e)[0]

@@ -57,18 +57,27 @@ def init_torchrun_group(backend: str | None = None, timeout: timedelta | float |
         raise ValueError("init_torchrun_group needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     timeout = resolve_timeout(timeout)
-    if backend != "gloo" and torch.accelerator.is_available():
-        # one device per process: collectives and the runtime use the current device
-        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", 0)))
+    device = _own_device(backend, int(os.environ.get("LOCAL_RANK", 0)))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, device_id=device)
         return
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
                           timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"meshplan/attempt_{attempt}", store), rank=rank,
-                            world_size=world_size, timeout=timeout)
+                            world_size=world_size, timeout=timeout, device_id=device)
+
+
+def _own_device(backend: str, local_rank: int) -> torch.device | None:
+    """On an accelerator backend (NCCL), this process's device, made current: one device per process of a node,
+    local rank i on device i (modulo the devices this process sees, as `group_device` expects). None for gloo."""
+    if backend == "gloo" or not torch.accelerator.is_available():
+        return None
+    index = local_rank % torch.accelerator.device_count()
+    torch.accelerator.set_device_index(index)
+    # bound to the group too (init_process_group's device_id): NCCL then need not guess it from the global rank
+    return torch.device(torch.accelerator.current_accelerator().type, index)
 
 
 def _worker(rank, world_size, port, backend, timeout, fn, args, conn, stack_path) -> None:
@@ -86,10 +95,8 @@ def _worker(rank, world_size, port, backend, timeout, fn, args, conn, stack_path
         _stack_file = open(stack_path, "w")
         faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout), device_id=_own_device(backend, rank))
         value = fn(rank, world_size, *args)
         if dist.is_initialized():  # nobody leaves (rank 0 hosts the store) before everyone is done
             dist.barrier()

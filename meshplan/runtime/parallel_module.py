@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -198,15 +199,20 @@ class ParallelModule(nn.Module):
     def _rank_program(self, graph: Graph, plan: Plan, program: fx.GraphModule) -> _RankProgram:
         return _RankProgram(program, graph.fx, {i.name: i for i in plan.inputs},
                             [n.name for n in graph.fx.gm.graph.nodes if n.op == "placeholder"], self._leaf_of(plan),
-                            updates(graph, plan, self.plan.params))
+                            updates(graph, plan, self.plan.params), self._constants(graph))
+
+    def _constants(self, graph: Graph) -> dict[str, torch.Tensor]:
+        """The traced program's lifted tensor constants (`x * torch.tensor([...])`) on this rank's device: the trace
+        keeps them where the model made them, the host."""
+        return {name: t.to(self.comm.device) for name, t in graph.fx.constants.items()}
 
     def _stage_leaves(self, graph: Graph, plan: Plan, needed: set[str]) -> dict[str, torch.Tensor]:
         """What the stages of `plan`'s program take besides the user's inputs, by placeholder: parameters, buffers, constants."""
-        leaf_of = self._leaf_of(plan)
+        leaf_of, constants = self._leaf_of(plan), self._constants(graph)
         out = {}
         for name in needed:
-            if name in graph.fx.constants:
-                out[name] = graph.fx.constants[name]
+            if name in constants:
+                out[name] = constants[name]
             elif leaf_of.get(name) not in self._leaf:
                 raise AssertionError(f"this rank's stages read {name}, which it does not hold")
             else:
@@ -253,8 +259,8 @@ class ParallelModule(nn.Module):
         for name in program.placeholders:
             if name in program.leaf_of:
                 call.append(self._leaf[program.leaf_of[name]])  # the program takes its local view where it is used
-            elif name in program.traced.constants:
-                call.append(program.traced.constants[name])
+            elif name in program.constants:
+                call.append(program.constants[name])
             else:
                 call.append(self._localise_input(program.inputs.get(name), next(user)))
         with self._rng.active() if self._rng is not None else contextlib.nullcontext():
@@ -276,6 +282,8 @@ class ParallelModule(nn.Module):
             raise ValueError("step() needs a loss: pass step(..., loss_fn=) or auto_parallelize(..., loss_fn=)")
         backward = self.training and torch.is_grad_enabled()
         program = self._current()
+        # on the outputs' device, as the inputs are: a GPU loss refuses a target left on the host
+        target = pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.comm.device), target)
         if isinstance(program, Pipeline):  # every rank checks the call: a bad one fails everywhere at once
             with self._rng.active() if self._rng is not None else contextlib.nullcontext():
                 return program.step(program.traced.user_inputs(inputs, kwargs), target, loss_fn, backward=backward)
@@ -379,6 +387,8 @@ class _RankProgram:
     """placeholder -> the train plan's node of the same parameter or buffer (the key of `_leaf`)"""
     updates: tuple[Update, ...]
     """the parameters and buffers the program writes, one per leading output (runtime/write_back.py)"""
+    constants: dict[str, torch.Tensor]
+    """placeholder -> the traced program's lifted tensor constant, on this rank's device"""
 
 
 def _owner(root: nn.Module, fqn: str) -> nn.Module:
@@ -415,11 +425,22 @@ def check_model_device(tensors: dict[str, torch.Tensor], device: torch.device) -
 
 
 def group_device(group=None) -> torch.device:
-    """The device `group`'s collectives take tensors on: the host for gloo, else the current accelerator
-    (`torch.cuda.set_device(LOCAL_RANK)` under torchrun, which `init_torchrun_group` does)."""
-    if dist.get_backend(group) in ("gloo", "fake"):
+    """The device `group`'s collectives take tensors on: the host for gloo, else the current accelerator, which must be
+    this process's own under torchrun: local rank i drives device i of its node (modulo the devices it sees, so one
+    visible device per process is device 0). `init_torchrun_group` sets it; a group made by hand without `set_device`
+    would put every rank of the node on device 0."""
+    backend = dist.get_backend(group)
+    if backend in ("gloo", "fake"):
         return torch.device("cpu")
     accelerator = torch.accelerator.current_accelerator()
     if accelerator is None:
-        raise ValueError(f"process group backend {dist.get_backend(group)!r} needs an accelerator, and none is available")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+        raise ValueError(f"process group backend {backend!r} needs an accelerator, and none is available")
+    index, local_rank = torch.accelerator.current_device_index(), os.environ.get("LOCAL_RANK")
+    if local_rank is not None and index != int(local_rank) % torch.accelerator.device_count():
+        own = int(local_rank) % torch.accelerator.device_count()
+        raise ValueError(
+            f"this process has LOCAL_RANK={local_rank}, so its device is {accelerator.type}:{own}, but the current device "
+            f"is {accelerator.type}:{index}, where a {backend!r} group would run it: call "
+            f"torch.accelerator.set_device_index({own}) (torch.cuda.set_device) before init_process_group, or let "
+            "meshplan initialise the group (under torchrun, auto_parallelize does when none exists)")
+    return torch.device(accelerator.type, index)

@@ -1,0 +1,177 @@
+"""Every tensor a rank's program touches lives on the rank's device.
+
+The runtime has run on one GPU only; on CPU ranks every tensor is on the CPU, so a tensor the runtime left
+there (a lifted constant, a region op's index tensor, a target) goes unnoticed until a GPU refuses the op.
+Here every rank of each plan runs, one after another in this process under a fake process group, with the
+runtime's device forced to a device other than the CPU (tests/_device_check.py: the meta device, with real
+values); the setup, a training step (forward, loss, backward, gradient reduction) and clipping must not run
+one op whose tensors sit on two devices.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import meshplan
+import meshplan.api
+from meshplan.models import GPT, GPTConfig
+from meshplan.regions.moe import MOE_OP, moe_axes
+from meshplan.runtime import parallel_module
+from meshplan.runtime.launch import _own_device
+from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import group_device
+
+from _device_check import DEVICE, OnDevice, on_device, simulated_rank, suspended
+from _parity import plan_kwargs
+
+BATCH = 8
+
+
+class Scaled(nn.Module):
+    """Linear layers, each output scaled by a tensor literal (a lifted constant of the trace)."""
+
+    def __init__(self, width: int = 8, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = F.gelu(layer(x)) * torch.tensor([0.5, 1.0, 1.5, 2.0] * (x.shape[-1] // 4))
+        return x
+
+
+class Experts(nn.Module):
+    """A mixture-of-experts layer: meshplan's moe op on its router and experts."""
+
+    def __init__(self, hidden: int = 16, inter: int = 256, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Parameter(torch.randn(experts, hidden) * 0.3)
+        self.gate_up = nn.Parameter(torch.randn(experts, 2 * inter, hidden) * 0.1)
+        self.down = nn.Parameter(torch.randn(experts, hidden, inter) * 0.1)
+
+    def forward(self, x):
+        return MOE_OP(x, self.router, self.gate_up, self.down, 2, True, "silu")
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.experts = Experts(hidden)
+        self.head = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.head(self.experts(x))
+
+
+def _gpt():
+    model = GPT(GPTConfig(layers=2, hidden=32, heads=2, vocab_size=64, seq_len=8))
+    tokens = torch.randint(0, 64, (BATCH, 8), generator=torch.Generator().manual_seed(1))
+
+    def loss(out, y):
+        return F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), y[:, 1:].reshape(-1))
+
+    return model, tokens, tokens, loss
+
+
+def _scaled():
+    return Scaled(), torch.randn(BATCH, 8), torch.randn(BATCH, 8), F.mse_loss
+
+
+def _moe():
+    model = TinyMoE()
+    meshplan.shard(model.experts, in_strategy=((2, 1),))  # tokens split: with the experts split, expert parallel
+    return model, torch.randn(BATCH, 16), torch.randn(BATCH, 16), F.mse_loss
+
+
+def _pipelined(degree: int = 2):
+    return dict(pipeline=meshplan.PipelineOptions(degrees=(degree,), schedules=("1f1b",), microbatch_sizes=(BATCH // 2,)))
+
+
+CASES = {
+    # name: (model and batch, world, plan options)
+    "data parallel": (_gpt, 2, plan_kwargs("gpt", "data_parallel", (2,))),
+    "tensor parallel": (_gpt, 2, plan_kwargs("gpt", "megatron", (2,))),
+    "fsdp": (_gpt, 2, plan_kwargs("gpt", "fsdp", (2,))),
+    "pipelined": (_gpt, 2, _pipelined()),
+    "expert parallel": (_moe, 2, dict(mesh_shape=(2,), param_layouts={"experts.gate_up": "S(0)", "experts.down": "S(0)"})),
+    "tensor literals": (_scaled, 2, dict(mesh_shape=(2,), param_layouts={"layers.*.weight": "S(0)"})),
+    "tensor literals, pipelined": (_scaled, 2, _pipelined()),
+}
+
+
+@pytest.fixture
+def forced_device(monkeypatch):
+    """The runtime takes `DEVICE` as its process group's device (the fake group's would be the CPU); DTensor asks
+    the device's module how many devices a host has (the CPU's answer); tracing runs on meta tensors of its own."""
+    monkeypatch.setattr(parallel_module, "group_device", lambda group=None: DEVICE)
+    monkeypatch.setattr(meshplan.api, "group_device", lambda group=None: DEVICE)
+    monkeypatch.setattr(torch, DEVICE.type, torch.cpu, raising=False)
+    trace = meshplan.api.trace
+
+    def trace_off_device(*args, **kwargs):
+        with suspended():
+            return trace(*args, **kwargs)
+
+    monkeypatch.setattr(meshplan.api, "trace", trace_off_device)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_op_of_every_rank_runs_on_the_rank_device(case, forced_device):
+    build, world, options = CASES[case]
+    torch.manual_seed(0)
+    model, x, y, loss_fn = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, world, (x,), **options)
+    assert (plan.pipeline is not None) == ("pipeline" in options)
+    if case == "expert parallel":
+        [moe] = [n for n in plan.nodes if n.target == str(MOE_OP)]
+        assert moe_axes(moe.strategy.inputs)[0] == (0,), f"not expert parallel: {moe.strategy}"
+    for rank in range(world):
+        with simulated_rank(rank, world), on_device() as check:
+            pmodel = meshplan.auto_parallelize(model, world, (x,), plan=plan, loss_fn=loss_fn)
+            loss = pmodel.step(x, target=y)  # the batch as a data loader gives it: on the CPU
+            pmodel.clip_grad_norm_(1.0)
+        assert not check.mixed, f"rank {rank} ran ops on two devices:\n" + "\n".join(dict.fromkeys(check.mixed))
+        assert loss is None or isinstance(loss, OnDevice)
+        for name, p in pmodel.named_parameters():
+            assert isinstance(local_of(p), OnDevice) and isinstance(local_of(p.grad), OnDevice), name
+
+
+@pytest.fixture
+def eight_gpus(monkeypatch):
+    """This process on a node of 8 CUDA devices (as torch.accelerator reports them), device 0 current."""
+    current = [0]
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: current[0])
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda i: current.__setitem__(0, i))
+    return current
+
+
+def test_a_group_made_without_set_device_is_refused(eight_gpus, monkeypatch):
+    """NCCL runs each rank on its current device: a group made by hand without `set_device` would put every rank of
+    the node on cuda:0."""
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=3, so its device is cuda:3, but the current device is cuda:0.*"
+                                         r"set_device_index\(3\)"):
+        group_device()
+    eight_gpus[0] = 3
+    assert group_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)  # one visible device per process
+    eight_gpus[0] = 0
+    assert group_device() == torch.device("cuda", 0)
+
+
+def test_meshplan_binds_its_own_groups_to_the_local_rank_device(eight_gpus):
+    assert _own_device("nccl", 3) == torch.device("cuda", 3) and eight_gpus[0] == 3
+    assert _own_device("nccl", 9) == torch.device("cuda", 1) and eight_gpus[0] == 1
+    assert _own_device("gloo", 3) is None and eight_gpus[0] == 1
