@@ -1,6 +1,6 @@
 """Plan the big models as users run them: bf16 by default, Hugging Face classes, real batches (issue 15).
 
-    python benchmarks/big_models.py [--only gpt3|llama70b|llama8b]
+    python benchmarks/big_models.py [--only gpt3|llama70b|llama8b] [--runs 3 --against /path/to/checkout]
 
 Each model is a Hugging Face class built in fp32 on the meta device (nothing is allocated) and
 planned with the default call `meshplan.plan(model, devices=N, example_inputs, cluster="h100")`:
@@ -15,11 +15,20 @@ figures and the per-GPU throughput, next to Megatron-LM's published figure:
   "model FLOPs" (Narayanan et al. 2021), which is what Megatron's TFLOP/s per GPU counts.
 
 These are predictions of meshplan's cost model under the H100 presets, not measurements.
+
+`--against PATH` then times the same call with the meshplan of another checkout (such as `git worktree add /tmp/base
+afd3778`, the code before issue 27), `--runs` times each, every run in a fresh process, the two interleaved (which
+goes first alternates), and prints both medians and their ratio (issue 27's target: at most 1.5x).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
 import time
 import warnings
 
@@ -61,16 +70,21 @@ def build(case: str):
     return model, tokens
 
 
-def run(case: str) -> None:
-    title, _, devices, batch, seq = CASES[case]
+def planned(case: str):
+    """(model, the default call's plan, its seconds)."""
     model, tokens = build(case)
-    params = sum(p.numel() for p in model.parameters())
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # the loss inside, as a user of a Hugging Face class trains: labels= makes the model return its loss
-        plan = meshplan.plan(model, devices=devices, example_inputs=(tokens,), example_kwargs={"labels": tokens}, cluster="h100")
-    seconds = time.perf_counter() - t0
+        plan = meshplan.plan(model, devices=CASES[case][2], example_inputs=(tokens,), example_kwargs={"labels": tokens}, cluster="h100")
+    return model, plan, time.perf_counter() - t0
+
+
+def run(case: str) -> None:
+    title, _, devices, batch, seq = CASES[case]
+    model, plan, seconds = planned(case)
+    params = sum(p.numel() for p in model.parameters())
     step = plan.step_time_s
     mfu_6nt = 6 * params * batch * seq / (devices * H100_BF16_PEAK * step)
     per_gpu = plan.model_flops / step / devices / 1e12
@@ -93,12 +107,41 @@ def run(case: str) -> None:
     print(f"  Megatron-LM on H100 (README, nearest configurations): {MEGATRON:.0%} MFU; ours / theirs = {plan.mfu / MEGATRON:.2f}")
 
 
+def timed(case: str, checkout: str | None) -> float:
+    """Seconds of the default call in a fresh process, with the meshplan of `checkout` (None: this one)."""
+    env = dict(os.environ)
+    if checkout is not None:
+        env["PYTHONPATH"] = os.path.abspath(checkout)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--only", case, "--seconds"], env=env, cwd="/", check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])["seconds"]
+
+
+def compare(case: str, runs: int, against: str) -> None:
+    seconds: dict[str | None, list[float]] = {None: [], against: []}
+    for r in range(runs):
+        for checkout in (None, against) if r % 2 == 0 else (against, None):
+            seconds[checkout].append(timed(case, checkout))
+    new, old = (statistics.median(seconds[k]) for k in (None, against))
+    shown = {k: ", ".join(f"{x:.1f}" for x in v) for k, v in seconds.items()}
+    print(f"  planning, medians of {runs} runs in fresh processes, interleaved: {new:.1f} s ({shown[None]}) against {old:.1f} s "
+          f"({shown[against]}) with {against}: {new / old:.2f}x (target <= 1.5x: {'met' if new <= 1.5 * old else 'not met'})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=sorted(CASES))
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per checkout with --against")
+    ap.add_argument("--against", help="a checkout of meshplan (its repository root) to time the same calls with")
+    ap.add_argument("--seconds", action="store_true", help="plan only and print the seconds as JSON (what --against runs)")
     args = ap.parse_args()
     for case in [args.only] if args.only else list(CASES):
+        if args.seconds:
+            print(json.dumps({"seconds": planned(case)[2]}))
+            continue
         run(case)
+        if args.against:
+            compare(case, args.runs, args.against)
 
 
 if __name__ == "__main__":

@@ -201,3 +201,85 @@ def test_default_call_searches_pipelines_only_across_nodes():
         assert plan(model, 8, (x,), cluster="h100").pipeline is None
         with pytest.raises(ValueError, match=r"cluster 'h100' \(80 GiB per device\).*cluster="):
             plan(model, 16, (x,), cluster="h100", memory_budget="64KiB")
+
+
+@pytest.mark.parametrize("schedule, p, recompute", [("1f1b", 2, False), ("gpipe", 2, True), ("interleaved_1f1b", 2, False), ("1f1b", 1, False)])
+def test_stage_plans_of_the_cut_model_stretch_to_the_whole_models(schedule, p, recompute, monkeypatch):
+    """Ranking prices a configuration by its stage plan on the model cut to three blocks: its stages' walked peaks and
+    its step, stretched to the whole stack, are those of the whole model's stage plan (stages of 4 and 8 blocks
+    stretch from 2 and 3, interleaved ones of 2 blocks are walked as they are). A stage holds every gradient bucket one
+    of its parameters is in, and the cut model's buckets are not the whole model's: here each parameter has its own."""
+    monkeypatch.setattr("meshplan.planner.planner.GRAD_BUCKET_BYTES", 1)
+    from dataclasses import replace
+
+    from meshplan.ir.mesh import MeshSpec
+    from meshplan.ir.repeat import repeated_stacks, truncated
+    from meshplan.ir.trace import trace
+    from meshplan.planner.pipeline import reprice
+    from meshplan.planner.planner import UNBOUNDED, PlanOptions, make_plan, with_walked_memory
+    from meshplan.planner.recompute import with_stage_recompute
+    from meshplan.planner.stage_profile import profile_units, repeat_layers, stretched_stage_memory
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=8, hidden=64, heads=4, vocab_size=128, seq_len=32))
+    x = torch.randint(0, 128, (4, 32))
+    with truncated(model, repeated_stacks(model)):
+        cut = trace(model, (x,), copy_repeated=False)
+    whole = trace(model, (x,))
+    cluster = get_cluster("h100")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        short, full = (make_plan(g, MeshSpec((2,)), cluster, PlanOptions(memory_budget=UNBOUNDED, alternatives=False)) for g in (cut, whole))
+    pipe = evaluate(profile_units(whole, full), p=p, d=1, t=2, m=4, schedule=schedule, cluster=cluster, budget=1e12, dp_in_profile=True,
+                    recompute=recompute)
+    assert max(len(s.units) for s in pipe.stages) > 4 or schedule.startswith("interleaved")
+    walked = with_walked_memory(with_stage_recompute(replace(full, pipeline=pipe), whole), whole, "adam")
+    assert stretched_stage_memory(cut, short, pipe) == [s.memory for s in walked.pipeline.stages]
+    stretched = reprice(repeat_layers(profile_units(cut, short), 8), pipe, d=1, t=2, cluster=cluster, dp_in_profile=True)
+    assert stretched.step_s == pytest.approx(reprice(profile_units(whole, full), pipe, d=1, t=2, cluster=cluster, dp_in_profile=True).step_s,
+                                             rel=1e-3)
+
+
+def test_stage_plans_keep_each_ops_priced_tensor_parallel_layout():
+    """The stage plan on (d, t) starts from the configuration's profile on (t,): every op of the repeated layers keeps
+    its profile's layout on the tensor-parallel axis, so the solver places only the data-parallel one there (a smaller
+    problem); a preferred layout no candidate of a node has leaves that node free. The tensor-parallel axis is solved
+    next, with the data-parallel layouts found."""
+    from meshplan.ir.mesh import MeshSpec
+    from meshplan.ir.placement import Shard
+    from meshplan.ir.trace import trace
+    from meshplan.planner.constraints import Constraint
+    from meshplan.planner.planner import UNBOUNDED, PlanOptions, make_plan
+    from meshplan.planner.stage_layouts import arranged_layouts, carried_layouts
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=4, hidden=32, heads=2, vocab_size=64, seq_len=16))
+    x = torch.randint(0, 64, (8, 16))
+    profiled, graph = trace(model, (x[:2],)), trace(model, (x[:4],))  # b = 2, d = 2
+    cluster = get_cluster("h100")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        profile = make_plan(profiled, MeshSpec((2,)), cluster, PlanOptions(memory_budget=UNBOUNDED, alternatives=False))
+        params, inputs = arranged_layouts(graph, profile, data=2)
+        ops = carried_layouts(graph, profiled, profile, axes=(None, 0), why="priced", layers_only=True)
+        mesh = MeshSpec((2, 2), ("dp", "tp"))
+
+        def solved(preferred):
+            return make_plan(graph, mesh, cluster, PlanOptions(memory_budget=UNBOUNDED, alternatives=False, param_layouts=params,
+                                                               input_layouts=inputs, preferred=preferred))
+
+        kept, free = solved(ops), solved(())
+        node = next(n for n in graph.nodes if n.kind == "op" and len(n.out.shape) == 3)
+        impossible = solved((Constraint(node.name, "out", 0, (None, Shard(5)), "its output", "a test"),))
+    assert {c.node for c in ops} == {n.name for n in graph.nodes if n.kind == "op" and n.layer}  # pre and post are left free
+    chosen = {n.name: n.strategy for n in kept.nodes}
+    assert all((chosen[c.node].inputs if c.slot == "in" else chosen[c.node].outputs)[c.index][1] == c.layout[1] for c in ops)
+    assert kept.solver.variables < free.solver.variables
+    assert impossible.step_time_s == free.step_time_s
+    # then the tensor-parallel axis, each op keeping the data-parallel layouts found: never slower
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = solved(carried_layouts(graph, graph, kept, axes=(0, None), why="solved first"))
+    assert again.step_time_s <= kept.step_time_s
+    assert all([p[0] for p in n.strategy.inputs + n.strategy.outputs if p] == [p[0] for p in chosen[n.name].inputs + chosen[n.name].outputs if p]
+               for n in again.nodes)

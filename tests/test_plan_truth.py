@@ -133,3 +133,17 @@ def test_pipeline_configurations_whose_stage_plans_do_not_fit_are_dropped_with_w
     with pytest.raises(ValueError, match=r"cheapest pipeline configurations has stage plans within the budget(.|\n)*"
                                          r"pipeline tp \d x pp 2 x dp \d, microbatch \d, \w+: its stage plan does not fit: .*smallest predicted peak"):
         _plan(model, tokens, 4, pipeline=PipelineOptions(degrees=(2,)), memory_budget=int(free.memory.total * 0.9))
+
+
+def test_a_configuration_whose_whole_model_stage_plan_does_not_fit_gives_way_to_the_next():
+    """Ranking walks each configuration's stages on the model cut to three blocks and stretches them; the stage plan of
+    the whole model is walked again before it is returned. Here the cheapest configuration fits as ranked but not whole
+    (a stage holds every gradient bucket one of its parameters is in, and the whole model's small buckets span both
+    stages), so the next one is solved and returned, within the budget."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=4, hidden=32, heads=2, vocab_size=64, seq_len=8))
+    tokens = torch.randint(0, 64, (8, 8))
+    opts = PipelineOptions(degrees=(2,), microbatch_sizes=(2,), schedules=("gpipe", "1f1b"))
+    plan = _plan(model, tokens, 4, pipeline=opts, stage_config={"layers.1": 0, "layers.2": 1}, memory_budget=760_000)
+    assert any("its stage plan of the whole model does not fit" in why for why in plan.solver.skipped)
+    assert plan.memory.total <= 760_000

@@ -16,7 +16,7 @@ A rank running several chunks (interleaved schedules, ZB-V) holds all of them: i
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from meshplan.cost_model.estimate import local_bytes
 from meshplan.cost_model.peak import PeakMemory, predict_peak
@@ -38,37 +38,54 @@ def stage_nodes(graph: Graph, pipe) -> list[set[str]]:
 
 def stage_peaks(graph: Graph, plan, *, optimizer: str = "adam") -> list[PeakMemory]:
     """Peak of every stage of `plan.pipeline` on one device of its sub-mesh (`plan.mesh`), in stage order."""
-    pipe = plan.pipeline
+    groups = stage_nodes(graph, plan.pipeline)
+    return [under_schedule(stage_walk(graph, plan, groups, k, optimizer=optimizer), plan.pipeline, stage)
+            for k, stage in enumerate(plan.pipeline.stages)]
+
+
+@dataclass(frozen=True, slots=True)
+class StageWalk:
+    """One microbatch of a stage, before its schedule multiplies it."""
+
+    walk: PeakMemory
+    """The liveness walk of the stage's ops, its sends kept until backward."""
+    received: int
+    """Bytes per microbatch of its receive buffers: what it takes from other stages and the gradients of what it sends."""
+
+
+def stage_walk(graph: Graph, plan, groups: list[set[str]], k: int, *, optimizer: str = "adam") -> StageWalk:
+    """The walk of stage `k` of `plan`, whose stages' ops are `groups`."""
     layout = {n.name: n.strategy.outputs for n in plan.nodes}
-    groups = stage_nodes(graph, pipe)
-    stage_of = {name: k for k, names in enumerate(groups) for name in names}
-    crossing_in = [0] * len(groups)  # bytes per microbatch arriving at each stage (its receive buffers)
-    crossing_out = [0] * len(groups)  # bytes of the gradients coming back for what each stage sends on
-    sends: list[set[str]] = [set() for _ in groups]
+    stage_of = {name: j for j, names in enumerate(groups) for name in names}
+    received = 0
+    sends: set[str] = set()
     seen: set[tuple[str, int, int]] = set()
     for n in graph.nodes:
-        if n.kind != "op":
+        j = stage_of.get(n.name)
+        if j is None:
             continue
-        k = stage_of[n.name]
         for ref in n.inputs:
             src = stage_of.get(ref.node)  # None: a parameter or an input, not sent between stages
-            if src is None or src == k or (ref.node, ref.index, k) in seen:
+            if src is None or src == j or k not in (src, j) or (ref.node, ref.index, j) in seen:
                 continue
-            seen.add((ref.node, ref.index, k))
+            seen.add((ref.node, ref.index, j))
             nbytes = local_bytes(graph.meta(ref), layout[ref.node][ref.index], plan.mesh.shape)  # sent as produced
-            crossing_in[k] += nbytes
-            sends[src].add(ref.node)
-            if graph[ref.node].grad(ref.index):
-                crossing_out[src] += nbytes
+            if j == k:
+                received += nbytes
+            else:  # stage k sends it, and receives its gradient back
+                sends.add(ref.node)
+                received += nbytes if graph[ref.node].grad(ref.index) else 0
+    return StageWalk(predict_peak(graph, plan, optimizer=optimizer, nodes=groups[k], kept=sends), received)
+
+
+def under_schedule(w: StageWalk, pipe, stage) -> PeakMemory:
+    """The peak of `stage` of `pipe` (a `PipelinePlan`) from its walk: the tensors saved by the other microbatches
+    its schedule keeps in flight and the receive buffers of every microbatch come on top."""
     p, m = pipe.degree, pipe.microbatches
-    out = []
-    for k, (stage, names, held_out) in enumerate(zip(pipe.stages, groups, sends)):
-        walk = predict_peak(graph, plan, optimizer=optimizer, nodes=names, kept=held_out)
-        held = in_flight(pipe.schedule, p, m, stage.device, virtual=pipe.chunks) if p > 1 else 1.0
-        extra = (held - 1.0) * walk.saved + m * (crossing_in[k] + crossing_out[k])
-        at_peak = replace(walk.at_peak, activations=int(walk.at_peak.activations + extra))
-        out.append(replace(walk, peak=at_peak.total, at_peak=at_peak))
-    return out
+    held = in_flight(pipe.schedule, p, m, stage.device, virtual=pipe.chunks) if p > 1 else 1.0
+    extra = (held - 1.0) * w.walk.saved + m * w.received
+    at_peak = replace(w.walk.at_peak, activations=int(w.walk.at_peak.activations + extra))
+    return replace(w.walk, peak=at_peak.total, at_peak=at_peak)
 
 
 def with_stage_memory(graph: Graph, plan, *, optimizer: str = "adam"):

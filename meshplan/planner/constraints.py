@@ -23,7 +23,7 @@ Where annotations land:
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,8 +90,10 @@ def constrain(
     annotations: Annotations,
     param_layouts: Mapping[str, Any],
     input_layouts: Mapping[str, Any],
+    preferred: Sequence[Constraint] = (),
 ) -> list[Constraint]:
-    """Narrow `by_node` in place to what the mode and the annotations allow; returns the constraints."""
+    """Narrow `by_node` in place to what the mode and the annotations allow, then to the `preferred` layouts where a
+    node's candidates meet them (a node that meets none keeps its candidates); returns the constraints."""
     idx = _Index(graph)
     user = collect(graph, idx, mesh, annotations, param_layouts, input_layouts)
     if mode == "semi_auto" and not user:
@@ -104,7 +106,8 @@ def constrain(
     if mode == "manual":
         _complete_manual(graph, merged, mesh.ndim)
     apply(graph, mesh, by_node, merged)
-    return forced + user
+    prefer(mesh, by_node, merge(list(preferred)))
+    return forced + user + list(preferred)
 
 
 def collect(
@@ -185,6 +188,15 @@ def apply(graph: Graph, mesh: MeshSpec, by_node: dict[str, list[Strategy]], merg
             f"no sharding strategy of {node.target} ({name}) at {node.module_path or '<top>'} has {asked}; "
             f"its strategies on mesh {mesh} are: {shown}"
         )
+
+
+def prefer(mesh: MeshSpec, by_node: dict[str, list[Strategy]], merged: dict[tuple[str, str, int], _Slot]) -> None:
+    """Keep each node's candidates that meet all its slots' layouts, unless none does."""
+    per_node: dict[str, list[tuple[str, int, _Slot]]] = {}
+    for (node, slot, index), s in merged.items():
+        per_node.setdefault(node, []).append((slot, index, s))
+    for name, slots in per_node.items():
+        by_node[name] = [st for st in by_node[name] if all(_matches(st, slot, i, s.layout, mesh.shape) for slot, i, s in slots)] or by_node[name]
 
 
 def _matches(st: Strategy, slot: str, index: int, layout: list[Placement | None], mesh_shape: tuple[int, ...]) -> bool:

@@ -7,10 +7,11 @@ head). Repeated layers are tied in the solve, so a stage of k layers costs k tim
 stage's `(t,)` adds its gradient all-reduce. Then, for every pipeline degree p (d = N / (p t)),
 microbatch count m = B / (d b) and schedule, a dynamic program over unit ranges x stages (Alpa's
 formulation, min-max form) picks the cuts that minimise the slowest stage under the memory budget,
-recomputing a stage's layers when its activations would not fit. The cheapest configurations then have
-their runtime plans solved on their real 2-D sub-mesh `(d, t)` at batch d b (with the layouts they were priced
-with), walked stage by stage under the budget and priced again; the cheapest of those that fit is returned, with
-its own figures (docs/pipeline.md, "Search" step 4).
+recomputing a stage's layers when its activations would not fit. The cheapest configurations are then priced
+again by their runtime plans on their real 2-D sub-mesh `(d, t)` at batch d b (with the layouts they were priced
+with), solved on the model cut to a few blocks, walked stage by stage under the budget and stretched to the whole
+stack; the cheapest of those that fit is solved on the whole model, walked and returned with its own figures
+(docs/pipeline.md, "Search" step 4).
 
 Stage cuts pay the point-to-point send of the activation crossing them (forward) and of its
 gradient (backward), on the link between stages (the pipeline axis is outermost).
@@ -37,12 +38,14 @@ from meshplan.cost_model.schedules import in_flight, schedule_time
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.precision import MixedPrecision
-from meshplan.ir.units import POST, PRE
+from meshplan.ir.units import POST, PRE, unit_names
 from meshplan.planner.planner import UNBOUNDED, MemoryBudgetError, PlanOptions, make_plan, with_walked_memory
 from meshplan.planner.recompute import with_stage_recompute
 from meshplan.planner.solver import SolveTimeout
-from meshplan.planner.stage_layouts import arranged_layouts
-from meshplan.planner.stage_profile import Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, tied_grad_bytes
+from meshplan.planner.constraints import Constraint
+from meshplan.planner.stage_layouts import arranged_layouts, carried_layouts
+from meshplan.planner.stage_profile import (Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, stretched_stage_memory,
+                                            tied_grad_bytes)
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.plans.plan import Plan
 
@@ -286,33 +289,42 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
                         step_s=step, bubble_s=sched.bubble_s, bubble_fraction=sched.bubble_fraction, p2p_s=p2p)
 
 
-def _returned_plan(ranked: list[Candidate], stage_plan: Callable[..., Plan], budget: float) -> tuple[Candidate, Plan]:
-    """Solve the stage plans of the cheapest searched configurations, in the search's order, until `TOP_PRICED` fit (at
-    most `MOST_TRIED` tried), and return the cheapest as priced (its step and memory are its own stage plan's), with
-    why each configuration that does not fit was dropped (in `plan.solver.skipped`)."""
+def _returned_plan(ranked: list[Candidate], estimate: Callable[[Candidate], PipelinePlan], returned: Callable[[Candidate], Plan],
+                   budget: float) -> tuple[Candidate, Plan]:
+    """Price the cheapest searched configurations by their stage plans (`estimate`), in the search's order, until
+    `TOP_PRICED` fit (at most `MOST_TRIED` tried); solve the cheapest of those on the whole model (`returned`) and
+    return it as priced (its step and memory are its own stage plan's), or the next when it does not fit, with why
+    each other configuration was not returned (in `plan.solver.skipped`)."""
 
     def what(c: Candidate) -> str:
         return f"pipeline tp {c.tensor} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}"
 
-    priced, dropped = [], []
+    fits, dropped = [], []
     for c in ranked[:MOST_TRIED]:
-        if len(priced) == TOP_PRICED:
+        if len(fits) == TOP_PRICED:
             break
         try:
-            priced.append((c, stage_plan(c)))
+            fits.append((c, estimate(c)))
         except MemoryBudgetError as e:
             dropped.append(f"{what(c)}: its stage plan does not fit: {e}")
         except SolveTimeout as e:
             dropped.append(f"{what(c)}: its stage plan was not solved in time: {e}")
-    if not priced:
-        raise ValueError(f"none of the {len(dropped)} cheapest pipeline configurations has stage plans within the budget of "
-                         f"{format_bytes(budget)} per device:\n  " + "\n  ".join(dropped))
-    best, plan = min(priced, key=lambda cp: (cp[1].step_time_s, cp[1].memory.total))
-    others = tuple(f"{what(c)}: priced {p.step_time_s:.4g} s per step, slower than the returned {plan.step_time_s:.4g} s"
-                   for c, p in priced if p is not plan)
-    plan = stage_plan(best, explain=True)  # the same solve, with its alternatives recorded for Plan.explain
-    plan = replace(plan, solver=replace(plan.solver, skipped=plan.solver.skipped + tuple(dropped) + others))
-    return replace(best, pipe=plan.pipeline), plan
+    fits.sort(key=lambda cp: (cp[1].step_s, cp[1].peak_memory))
+    for i, (c, pipe) in enumerate(fits):
+        try:
+            plan = returned(c)
+        except MemoryBudgetError as e:
+            dropped.append(f"{what(c)}: its stage plan of the whole model does not fit: {e}")
+            continue
+        except SolveTimeout as e:
+            dropped.append(f"{what(c)}: its stage plan of the whole model was not solved in time: {e}")
+            continue
+        others = tuple(f"{what(o)}: ranked at {p.step_s:.4g} s per step by its stage plan, slower than the returned one's {pipe.step_s:.4g} s"
+                       for o, p in fits[i + 1:])
+        plan = replace(plan, solver=replace(plan.solver, skipped=plan.solver.skipped + tuple(dropped) + others))
+        return replace(c, pipe=plan.pipeline), plan
+    raise ValueError(f"none of the {len(dropped)} cheapest pipeline configurations has stage plans within the budget of "
+                     f"{format_bytes(budget)} per device:\n  " + "\n  ".join(dropped))
 
 
 def divisors(n: int) -> list[int]:
@@ -374,35 +386,82 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             profiles[key], plans[key], stand_ins[key] = found
         return profiles[key]
 
-    solved: dict[tuple[int, int, int, bool], tuple[Graph, Plan]] = {}  # (t, d, b, explain) -> the stage plan before its stages
-
-    def stage_plan(c: Candidate, explain: bool = False) -> Plan:
-        """The runtime's plan of candidate `c`: the whole model at the data-parallel microbatch d b on the stage sub-mesh
-        (d, t), with the parameter layouts its profile was priced with (`stage_layouts.py`; one solve per (t, d, b),
-        whatever the schedule), its stages walked under the schedule, priced again by its own units. A stage plan
-        over the budget is a MemoryBudgetError: its parameters are placed, so a tighter row could only move activations.
-        `explain`: record every node's priced alternatives (the plan handed to the user; ranking needs none)."""
+    def solve(c: Candidate, graph: Graph, preferred: tuple[Constraint, ...], explain: bool = False) -> Plan:
+        """The stage plan of candidate `c` for `graph` (the model, or its cut, at the data-parallel microbatch d b) on
+        the stage sub-mesh (d, t): every parameter in the layout its profile was priced with (`stage_layouts.py`), the
+        `preferred` layouts kept. `explain`: record every node's priced alternatives (the plan handed to the user;
+        ranking needs none)."""
         nonlocal solves
-        key = (c.tensor, c.data, c.micro, explain)
-        if key not in solved:
-            solves += 1
-            mesh = tuple(x for x in (c.data, c.tensor) if x > 1) or (1,)
-            names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if c.tensor > 1 else ("dp",))
-            graph = graph_at(c.data * c.micro)
-            profiled = ((c.tensor,), c.micro, options.layers, options.optimizer)
-            params, inputs = arranged_layouts(graph, plans[profiled], data=c.data, stand_in=stand_ins[profiled],
-                                              stack=short[1] if short else None)
-            plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, time_limit_s=options.time_limit_s,
-                                       param_layouts=params, input_layouts=inputs, alternatives=explain)
-            solved[key] = graph, make_plan(graph, MeshSpec(mesh, names), cluster, plan_options, model_name=model_name)
-        graph, plan = solved[key]
+        solves += 1
+        mesh = tuple(x for x in (c.data, c.tensor) if x > 1) or (1,)
+        names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if c.tensor > 1 else ("dp",))
+        profiled = ((c.tensor,), c.micro, options.layers, options.optimizer)
+        params, inputs = arranged_layouts(graph, plans[profiled], data=c.data, stand_in=stand_ins[profiled], stack=short[1] if short else None)
+        plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, time_limit_s=options.time_limit_s,
+                                   param_layouts=params, input_layouts=inputs, preferred=preferred, alternatives=explain)
+        return make_plan(graph, MeshSpec(mesh, names), cluster, plan_options, model_name=model_name)
+
+    def arranged(c: Candidate, graph: Graph) -> Plan:
+        """`c`'s stage plan for `graph`, solved one mesh axis at a time (`stage_layouts.py`): the data-parallel axis with
+        every layer op's tensor-parallel layout as priced, then the tensor-parallel axis with the data-parallel layouts
+        found (never slower than the first)."""
+        if c.tensor == 1 or c.data == 1:  # a mesh of one axis: one solve places everything
+            return solve(c, graph, ())
+        profiled = ((c.tensor,), c.micro, options.layers, options.optimizer)
+        stand_in = stand_ins[profiled]
+        ops = carried_layouts(graph, (short[0] if stand_in else graph_at)(c.micro), plans[profiled], axes=(None, 0),
+                              why="the pipeline configuration's tensor-parallel layout (its stage profile on (t,))", stand_in=stand_in,
+                              stack=short[1] if short else None, layers_only=True)
+        return solve(c, graph, data_parallel(graph, graph, solve(c, graph, ops), c))
+
+    def data_parallel(graph: Graph, source_graph: Graph, source: Plan, c: Candidate) -> tuple[Constraint, ...]:
+        """Every op of `graph` keeping the data-parallel layouts of its counterpart in `source`, none on a mesh of one
+        axis."""
+        if c.tensor == 1 or c.data == 1:
+            return ()
+        stand_in = unit_names(source_graph)[-2] if source_graph is not graph and short else None
+        return carried_layouts(graph, source_graph, source, axes=(0, None), why="the stage plan's data-parallel layout, solved first",
+                               stand_in=stand_in, stack=short[1] if stand_in else None)
+
+    def priced(c: Candidate, graph: Graph, plan: Plan) -> Plan:
+        """`plan` (`c`'s stage plan of the whole model) with `c`'s stages walked under its schedule and priced again by
+        its own units. Over the budget it is a MemoryBudgetError: its parameters are placed, so a tighter row could
+        only move activations."""
         plan = with_walked_memory(with_stage_recompute(replace(plan, pipeline=c.pipe), graph), graph, options.optimizer)
         if plan.memory.total > budget:
             raise MemoryBudgetError(budget, plan.memory.total, plan.mesh, cluster, of="its stage plan")
         pipe = reprice(profile_units(graph, plan, options.optimizer), plan.pipeline, d=c.data, t=c.tensor, cluster=cluster,
                        dp_in_profile=True)
-        pipe = replace(pipe, searched_step_s=c.step_s)
-        return replace(plan, pipeline=pipe, model_flops=plan.model_flops * pipe.microbatches)  # the graph is one microbatch
+        return replace(plan, pipeline=replace(pipe, searched_step_s=c.step_s),
+                       model_flops=plan.model_flops * pipe.microbatches)  # the graph is one microbatch
+
+    ranking: dict[tuple[int, int, int], tuple[Graph, Plan]] = {}  # (t, d, b) -> the stage plan ranking prices
+
+    def estimate(c: Candidate) -> PipelinePlan:
+        """`c` priced by its stage plan, for ranking: solved once per (t, d, b), whatever the schedule, on the model
+        cut to a few blocks (when the profiles were), its units and stage peaks stretched to the whole stack."""
+        key = (c.tensor, c.data, c.micro)
+        cut = short is not None and stand_ins[((c.tensor,), c.micro, options.layers, options.optimizer)] is not None
+        if key not in ranking:
+            graph = (short[0] if cut else graph_at)(c.data * c.micro)
+            ranking[key] = graph, arranged(c, graph)
+        graph, plan = ranking[key]
+        if not cut:
+            return priced(c, graph, plan).pipeline
+        memory = stretched_stage_memory(graph, plan, c.pipe, optimizer=options.optimizer)
+        pipe = replace(c.pipe, stages=tuple(replace(s, memory=mb) for s, mb in zip(c.pipe.stages, memory)))
+        if pipe.peak_memory > budget:
+            raise MemoryBudgetError(budget, pipe.peak_memory, plan.mesh, cluster,
+                                    of=f"its stage plan, stretched from the model cut to {len(unit_names(graph)) - 2} blocks")
+        units = repeat_layers(profile_units(graph, plan, options.optimizer), short[2])
+        return reprice(units, pipe, d=c.data, t=c.tensor, cluster=cluster, dp_in_profile=True)
+
+    def returned(c: Candidate) -> Plan:
+        """`c`'s stage plan of the whole model, priced: the data-parallel layouts of the plan ranking priced it by, the
+        tensor-parallel axis solved again (on the whole model when ranking had its cut), alternatives recorded."""
+        graph = graph_at(c.data * c.micro)
+        ranked_graph, ranked = ranking[(c.tensor, c.data, c.micro)]
+        return priced(c, graph, solve(c, graph, data_parallel(graph, ranked_graph, ranked, c), explain=True))
 
     tensors = options.tensor_degrees or tuple(x for x in divisors(devices) if x <= cluster.devices_per_node)
     if fixed is not None:
@@ -455,7 +514,7 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         if options.layers is not None:
             raise ValueError(f"PipelineOptions(layers={options.layers}) stretches a profile the model does not have: the stage plan "
                              "cannot be solved on it; give stage_plan=False (pricing only) or trace the model at its depth")
-        best, plan = _returned_plan(ranked, stage_plan, budget)
+        best, plan = _returned_plan(ranked, estimate, returned, budget)
     log.info("pipeline search: %d candidates, %d solves, %.1f s", considered, solves, time.perf_counter() - t0)
     return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves)
 

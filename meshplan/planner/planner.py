@@ -19,7 +19,7 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
 from meshplan.planner.alternatives import record_alternatives
-from meshplan.planner.constraints import Annotations, constrain
+from meshplan.planner.constraints import Annotations, Constraint, constrain
 from meshplan.planner.neighbourhood import PAIR_LIMIT, Solved, Subset, coarsening, embedded, layout_pairs, merged
 from meshplan.planner.neighbourhood import search as neighbourhood_search
 from meshplan.planner.offload import OffloadOptions, add_offload_options, check_offload
@@ -84,6 +84,10 @@ class PlanOptions:
     """Forced parameter layouts by FQN glob, e.g. {'*.fc1.weight': 'RS(0)'}."""
     input_layouts: dict[str, str | Placements] = field(default_factory=dict)
     """Forced user-input layouts by input name."""
+    preferred: tuple[Constraint, ...] = ()
+    """Layouts of tensor slots of this graph (None on an axis leaves it to the search) that every node keeps where its
+    candidates allow: a pipeline's stage plan keeps each op's tensor-parallel layout as its configuration was priced
+    (planner/stage_layouts.py)."""
     optimizer: str = "adam"
     """Optimizer whose state the memory model counts."""
     memory_budget: int | str | None = None
@@ -125,7 +129,7 @@ def make_plan(
     before_constraints = dict(cands.by_node)  # what annotations rule out, for Plan.explain
     constraints = constrain(
         graph, mesh, cands.by_node, mode=options.mode, annotations=options.annotations,
-        param_layouts=options.param_layouts, input_layouts=options.input_layouts,
+        param_layouts=options.param_layouts, input_layouts=options.input_layouts, preferred=options.preferred,
     )
 
     budget = _budget(options.memory_budget, cluster)

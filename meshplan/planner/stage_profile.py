@@ -6,6 +6,13 @@ norm, head). The intra-op solver plans the whole graph once on a stage's sub-mes
 microbatch size; this module splits that plan's predicted time and memory by unit, so a stage's
 cost is a sum over its units and a 128-layer model needs no more solves than a 2-layer one
 (repeated layers are tied in the solve and cost the same).
+
+`repeat_layers` stretches a profile read off the model traced with its stack of identical blocks cut to a few
+(`ir/repeat.py`) to the whole stack; `stretched_stage_memory` does the same for the stages' walked peaks: a stage of k
+blocks walks the cut model with k of them when it has that many, else with the cut model's n and n - 1 and adds k - n
+times the difference. A stage's walk is affine in its number of blocks once it holds two or more (each block adds the
+same parameters, state and saved tensors, and the peak stays where it was; tests/test_pipeline_search.py compares
+the stretched peaks with the whole model's).
 """
 
 from __future__ import annotations
@@ -14,10 +21,13 @@ from dataclasses import dataclass, replace
 
 from meshplan.cost_model.estimate import local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
+from meshplan.cost_model.pipeline_memory import StageWalk, stage_nodes, stage_walk, under_schedule
 from meshplan.ir.graph import Graph
 from meshplan.ir.placement import Replicate
 from meshplan.ir.units import POST, PRE, unit_names, unit_of_nodes
 from meshplan.planner.problem import node_memory, transfer_memory
+from meshplan.planner.recompute import with_stage_recompute
+from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.plans.plan import Plan
 
 
@@ -177,3 +187,42 @@ def stage_memory(units: list[Unit], activations: float) -> MemoryBreakdown:
 def tied_grad_bytes(units: list[Unit]) -> int:
     """Gradient bytes of parameters the first and the last unit share (the tied embedding)."""
     return sum(g for k, (_, g) in units[0].shared.items() if k in units[-1].shared)
+
+
+def stretched_stage_memory(graph: Graph, plan: Plan, pipe: PipelinePlan, *, optimizer: str = "adam") -> list[MemoryBreakdown]:
+    """Each stage's peak under `pipe` (a pipeline of the whole model, whose stages hold any number of the stack's
+    blocks) from `plan`, the stage plan of `graph`, the model cut to a few blocks, in stage order."""
+    pre, *blocks, post = unit_names(graph)
+    n = len(blocks)
+    walks: dict[tuple[tuple[str, ...], bool], StageWalk] = {}
+
+    def at(stage: PipelineStage, units: tuple[str, ...]) -> MemoryBreakdown:
+        """The peak of `stage` (its rank, its schedule, its recomputation) were it made of `units` of `graph`."""
+        key = (units, stage.recompute)
+        if key not in walks:
+            # the rest of the cut model in a stage before it and one after it
+            order = unit_names(graph)
+            first = min(order.index(u) for u in units)
+            parts = [tuple(u for u in order if u not in units and order.index(u) < first), units,
+                     tuple(u for u in order if u not in units and order.index(u) > first)]
+            stages = tuple(replace(stage, index=i, units=part, recompute=stage.recompute and part is units)
+                           for i, part in enumerate(p for p in parts if p))
+            alone = with_stage_recompute(replace(plan, pipeline=replace(pipe, stages=stages)), graph)
+            walks[key] = stage_walk(graph, alone, stage_nodes(graph, alone.pipeline), [s.units for s in stages].index(units),
+                                    optimizer=optimizer)
+        return under_schedule(walks[key], pipe, stage).at_peak
+
+    out = []
+    for stage in pipe.stages:
+        ends = tuple(u for u in (pre, post) if u in stage.units)
+        k = len(stage.units) - len(ends)
+        run = blocks[:min(k, n)] if pre in ends else blocks[n - min(k, n):]  # next to the end it meets
+        own = at(stage, tuple(u for u in (pre, *run, post) if u in ends or u in run))
+        if k <= n:
+            out.append(own)
+            continue
+        # each further block adds what the last of a run of the cut model's blocks adds (the first may carry `pre`'s moves)
+        more, less = at(stage, tuple(blocks[n - 2:])), at(stage, tuple(blocks[n - 1:]))
+        out.append(MemoryBreakdown(**{f: max(0, getattr(own, f) + (k - n) * (getattr(more, f) - getattr(less, f)))
+                                      for f in ("params", "grads", "optimizer", "activations")}))
+    return out
