@@ -29,7 +29,7 @@ rc=0
 timeout "${GPU_CHECK_TIMEOUT:-240}" "$PY" benchmarks/gpu_check.py 2>&1 | tee "$OUT/gpu_check.log"
 check_rc=${PIPESTATUS[0]}
 cp benchmarks/results/gpu_check-* "$OUT/" 2>/dev/null
-timeout "${GPU_TESTS_TIMEOUT:-120}" "$PY" -m pytest tests/gpu -m cuda -x -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
+timeout "${GPU_TESTS_TIMEOUT:-300}" "$PY" -m pytest tests/gpu -m cuda -x -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu_check exit $check_rc, tests/gpu exit $tests_rc" | tee -a "$OUT/env.txt"
 [ "$check_rc" = 0 ] && [ "$tests_rc" = 0 ] || rc=1

@@ -10,17 +10,15 @@ one op whose tensors sit on two devices.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 import meshplan
 import meshplan.api
-from meshplan.models import GPT, GPTConfig
 from meshplan.regions.moe import MOE_OP, moe_axes
 from meshplan.runtime import parallel_module
 from meshplan.runtime.launch import _own_device
@@ -29,79 +27,17 @@ from meshplan.runtime.parallel_module import group_device
 
 from _device_check import DEVICE, OnDevice, on_device, simulated_rank, suspended
 from _parity import plan_kwargs
-
-BATCH = 8
-
-
-class Scaled(nn.Module):
-    """Linear layers, each output scaled by a tensor literal (a lifted constant of the trace)."""
-
-    def __init__(self, width: int = 8, depth: int = 4) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = F.gelu(layer(x)) * torch.tensor([0.5, 1.0, 1.5, 2.0] * (x.shape[-1] // 4))
-        return x
-
-
-class Experts(nn.Module):
-    """A mixture-of-experts layer: meshplan's moe op on its router and experts."""
-
-    def __init__(self, hidden: int = 16, inter: int = 256, experts: int = 4) -> None:
-        super().__init__()
-        self.router = nn.Parameter(torch.randn(experts, hidden) * 0.3)
-        self.gate_up = nn.Parameter(torch.randn(experts, 2 * inter, hidden) * 0.1)
-        self.down = nn.Parameter(torch.randn(experts, hidden, inter) * 0.1)
-
-    def forward(self, x):
-        return MOE_OP(x, self.router, self.gate_up, self.down, 2, True, "silu")
-
-
-class TinyMoE(nn.Module):
-    def __init__(self, hidden: int = 16) -> None:
-        super().__init__()
-        self.experts = Experts(hidden)
-        self.head = nn.Linear(hidden, hidden)
-
-    def forward(self, x):
-        return self.head(self.experts(x))
-
-
-def _gpt():
-    model = GPT(GPTConfig(layers=2, hidden=32, heads=2, vocab_size=64, seq_len=8))
-    tokens = torch.randint(0, 64, (BATCH, 8), generator=torch.Generator().manual_seed(1))
-
-    def loss(out, y):
-        return F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), y[:, 1:].reshape(-1))
-
-    return model, tokens, tokens, loss
-
-
-def _scaled():
-    return Scaled(), torch.randn(BATCH, 8), torch.randn(BATCH, 8), F.mse_loss
-
-
-def _moe():
-    model = TinyMoE()
-    meshplan.shard(model.experts, in_strategy=((2, 1),))  # tokens split: with the experts split, expert parallel
-    return model, torch.randn(BATCH, 16), torch.randn(BATCH, 16), F.mse_loss
-
-
-def _pipelined(degree: int = 2):
-    return dict(pipeline=meshplan.PipelineOptions(degrees=(degree,), schedules=("1f1b",), microbatch_sizes=(BATCH // 2,)))
-
+from _small_models import EXPERT_PARALLEL, gpt, moe, pipelined, scaled
 
 CASES = {
-    # name: (model and batch, world, plan options)
-    "data parallel": (_gpt, 2, plan_kwargs("gpt", "data_parallel", (2,))),
-    "tensor parallel": (_gpt, 2, plan_kwargs("gpt", "megatron", (2,))),
-    "fsdp": (_gpt, 2, plan_kwargs("gpt", "fsdp", (2,))),
-    "pipelined": (_gpt, 2, _pipelined()),
-    "expert parallel": (_moe, 2, dict(mesh_shape=(2,), param_layouts={"experts.gate_up": "S(0)", "experts.down": "S(0)"})),
-    "tensor literals": (_scaled, 2, dict(mesh_shape=(2,), param_layouts={"layers.*.weight": "S(0)"})),
-    "tensor literals, pipelined": (_scaled, 2, _pipelined()),
+    # name: (model, batch and loss; plan options), on 2 ranks
+    "data parallel": (gpt, plan_kwargs("gpt", "data_parallel", (2,))),
+    "tensor parallel": (gpt, plan_kwargs("gpt", "megatron", (2,))),
+    "fsdp": (gpt, plan_kwargs("gpt", "fsdp", (2,))),
+    "pipelined": (gpt, pipelined()),
+    "expert parallel": (functools.partial(moe, split=2), dict(mesh_shape=(2,), **EXPERT_PARALLEL)),
+    "tensor literals": (scaled, dict(mesh_shape=(2,), param_layouts={"layers.*.weight": "S(0)"})),
+    "tensor literals, pipelined": (scaled, pipelined()),
 }
 
 
@@ -123,16 +59,15 @@ def forced_device(monkeypatch):
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_op_of_every_rank_runs_on_the_rank_device(case, forced_device):
-    build, world, options = CASES[case]
-    torch.manual_seed(0)
-    model, x, y, loss_fn = build()
+    build, options = CASES[case]
+    world, (model, x, y, loss_fn) = 2, build()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = meshplan.plan(model, world, (x,), **options)
     assert (plan.pipeline is not None) == ("pipeline" in options)
     if case == "expert parallel":
-        [moe] = [n for n in plan.nodes if n.target == str(MOE_OP)]
-        assert moe_axes(moe.strategy.inputs)[0] == (0,), f"not expert parallel: {moe.strategy}"
+        [node] = [n for n in plan.nodes if n.target == str(MOE_OP)]
+        assert moe_axes(node.strategy.inputs)[0] == (0,), f"not expert parallel: {node.strategy}"
     for rank in range(world):
         with simulated_rank(rank, world), on_device() as check:
             pmodel = meshplan.auto_parallelize(model, world, (x,), plan=plan, loss_fn=loss_fn)
