@@ -125,8 +125,8 @@ def program_overhead(graph: Graph, timings: dict, device: torch.device) -> float
     for ph in graph.fx.gm.graph.nodes:
         if ph.op != "placeholder":
             continue
-        if ph.name in graph.fx.constants:
-            args.append(graph.fx.constants[ph.name])
+        if ph.name in graph.fx.constants:  # lifted tensor literals stay where the trace made them: move them
+            args.append(graph.fx.constants[ph.name].to(device))
         else:
             node = graph[ph.name]
             args.append(make_tensor(node.out, device, requires_grad=node.kind == "param" and node.grad(0)))
