@@ -52,8 +52,8 @@ from meshplan.plans.plan import Plan
 log = logging.getLogger("meshplan")
 
 TOP_PRICED = 3
-"""Configurations (the cheapest by the searched profiles) whose real stage plans are solved and priced; the
-cheapest priced one that fits is returned."""
+"""Configurations (the cheapest by the searched profiles) priced by their stage plans; the cheapest of them is solved
+on the whole model and returned (the next when its whole model's stage plan does not fit)."""
 MOST_TRIED = 8
 """Configurations tried at most, in the search's order, to find `TOP_PRICED` whose stage plans fit."""
 
