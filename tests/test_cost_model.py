@@ -217,3 +217,22 @@ def test_optimizer_state_bytes():
     assert optimizer_state_bytes(1000, "sgd_momentum") == 4000
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
         optimizer_state_bytes(10, "lion")
+
+
+def test_pointwise_work_on_partial_sums_is_not_split():
+    """A residual add of two partial tensors runs on whole-sized local tensors on every device; a matmul whose
+    contraction dim is split gives partial sums from a split of the work."""
+    from meshplan.cost_model.estimate import compute_time
+    from meshplan.ir.placement import Partial, Replicate, Shard
+
+    h100 = get_cluster("h100")
+    x = TensorMeta((64, 4096), "float32")
+    w = TensorMeta((4096, 4096), "float32")
+    whole = compute_time("aten.add.Tensor", [x, x], [x], [(Replicate(),)], (8,), h100, backward=False, in_layouts=[(Replicate(),)] * 2)
+    partial = compute_time("aten.add.Tensor", [x, x], [x], [(Partial(),)], (8,), h100, backward=False, in_layouts=[(Partial(),)] * 2)
+    assert partial == pytest.approx(whole)
+    mm_whole = compute_time("aten.mm.default", [x, w], [x], [(Replicate(),)], (8,), h100, backward=False,
+                            in_layouts=[(Replicate(),), (Replicate(),)])
+    mm_split = compute_time("aten.mm.default", [x, w], [x], [(Partial(),)], (8,), h100, backward=False,
+                            in_layouts=[(Shard(1),), (Shard(0),)])
+    assert mm_split == pytest.approx(mm_whole / 8)

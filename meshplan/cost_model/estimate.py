@@ -27,11 +27,16 @@ from meshplan.ir.graph import TensorMeta
 from meshplan.ir.placement import Partial, Placements, Replicate, Shard, local_shape
 
 
-def work_split(outputs: Sequence[Placements | None], mesh_shape: tuple[int, ...]) -> int:
-    """Devices sharing one op's work: an axis splits it when the op's outputs are sharded or partial there."""
+def work_split(outputs: Sequence[Placements | None], mesh_shape: tuple[int, ...], inputs: Sequence[Placements] | None = None) -> int:
+    """Devices sharing one op's work: an axis splits it when an output is sharded there, or partial there from an
+    input sharded there (a matmul over a split contraction dim). A pointwise op on partial sums (a residual add
+    of two partial tensors) gives partial sums from whole-sized local tensors: every device does all of its work.
+    Without `inputs`, a partial output counts as split."""
     split = 1
     for a, n in enumerate(mesh_shape):
-        if any(p is not None and isinstance(p[a], (Shard, Partial)) for p in outputs):
+        sharded = any(p is not None and isinstance(p[a], Shard) for p in outputs)
+        partial = any(p is not None and isinstance(p[a], Partial) for p in outputs)
+        if sharded or partial and (inputs is None or any(isinstance(p[a], Shard) for p in inputs)):
             split *= n
     return split
 
@@ -65,7 +70,7 @@ def compute_time(
         if t is not None:
             runs = 2 if backward else 1  # the op runs in forward, and its backward node in backward
             return (measured_seconds(t, backward) + runs * (prof.node_overhead_s or 0.0)) * prof.slowdown(math.prod(mesh_shape))
-    split = work_split(out_layouts, mesh_shape)
+    split = work_split(out_layouts, mesh_shape, in_layouts)
     flops = op_flops(target, list(inputs), list(outputs)) / split
     nbytes = op_bytes(target, list(inputs), list(outputs)) / split
     dtype = next((m.dtype for m in outputs if m is not None), "float32")
