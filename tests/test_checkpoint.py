@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from _parity import BATCH, megatron_layouts, run_steps
 
 import meshplan
@@ -66,8 +66,15 @@ def _save_worker(rank, world, plan, path):
     # whole tensors in, this rank's blocks out
     checkpoint.load_model_state_dict(pmodel, whole)
     reloaded = {k: local_of(v.detach()).clone() for k, v in pmodel.state_dict().items()}
+    # DTensors of another layout on this mesh in (replicated): the same blocks out, by DTensor's redistribution
+    replicated = {k: distribute_tensor(v, pmodel.device_mesh, [Replicate()] * pmodel.device_mesh.ndim) for k, v in whole.items()}
+    with torch.no_grad():
+        for v in pmodel.state_dict().values():
+            local_of(v).zero_()
+    checkpoint.load_model_state_dict(pmodel, replicated)
+    redistributed = {k: local_of(v.detach()).clone() for k, v in pmodel.state_dict().items()}
     dtensors = {isinstance(v, DTensor) for v in pmodel.parameters()} | {isinstance(v, DTensor) for d in opt.state.values() for v in d.values()}
-    return before, after, again, info, whole, whole_state, reloaded, dtensors
+    return before, after, again, info, whole, whole_state, reloaded, dtensors, redistributed
 
 
 def _load_worker(rank, world, plan, path):
@@ -98,13 +105,14 @@ def test_checkpoint_reshards_across_plans_and_world_sizes(tmp_path):
     saved = run_local(4, _save_worker, tp4, path, timeout=600)
     ref_losses = _reference()
     tp4_layouts = {f: p.layout for p in tp4.params for f in p.fqns}
-    for rank, (before, after, again, info, whole, _, reloaded, _) in enumerate(saved):
+    for rank, (before, after, again, info, whole, _, reloaded, _, redistributed) in enumerate(saved):
         torch.testing.assert_close(torch.tensor(before + after), torch.tensor(ref_losses), rtol=1e-4, atol=1e-6)
         assert again == after, "reloading under the same plan must repeat the continuation exactly"
         assert info == checkpoint.CheckpointInfo(step=SAVE_AT, plan_hash=tp4.hash(), mesh_shape=(4,), extra={"data": "epoch 0"})
         assert set(reloaded) == set(whole)
         for k, v in reloaded.items():  # load_model_state_dict with whole tensors keeps this rank's block
             assert torch.equal(v, shard_tensor(whole[k], tp4_layouts[k], tp4.mesh, rank)), k
+            assert torch.equal(redistributed[k], v), k
     uninterrupted, saved_params, saved_state = saved[0][1], saved[0][4], saved[0][5]
     assert any(tp4_layouts[k] != (meshplan.Replicate(),) for k in saved_params)  # tp=4 really shards
     assert set(saved_state) == {k for k, _ in build(NAME)[0].named_parameters()}

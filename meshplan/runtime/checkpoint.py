@@ -31,12 +31,11 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshplan.ir.placement import Partial
 from meshplan.plans.plan import ParamChoice
 from meshplan.runtime.local_view import local_of
-from meshplan.runtime.parallel_module import shard_tensor
 
 __all__ = [
     "CheckpointInfo", "device_mesh", "latest_checkpoint", "load_checkpoint", "load_model_state_dict",
@@ -103,11 +102,11 @@ def _local_part(value: torch.Tensor, p: ParamChoice, pmodel, what: str) -> torch
     if tuple(value.shape) != tuple(p.shape):
         raise ValueError(f"{what} has shape {list(value.shape)} but this model's {p.fqns[0]} is {list(p.shape)}")
     if isinstance(value, DTensor):
-        want = list(p.layout)
-        if list(value.placements) == want and value.device_mesh.shape == tuple(pmodel.plan.mesh.shape):
-            return value.to_local()
-        value = value.full_tensor()  # another layout: gather, then take our block
-    return shard_tensor(value.to(pmodel.comm.device), p.layout, pmodel.plan.mesh, pmodel.comm.rank)
+        if value.device_mesh == pmodel.device_mesh:  # this mesh, any layout: DTensor moves only what changes
+            return value.redistribute(pmodel.device_mesh, list(p.layout)).to_local()
+        value = value.full_tensor()  # another mesh: gather, then take our block
+    # a whole tensor every rank holds: each takes its own block, no communication
+    return distribute_tensor(value.to(pmodel.comm.device), pmodel.device_mesh, list(p.layout), src_data_rank=None).to_local()
 
 
 def _check_keys(what: str, got: set[str], want: set[str]) -> None:
