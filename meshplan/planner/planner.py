@@ -1,4 +1,24 @@
-"""From a traced graph and a mesh to a Plan: candidates, costs, the solve, and the bookkeeping."""
+"""From a traced graph and a mesh to a Plan: candidates, costs, the solve, and the bookkeeping.
+
+`make_plan` runs these steps:
+
+1. `_checked_search`: the options' mode, inputs and search.
+2. `_candidates`: every node's candidate strategies, narrowed by the annotations.
+3. `_keep_budget`: per bound of the solver's memory row, until the plan's walked peak keeps the budget,
+   `_Planning.attempt`: the cost tables (`make_tables`), the solve (`solve_whole`: one exact or propagation
+   solve, `solve_subset`, or a neighbourhood search, `solve_by_neighbourhoods`), the solution read back per node
+   (`_decode`), and the Plan (`assemble`).
+
+Four index spaces meet in a solve; each conversion between them is one function:
+
+- full: into `cands.by_node[node]`, the candidates the annotations leave (what a neighbourhood search compares);
+- subset: into the lists a neighbourhood keeps (`_restrict` makes them, `_to_full` maps back; for one solve of
+  the whole problem, the full lists);
+- class: the solver's choice is keyed by the representative of each class of tied repeated layers (`Tying.rep`);
+- table: it indexes the class's table lists, which `add_offload_options` extends with offloaded copies.
+
+`_decode` takes the solver's choice (class, table) to each node's subset index and offload flag.
+"""
 
 from __future__ import annotations
 
@@ -25,10 +45,10 @@ from meshplan.planner.neighbourhood import search as neighbourhood_search
 from meshplan.planner.offload import OffloadOptions, add_offload_options, check_offload
 from meshplan.planner.problem import INFEASIBLE_S, Tables, build_tables, grad_flows, node_memory, transfer_memory
 from meshplan.planner.propagation import propagate
-from meshplan.planner.recompute import check_recompute, internal_outputs, recompute_groups
+from meshplan.planner.recompute import RecomputeGroup, check_recompute, internal_outputs, recompute_groups
 from meshplan.planner.solver import InfeasiblePlan, Solution, SolveTimeout, evaluate, solve
-from meshplan.planner.strategies import generate
-from meshplan.planner.tying import tie_repeated_layers
+from meshplan.planner.strategies import Candidates, generate
+from meshplan.planner.tying import Tying, tie_repeated_layers
 from meshplan.plans.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer, keeps_plain
 from meshplan.plans.strategy import Strategy
 from meshplan.progress import phase
@@ -116,7 +136,25 @@ def make_plan(
     large for one exact solve (`planner/neighbourhood.py`).
 
     `plan.memory` is the liveness walk's peak (`cost_model/peak.py`), and the plan keeps `options.memory_budget` by
-    that peak (`_keep_budget`)."""
+    that peak (`_keep_budget`, which calls `_Planning.attempt` once per bound of the solver's memory row)."""
+    search = _checked_search(options)
+    cands, before_constraints, constraints = _candidates(graph, mesh, options)
+    budget = _budget(options.memory_budget, cluster)
+    check_recompute(options.recompute)
+    check_offload(options.offload, cluster)
+    # propagation walks the real graph (layer k hands its layouts to layer k+1); tying serves the solver
+    tie = options.tie_layers and search == "ilp"
+    planning = _Planning(
+        graph=graph, mesh=mesh, cluster=cluster, options=options, model_name=model_name, earlier=earlier, search=search,
+        cands=cands, before_constraints=before_constraints, constraints=constraints, budget=budget, tie=tie,
+        groups=recompute_groups(graph) if options.recompute != "never" and search == "ilp" else [],
+        tying=tie_repeated_layers(graph, cands.by_node, enabled=tie),
+    )
+    return _keep_budget(planning.attempt, graph, budget, options.optimizer, mesh, cluster)
+
+
+def _checked_search(options: PlanOptions) -> str:
+    """The search `options` ask for ('ilp' or 'propagation'), after checking their mode, inputs and search."""
     if options.mode not in MODES:
         raise ValueError(f"mode={options.mode!r} is not supported; allowed: {', '.join(MODES)}")
     if options.inputs not in INPUT_MODES:
@@ -124,204 +162,263 @@ def make_plan(
     search = options.search or ("propagation" if options.mode == "manual" else "ilp")
     if search not in SEARCHES:
         raise ValueError(f"search={options.search!r} is not supported; allowed: {', '.join(SEARCHES)}")
+    return search
+
+
+def _candidates(graph: Graph, mesh: MeshSpec, options: PlanOptions) -> tuple[Candidates, dict[str, list[Strategy]], list[Constraint]]:
+    """Every node's candidate strategies on `mesh` as the annotations leave them (`cands.by_node`, the full lists
+    whose indices the solves report), the lists before the annotations (what they rule out, for Plan.explain), and
+    the constraints the annotations bound to the graph."""
     phase(f"candidate strategies on mesh {mesh}")
     cands = generate(graph, mesh, inputs=options.inputs, strict=options.strict)
-    before_constraints = dict(cands.by_node)  # what annotations rule out, for Plan.explain
+    before_constraints = dict(cands.by_node)
     constraints = constrain(
         graph, mesh, cands.by_node, mode=options.mode, annotations=options.annotations,
         param_layouts=options.param_layouts, input_layouts=options.input_layouts, preferred=options.preferred,
     )
+    return cands, before_constraints, constraints
 
-    budget = _budget(options.memory_budget, cluster)
-    # propagation walks the real graph (layer k hands its layouts to layer k+1); tying serves the solver
-    tie = options.tie_layers and search == "ilp"
-    check_recompute(options.recompute)
-    check_offload(options.offload, cluster)
-    groups = recompute_groups(graph) if options.recompute != "never" and search == "ilp" else []
 
-    tying = tie_repeated_layers(graph, cands.by_node, enabled=tie)
+@dataclass(frozen=True, slots=True)
+class _Searched:
+    """What one solve leaves for building the plan: the candidates it saw, its tables, its solution, and that
+    solution per node in the candidates' indices (`_decode`)."""
 
-    def attempt(solver_budget: float) -> Plan:
-        """Solve with the memory row bounded by `solver_budget` and assemble the plan (memory: the row's sum)."""
-        def solve_subset(subset: Subset | None) -> Solved[_Searched]:
-            """Tables and solve over the candidates `subset` keeps (all of them when None)."""
-            by_node = _restrict(cands.by_node, subset)
-            tables = build_tables(
-                graph, mesh, cluster, by_node, optimizer=options.optimizer, memory_budget=solver_budget, tie_layers=tie,
-                recompute=groups, force_recompute=options.recompute == "always", tying=tying if subset is None else None,
-            )
-            offload_from = add_offload_options(tables, graph, by_node, cluster, optimizer=options.optimizer, mode=options.offload)
-            solution = propagate(tables.problem) if search == "propagation" else _solve_with_recompute(tables.problem, options)
-            rep = tables.tying.rep
-            choice = {n.name: offload_from.decode(rep[n.name], solution.choice[rep[n.name]])[0] for n in graph.nodes}
-            if subset is not None:
-                choice = {name: subset[name][i] for name, i in choice.items()}
-            return Solved(solution.objective, choice, _Searched(by_node, tables, offload_from, solution))
+    by_node: dict[str, list[Strategy]]
+    """The candidates the solve saw: the full lists, or the ones a neighbourhood keeps (`_restrict`)."""
+    tables: Tables
+    offload_from: OffloadOptions
+    solution: Solution
+    table_choice: dict[str, int]
+    """node -> its class's choice: an index into the class's offload-extended table lists (`unit_costs`)."""
+    choice: dict[str, int]
+    """node -> index into `by_node[node]`."""
+    offloaded: set[str]
+    """Nodes whose optimizer state the solve puts in host memory."""
 
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Planning:
+    """One `make_plan` call once its candidates are fixed: per bound of the memory row (`attempt`), the tables
+    (`make_tables`), the solve of the whole problem (`solve_whole`: one solve, `solve_subset`, or a neighbourhood
+    search, `solve_by_neighbourhoods`) and the Plan (`assemble`)."""
+
+    graph: Graph
+    mesh: MeshSpec
+    cluster: ClusterPreset
+    options: PlanOptions
+    model_name: str
+    earlier: Sequence[Plan]
+    search: str
+    """'ilp' or 'propagation' (`_checked_search`)."""
+    cands: Candidates
+    before_constraints: dict[str, list[Strategy]]
+    constraints: list[Constraint]
+    budget: float
+    """The per-device memory budget the walked peak keeps (the solver's row may be bounded tighter)."""
+    tie: bool
+    """Whether repeated layers are tied (solved once)."""
+    groups: list[RecomputeGroup]
+    """The repeated-layer groups the solve may recompute."""
+    tying: Tying
+    """The tying of the full candidate lists (a neighbourhood's tables tie their own)."""
+
+    def attempt(self, row: float) -> Plan:
+        """Solve with the memory row bounded by `row` and assemble the plan (memory: the row's sum)."""
+        return self.assemble(self.solve_whole(row))
+
+    def make_tables(self, by_node: dict[str, list[Strategy]], row: float, *, whole: bool) -> tuple[Tables, OffloadOptions]:
+        """The cost tables of the candidates `by_node` (`whole`: the full lists) with the memory row bounded by `row`,
+        and the offloaded strategies added to them."""
+        options = self.options
+        tables = build_tables(
+            self.graph, self.mesh, self.cluster, by_node, optimizer=options.optimizer, memory_budget=row, tie_layers=self.tie,
+            recompute=self.groups, force_recompute=options.recompute == "always", tying=self.tying if whole else None,
+        )
+        offload_from = add_offload_options(tables, self.graph, by_node, self.cluster, optimizer=options.optimizer, mode=options.offload)
+        return tables, offload_from
+
+    def solve_subset(self, subset: Subset | None, row: float) -> Solved[_Searched]:
+        """Tables and one solve over the candidates `subset` keeps (all of them when None); `Solved.choice` holds
+        indices into the full candidate lists."""
+        by_node = _restrict(self.cands.by_node, subset)
+        tables, offload_from = self.make_tables(by_node, row, whole=subset is None)
+        solution = propagate(tables.problem) if self.search == "propagation" else _solve_with_recompute(tables.problem, self.options)
+        table_choice, choice, offloaded = _decode(self.graph, tables.tying.rep, offload_from, solution)
+        searched = _Searched(by_node, tables, offload_from, solution, table_choice, choice, offloaded)
+        return Solved(solution.objective, _to_full(choice, subset), searched)
+
+    def solve_whole(self, row: float) -> _Searched:
+        """The solve of the whole problem under `row`: one solve, or a neighbourhood search when its layout pairs
+        exceed `PAIR_LIMIT`. When no plan fits the row, `MemoryBudgetError` names the smallest row of any plan."""
         began = time.perf_counter()
-        phase(f"{search} search on mesh {mesh} (costing and solving {len(graph.nodes)} nodes)")
-        pairs = layout_pairs(graph, cands.by_node, tying.rep) if search == "ilp" else 0
-        log.info("mesh %s: %d strategies, %d layout pairs", mesh, sum(map(len, cands.by_node.values())), pairs)
+        mesh = self.mesh
+        phase(f"{self.search} search on mesh {mesh} (costing and solving {len(self.graph.nodes)} nodes)")
+        pairs = layout_pairs(self.graph, self.cands.by_node, self.tying.rep) if self.search == "ilp" else 0
+        log.info("mesh %s: %d strategies, %d layout pairs", mesh, sum(map(len, self.cands.by_node.values())), pairs)
         try:
             if pairs > PAIR_LIMIT:
-                phase(f"mesh {mesh}: {pairs} layout pairs exceed {PAIR_LIMIT}; searching one mesh axis at a time")
-                found = neighbourhood_search(
-                    solve_subset, cands.by_node, mesh.ndim, _starts(cands.by_node, mesh, earlier), time_limit_s=options.time_limit_s
-                )
-                local = dataclasses.replace(found.result.solution, status="local", seconds=time.perf_counter() - began)
-                found = dataclasses.replace(found, result=dataclasses.replace(found.result, solution=local))
-            else:
-                found = solve_subset(None)
+                return self.solve_by_neighbourhoods(row, pairs, began)
+            return self.solve_subset(None, row).result
         except InfeasiblePlan:
-            # the smallest peak of any plan; on a mesh searched by neighbourhoods, of the plans that merge the outer axes
-            subset = None if pairs <= PAIR_LIMIT else merged(cands.by_node, _outer_merged(mesh))
-            tables = build_tables(graph, mesh, cluster, _restrict(cands.by_node, subset), optimizer=options.optimizer,
-                                  memory_budget=solver_budget, tie_layers=tie)
-            smallest = solve(tables.problem, time_limit_s=options.time_limit_s, minimize="memory")
-            if smallest.objective <= solver_budget:
+            smallest = self.smallest_row(row, pairs)
+            if smallest <= row:
                 raise
-            raise MemoryBudgetError(budget, smallest.objective, mesh, cluster) from None
-        return _assemble(graph, mesh, cluster, options, found.result, groups=groups, cands=cands,
-                         before_constraints=before_constraints, constraints=constraints, budget=budget, model_name=model_name)
+            raise MemoryBudgetError(self.budget, smallest, mesh, self.cluster) from None
 
-    return _keep_budget(attempt, graph, budget, options.optimizer, mesh, cluster)
+    def solve_by_neighbourhoods(self, row: float, pairs: int, began: float) -> _Searched:
+        """The best plan of a neighbourhood search (`planner/neighbourhood.py`) from `_starts`, labelled 'local', its
+        seconds counted from `began`."""
+        mesh = self.mesh
+        phase(f"mesh {mesh}: {pairs} layout pairs exceed {PAIR_LIMIT}; searching one mesh axis at a time")
+        found = neighbourhood_search(
+            lambda subset: self.solve_subset(subset, row), self.cands.by_node, mesh.ndim, _starts(self.cands.by_node, mesh, self.earlier),
+            time_limit_s=self.options.time_limit_s,
+        )
+        local = dataclasses.replace(found.result.solution, status="local", seconds=time.perf_counter() - began)
+        return dataclasses.replace(found.result, solution=local)
 
+    def smallest_row(self, row: float, pairs: int) -> float:
+        """The smallest memory row of any plan (solved minimising memory, without recomputation or offload); on a
+        mesh searched by neighbourhoods, of the plans that merge the outer axes."""
+        subset = None if pairs <= PAIR_LIMIT else merged(self.cands.by_node, _outer_merged(self.mesh))
+        tables = build_tables(self.graph, self.mesh, self.cluster, _restrict(self.cands.by_node, subset), optimizer=self.options.optimizer,
+                              memory_budget=row, tie_layers=self.tie)
+        return solve(tables.problem, time_limit_s=self.options.time_limit_s, minimize="memory").objective
 
-def _assemble(graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, searched: _Searched, *, groups,
-              cands, before_constraints, constraints, budget: float, model_name: str) -> Plan:
-    """The Plan of one solve: the chosen strategies as `NodeChoice`, `Transfer`, `ParamChoice` and `GradBucket` entries,
-    every price and size the tables' own (the solver's numbers) at the chosen strategy; `memory` is the solver's sum."""
-    shape = mesh.shape
-    by_node, tables, offload_from, solution = searched.by_node, searched.tables, searched.offload_from, searched.solution
-    if solution.objective >= INFEASIBLE_S:
-        raise InfeasiblePlan("no consistent choice of strategies exists for the repeated layers; plan with tie_layers=False")
-    rep = tables.tying.rep
-    raw = {n.name: solution.choice[rep[n.name]] for n in graph.nodes}  # indexes the cost tables
-    decoded = {name: offload_from.decode(rep[name], i) for name, i in raw.items()}
-    choice = {name: i for name, (i, _) in decoded.items()}
-    offloaded = {name for name, (_, host) in decoded.items() if host}
-    chosen = {name: by_node[name][i] for name, i in choice.items()}
+    def assemble(self, searched: _Searched) -> Plan:
+        """The Plan of one solve: the chosen strategies as `NodeChoice`, `Transfer`, `ParamChoice` and `GradBucket`
+        entries, every price and size the tables' own (the solver's numbers) at the chosen strategy; `memory` is the
+        solver's sum."""
+        graph, mesh, cluster, options, groups, cands = self.graph, self.mesh, self.cluster, self.options, self.groups, self.cands
+        shape = mesh.shape
+        by_node, tables, offload_from, solution = searched.by_node, searched.tables, searched.offload_from, searched.solution
+        if solution.objective >= INFEASIBLE_S:
+            raise InfeasiblePlan("no consistent choice of strategies exists for the repeated layers; plan with tie_layers=False")
+        rep = tables.tying.rep
+        table_choice, choice, offloaded = searched.table_choice, searched.choice, searched.offloaded
+        chosen = {name: by_node[name][i] for name, i in choice.items()}
 
-    nodes, transfers, params, inputs = [], [], [], []
-    compute_s = comm_s = host_s = optimizer_s = 0.0
-    memory = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
-    recomputed = {layer: g.name for g in groups if g.name in solution.recompute for layer in g.layers}
-    internal = internal_outputs(graph) if recomputed else set()
-    rematerialised: dict[str, float] = {}  # recomputed layer -> bytes it holds again during its backward
-    # every price and size below is the tables' (the solver's own numbers), read at the chosen strategy
-    for node in graph.nodes:
-        s = chosen[node.name]
-        r, i = rep[node.name], choice[node.name]
-        cost = tables.unit_costs[r][raw[node.name]]
-        node_mem = tables.memory[r][i]
-        if node.name in offloaded:
-            node_mem = dataclasses.replace(node_mem, optimizer=0)
-            host_s += offload_from.host_s[r][i]
-        if node.kind == "op" and node.layer in recomputed:
-            cost += tables.forward_s[r][i]
-            if node.name in internal:
-                rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + node_mem.activations
-                node_mem = dataclasses.replace(node_mem, activations=0)
-        memory = memory + node_mem
-        for pos, ref in enumerate(node.inputs):
-            src = chosen[ref.node].outputs[ref.index]
-            dst = s.inputs[pos]
-            if src == dst:
-                continue
-            meta = graph.meta(ref)
-            fwd = redistribution_steps(meta, src, dst, shape)
-            bwd = backward_steps(fwd) if grad_flows(graph, ref, node) else []
-            t = tables.move_time(meta, src, dst, bool(bwd))
-            held = transfer_memory(meta, src, dst, node, shape)
-            again = node.kind == "op" and node.layer in recomputed
-            if again:  # the forward move runs again in backward; its copy is not held until then
-                t += tables.move_time(meta, src, dst, False)
-                rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + held
-                held = 0
-            comm_s += t
-            memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=held)
-            transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t, recompute=again))
-        if node.kind == "op":
-            region = tables.regions[r][i] if r in tables.regions else None
-            if region is not None:  # a region op's own collectives are communication, listed in the plan
-                cost = region.compute_s
-                if node.layer in recomputed:  # its forward again, own collectives included
-                    rerun = tables.regions_forward[r][i]
-                    cost, comm_s = cost + rerun.compute_s, comm_s + rerun.comm_s
-                compute_s, comm_s = compute_s + cost, comm_s + region.comm_s
-                nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost, region.forward, region.backward))
-            else:
-                compute_s += cost
-                nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost))
-        elif node.kind in ("param", "buffer"):
-            layout = s.outputs[0]
-            trainable = node.kind == "param" and node.grad(0)
-            step = 0.0  # ParamChoice.time_s keeps the gradient sync (+ the host step when offloaded)
-            if trainable:
-                device_step = tables.optimizer_s[r][i]
-                if node.name in offloaded:  # the cost holds the host step in place of the device's
-                    cost += device_step
+        nodes, transfers, params, inputs = [], [], [], []
+        compute_s = comm_s = host_s = optimizer_s = 0.0
+        memory = MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0)
+        recomputed = {layer: g.name for g in groups if g.name in solution.recompute for layer in g.layers}
+        internal = internal_outputs(graph) if recomputed else set()
+        rematerialised: dict[str, float] = {}  # recomputed layer -> bytes it holds again during its backward
+        # every price and size below is the tables' (the solver's own numbers), read at the chosen strategy
+        for node in graph.nodes:
+            s = chosen[node.name]
+            r, i = rep[node.name], choice[node.name]
+            cost = tables.unit_costs[r][table_choice[node.name]]
+            node_mem = tables.memory[r][i]
+            if node.name in offloaded:
+                node_mem = dataclasses.replace(node_mem, optimizer=0)
+                host_s += offload_from.host_s[r][i]
+            if node.kind == "op" and node.layer in recomputed:
+                cost += tables.forward_s[r][i]
+                if node.name in internal:
+                    rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + node_mem.activations
+                    node_mem = dataclasses.replace(node_mem, activations=0)
+            memory = memory + node_mem
+            for pos, ref in enumerate(node.inputs):
+                src = chosen[ref.node].outputs[ref.index]
+                dst = s.inputs[pos]
+                if src == dst:
+                    continue
+                meta = graph.meta(ref)
+                fwd = redistribution_steps(meta, src, dst, shape)
+                bwd = backward_steps(fwd) if grad_flows(graph, ref, node) else []
+                t = tables.move_time(meta, src, dst, bool(bwd))
+                held = transfer_memory(meta, src, dst, node, shape)
+                again = node.kind == "op" and node.layer in recomputed
+                if again:  # the forward move runs again in backward; its copy is not held until then
+                    t += tables.move_time(meta, src, dst, False)
+                    rematerialised[node.layer] = rematerialised.get(node.layer, 0.0) + held
+                    held = 0
+                comm_s += t
+                memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=held)
+                transfers.append(Transfer(str(ref), node.name, pos, src, dst, tuple(fwd), tuple(bwd), t, recompute=again))
+            if node.kind == "op":
+                region = tables.regions[r][i] if r in tables.regions else None
+                if region is not None:  # a region op's own collectives are communication, listed in the plan
+                    cost = region.compute_s
+                    if node.layer in recomputed:  # its forward again, own collectives included
+                        rerun = tables.regions_forward[r][i]
+                        cost, comm_s = cost + rerun.compute_s, comm_s + rerun.comm_s
+                    compute_s, comm_s = compute_s + cost, comm_s + region.comm_s
+                    nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost, region.forward, region.backward))
                 else:
-                    cost -= device_step
-                    step = device_step
-                optimizer_s += step
-            axes = grad_sync_axes(layout) if trainable else ()
-            axes = tuple(a for a in axes if shape[a] > 1)
-            params.append(
-                ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype, offload=node.name in offloaded,
-                            optimizer_s=step)
-            )
-        elif node.kind == "input":
-            inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
-    for g in groups:  # one layer of each recomputed group is whole again while its backward runs
-        if g.name in solution.recompute:
-            peak = max((rematerialised.get(layer, 0.0) for layer in g.layers), default=0.0)
-            memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=int(peak))
-    if tables.dtensor_step_s and not keeps_plain(params):
-        # the runtime makes every parameter a DTensor once one is sharded or offloaded (Plan.plain_params): each step pays its dispatch
-        params = [dataclasses.replace(p, optimizer_s=p.optimizer_s + tables.dtensor_step_s) if p.optimizer_s else p for p in params]
-        optimizer_s = sum(p.optimizer_s for p in params)
-    buckets = _grad_buckets(graph, params, shape, cluster)
-    flops, flops_dtype = model_flops(graph)
-    comm_s += sum(b.time_s for b in buckets)  # gradient sync as the runtime runs it, not per parameter
-    if abs(memory.total - solution.memory) > 1e-6 * max(memory.total, 1.0) + 1:
-        raise AssertionError(f"plan memory {memory.total} differs from the solver's {solution.memory}")
+                    compute_s += cost
+                    nodes.append(NodeChoice(node.name, node.target, node.module_path, s, cost))
+            elif node.kind in ("param", "buffer"):
+                layout = s.outputs[0]
+                trainable = node.kind == "param" and node.grad(0)
+                step = 0.0  # ParamChoice.time_s keeps the gradient sync (+ the host step when offloaded)
+                if trainable:
+                    device_step = tables.optimizer_s[r][i]
+                    if node.name in offloaded:  # the cost holds the host step in place of the device's
+                        cost += device_step
+                    else:
+                        cost -= device_step
+                        step = device_step
+                    optimizer_s += step
+                axes = grad_sync_axes(layout) if trainable else ()
+                axes = tuple(a for a in axes if shape[a] > 1)
+                params.append(
+                    ParamChoice(node.name, node.fqns, node.out.shape, layout, axes, node.kind == "buffer", cost, dtype=node.out.dtype,
+                                offload=node.name in offloaded, optimizer_s=step)
+                )
+            elif node.kind == "input":
+                inputs.append(InputChoice(node.name, node.out.shape, s.outputs[0]))
+        for g in groups:  # one layer of each recomputed group is whole again while its backward runs
+            if g.name in solution.recompute:
+                peak = max((rematerialised.get(layer, 0.0) for layer in g.layers), default=0.0)
+                memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=int(peak))
+        if tables.dtensor_step_s and not keeps_plain(params):
+            # the runtime makes every parameter a DTensor once one is sharded or offloaded (Plan.plain_params): each step pays its dispatch
+            params = [dataclasses.replace(p, optimizer_s=p.optimizer_s + tables.dtensor_step_s) if p.optimizer_s else p for p in params]
+            optimizer_s = sum(p.optimizer_s for p in params)
+        buckets = _grad_buckets(graph, params, shape, cluster)
+        flops, flops_dtype = model_flops(graph)
+        comm_s += sum(b.time_s for b in buckets)  # gradient sync as the runtime runs it, not per parameter
+        if abs(memory.total - solution.memory) > 1e-6 * max(memory.total, 1.0) + 1:
+            raise AssertionError(f"plan memory {memory.total} differs from the solver's {solution.memory}")
 
-    return Plan(
-        model=model_name,
-        graph_fingerprint=graph.fingerprint(),
-        precision=graph.precision,
-        model_flops=flops,
-        peak_flops=cluster.device.peak(flops_dtype),
-        mesh=mesh,
-        mode=options.mode,
-        inputs_mode=options.inputs,
-        cluster=cluster.name,
-        nodes=tuple(nodes),
-        transfers=tuple(transfers),
-        params=tuple(params),
-        inputs=tuple(inputs),
-        memory=memory,
-        compute_s=compute_s,
-        comm_s=comm_s,
-        host_s=host_s,
-        optimizer_s=optimizer_s,
-        solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables,
-                          constraints=solution.constraints, memory_bound=memory.total),
-        fallbacks=tuple(cands.fallbacks),
-        buckets=tuple(buckets),
-        recompute=tuple(layer for g in groups if g.name in solution.recompute for layer in g.layers),
-        alternatives=() if not options.alternatives else record_alternatives(
-            # a neighbourhood search prices the candidates of its last neighbourhood; those the annotations removed stay listed
-            graph, dataclasses.replace(cands, by_node=by_node),
-            {n: by_node[n] + [s for s in ss if s not in kept] for n, ss in before_constraints.items() for kept in [set(cands.by_node[n])]},
-            choice, constraints,
-            own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
-            move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
-            memory=lambda node, s: node_memory(node, s, shape, options.optimizer, weight_cast=node.name in graph.weight_casts).total,
-            memory_budget=budget,
-        ),
-    )
+        return Plan(
+            model=self.model_name,
+            graph_fingerprint=graph.fingerprint(),
+            precision=graph.precision,
+            model_flops=flops,
+            peak_flops=cluster.device.peak(flops_dtype),
+            mesh=mesh,
+            mode=options.mode,
+            inputs_mode=options.inputs,
+            cluster=cluster.name,
+            nodes=tuple(nodes),
+            transfers=tuple(transfers),
+            params=tuple(params),
+            inputs=tuple(inputs),
+            memory=memory,
+            compute_s=compute_s,
+            comm_s=comm_s,
+            host_s=host_s,
+            optimizer_s=optimizer_s,
+            solver=SolverInfo(solution.status, solution.gap, solution.objective, solution.seconds, solution.backend, solution.variables,
+                              constraints=solution.constraints, memory_bound=memory.total),
+            fallbacks=tuple(cands.fallbacks),
+            buckets=tuple(buckets),
+            recompute=tuple(layer for g in groups if g.name in solution.recompute for layer in g.layers),
+            alternatives=() if not options.alternatives else record_alternatives(
+                # a neighbourhood search prices the candidates of its last neighbourhood; those the annotations removed stay listed
+                graph, dataclasses.replace(cands, by_node=by_node),
+                {n: by_node[n] + [s for s in ss if s not in kept] for n, ss in self.before_constraints.items() for kept in [set(cands.by_node[n])]},
+                choice, self.constraints,
+                own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
+                move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
+                memory=lambda node, s: node_memory(node, s, shape, options.optimizer, weight_cast=node.name in graph.weight_casts).total,
+                memory_budget=self.budget,
+            ),
+        )
 
 
 def with_walked_memory(plan: Plan, graph: Graph, optimizer: str) -> Plan:
@@ -368,18 +465,25 @@ def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: Mes
     raise MemoryBudgetError(budget, plan.memory.total, mesh, cluster)
 
 
-@dataclass(frozen=True, slots=True)
-class _Searched:
-    """What one solve leaves for building the plan: the candidates it saw, its tables and its solution."""
-
-    by_node: dict[str, list[Strategy]]
-    tables: Tables
-    offload_from: OffloadOptions
-    solution: Solution
-
-
 def _restrict(by_node: dict[str, list[Strategy]], subset: Subset | None) -> dict[str, list[Strategy]]:
+    """Full candidate lists -> the lists `subset` keeps (all of them when None): index `i` of a node's list
+    is index `subset[node][i]` of its full list."""
     return by_node if subset is None else {name: [by_node[name][i] for i in kept] for name, kept in subset.items()}
+
+
+def _decode(graph: Graph, rep: dict[str, str], offload_from: OffloadOptions, solution: Solution) -> tuple[dict[str, int], dict[str, int], set[str]]:
+    """The solver's choice -> the candidates'. `solution.choice` is keyed by class representative (`rep`: tied
+    repeated layers share one) and indexes the class's table lists, which `add_offload_options` extends with
+    offloaded copies. Per node of `graph`: that table index (where `unit_costs` is read), the index into the
+    candidate lists the solve saw (`OffloadOptions.decode`), and the set of nodes whose optimizer state is offloaded."""
+    table_choice = {n.name: solution.choice[rep[n.name]] for n in graph.nodes}
+    decoded = {name: offload_from.decode(rep[name], i) for name, i in table_choice.items()}
+    return table_choice, {name: i for name, (i, _) in decoded.items()}, {name for name, (_, host) in decoded.items() if host}
+
+
+def _to_full(choice: dict[str, int], subset: Subset | None) -> dict[str, int]:
+    """Indices into the lists `subset` keeps (`_restrict`) -> indices into the full candidate lists."""
+    return choice if subset is None else {name: subset[name][i] for name, i in choice.items()}
 
 
 def _outer_merged(mesh: MeshSpec) -> list[tuple[int, ...]]:
