@@ -155,10 +155,10 @@ def test_a_data_parallel_plan_keeps_plain_tensors_and_its_checkpoint_loads_under
     assert dp2.plain_params and not tp2.plain_params
     path = str(tmp_path / "ckpt")
     saved = run_local(2, _save_worker, dp2, path, timeout=600)
-    for before, after, again, info, whole, whole_state, reloaded, dtensors in saved:
+    for before, after, again, info, whole, whole_state, reloaded, dtensors, redistributed in saved:
         torch.testing.assert_close(torch.tensor(before + after), torch.tensor(_reference()), rtol=1e-4, atol=1e-6)
         assert again == after and dtensors == {False}
-        assert all(torch.equal(reloaded[k], whole[k]) for k in whole)
+        assert all(torch.equal(reloaded[k], whole[k]) and torch.equal(redistributed[k], whole[k]) for k in whole)
     saved_params, saved_state = saved[0][4], saved[0][5]
     assert all(set(d) == {"step", "exp_avg", "exp_avg_sq"} for d in saved_state.values())
     layouts = {f: p.layout for p in tp2.params for f in p.fqns}
