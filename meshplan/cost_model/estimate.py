@@ -95,7 +95,8 @@ def group_collective_time(kind: str, nbytes: int, axes: tuple[int, ...], mesh_sh
     group = math.prod(mesh_shape[a] for a in axes)
     if group == 1 or nbytes == 0:
         return 0.0
-    label = axis_label(mesh_shape, axes[0]) if len(axes) == 1 else ""
+    # the label names a profile's fit: not built when there is no profile (pricing a plan asks this for every move)
+    label = axis_label(mesh_shape, axes[0]) if len(axes) == 1 and cluster.profile is not None else ""
     return measured_collective_time(kind, nbytes, group, math.prod(mesh_shape), cluster.link_for_axes(mesh_shape, axes), cluster, label)
 
 

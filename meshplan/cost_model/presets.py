@@ -90,7 +90,9 @@ class ClusterPreset:
     """(mesh shape, axes) -> `link_for_axes`: a cache, not configuration."""
 
     def with_profile(self, profile: Profile | None) -> ClusterPreset:
-        return replace(self, profile=profile)
+        """This cluster with `profile`: itself when it has that profile already (planning without a profile prices
+        with the preset itself, and its caches serve every plan)."""
+        return self if profile is self.profile else replace(self, profile=profile)
 
     def link_for_axis(self, mesh_shape: tuple[int, ...], axis: int) -> LinkPreset:
         """The link a collective over mesh axis `axis` uses.

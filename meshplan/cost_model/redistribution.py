@@ -13,7 +13,7 @@ to_partial (R->P: the axis' first device keeps the value, the others hold zeros;
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from meshplan.ir.graph import TensorMeta
 from meshplan.ir.placement import Partial, Placements, Replicate, Shard, local_shape
@@ -53,9 +53,11 @@ class CommStep:
 
     def dual(self) -> CommStep:
         """The step autograd runs for this one in backward."""
+        # built directly: `dataclasses.replace` costs more than the rest of pricing a move (the planner asks for
+        # the backward of every move it prices)
         if self.kind == "all_to_all":
-            return replace(self, dim=self.dim2, dim2=self.dim)
-        return replace(self, kind=DUAL_KIND[self.kind])
+            return CommStep(self.kind, self.axis, self.dim2, self.dim, self.reduce, self.nbytes)
+        return CommStep(DUAL_KIND[self.kind], self.axis, self.dim, self.dim2, self.reduce, self.nbytes)
 
     def __str__(self) -> str:
         arg = f"{self.dim}->{self.dim2}" if self.kind == "all_to_all" else ("" if self.dim < 0 else str(self.dim))
@@ -75,7 +77,19 @@ def redistribution_steps(
 
 @functools.lru_cache(maxsize=1 << 16)
 def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> tuple[CommStep, ...]:
-    """Forward steps taking a tensor from layout `src` to `dst`.
+    """Forward steps taking a tensor from layout `src` to `dst`: `_moves`' steps, with the bytes of this tensor."""
+    found = _moves(src, dst, mesh_shape)
+    if isinstance(found, Exception):
+        raise type(found)(*found.args)
+    return tuple(CommStep(kind, a, dim, dim2, reduce, _bytes(meta, local_shape(meta.shape, sized, mesh_shape)))
+                 for kind, a, dim, dim2, reduce, sized in found)
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> tuple[tuple, ...] | Exception:
+    """The steps taking any tensor from layout `src` to `dst`, as (kind, axis, dim, dim2, reduce, the layout whose
+    local size is the step's bytes), or the error saying why none do. They do not depend on the tensor (its shape
+    only sizes each step), so planning a model computes them once per layout pair and mesh, not once per tensor.
 
     Unsharding runs innermost axis first and sharding outermost first, which keeps DTensor's
     nesting of several mesh axes on one tensor dim (the outer axis takes the outer blocks).
@@ -85,11 +99,11 @@ def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple
     # on an axis of one device every layout holds the same local tensor: nothing to move
     src = tuple(d if size == 1 else s for s, d, size in zip(src, dst, mesh_shape))
     if src == dst:
-        return []
+        return ()
     n = len(mesh_shape)
     for a in range(n):
         if isinstance(dst[a], Partial) and src[a] != dst[a] and (isinstance(src[a], Partial) or dst[a].reduce_op != "sum"):
-            raise InfeasibleRedistribution(f"cannot reach {dst[a]} from {src[a]} on mesh axis {a}")
+            return InfeasibleRedistribution(f"cannot reach {dst[a]} from {src[a]} on mesh axis {a}")
 
     # Axes to unshard: those whose shard changes, plus inner axes sharing a dim with an axis that
     # is (un)sharded, since those must be regathered to keep the nesting order.
@@ -109,11 +123,10 @@ def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple
                     grew = True
 
     cur = list(src)
-    steps: list[CommStep] = []
+    steps: list[tuple] = []
 
-    def step(kind: str, a: int, **kw) -> None:
-        before = local_shape(meta.shape, tuple(cur), mesh_shape)
-        steps.append(CommStep(kind, a, nbytes=_bytes(meta, before), **kw))
+    def step(kind: str, a: int, dim: int = -1, dim2: int = -1, reduce: str = "sum") -> None:
+        steps.append((kind, a, dim, dim2, reduce, tuple(cur)))  # the local tensor before the step
 
     for a in sorted(unshard, reverse=True):
         d = cur[a].dim  # type: ignore[union-attr]
@@ -124,8 +137,7 @@ def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple
         else:
             # the gathered tensor is the larger side
             cur[a] = Replicate()
-            after = local_shape(meta.shape, tuple(cur), mesh_shape)
-            steps.append(CommStep("all_gather", a, dim=d, nbytes=_bytes(meta, after)))
+            step("all_gather", a, dim=d)
 
     for a in range(n):
         if cur[a] == dst[a]:
@@ -140,7 +152,7 @@ def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple
         elif isinstance(c, Replicate) and isinstance(t, Partial):
             step("to_partial", a)
         else:
-            raise InfeasibleRedistribution(f"cannot reach {t} from {c} on mesh axis {a}")
+            return InfeasibleRedistribution(f"cannot reach {t} from {c} on mesh axis {a}")
         cur[a] = t
     if tuple(cur) != tuple(dst):
         raise AssertionError((cur, dst))

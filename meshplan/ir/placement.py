@@ -83,7 +83,9 @@ def local_shape(shape: tuple[int, ...], placements: Placements, mesh_shape: tupl
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def is_even(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
+    """Every sharded dim of `shape` splits evenly (candidate generation asks this of every layout of every tensor)."""
     for p in placements:
         if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
             return False

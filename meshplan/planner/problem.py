@@ -11,15 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshplan.cost_model.compute import is_view
-from meshplan.cost_model.estimate import compute_time, dtensor_step_overhead, grad_sync_time, local_bytes, optimizer_step_time, transfer_times
+from meshplan.cost_model.estimate import compute_time, dtensor_step_overhead, grad_sync_time, local_bytes, optimizer_step_time
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset
-from meshplan.cost_model.redistribution import InfeasibleRedistribution
 from meshplan.cost_model.regions import RegionCost
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements, Replicate
 from meshplan.ir.regions import region_op
+from meshplan.planner.moves import Moves, layout_id, priced, shared_moves
 from meshplan.planner.recompute import RecomputeGroup, RecomputeTerms
 from meshplan.planner.solver import Edge, Problem, Switch
 from meshplan.planner.tying import Tying, tie_repeated_layers
@@ -131,7 +131,8 @@ class Tables:
     """Op class representative inside a layer -> its forward seconds per strategy (what recomputing it adds)."""
     dtensor_step_s: float = 0.0
     """Seconds each trainable parameter's step costs more when the plan's parameters are DTensors (`dtensor_switch`)."""
-    _moves: dict[TensorMeta, dict[tuple, tuple[float, float] | None]] = field(default_factory=dict)
+    _moves: dict[TensorMeta, Moves] = field(default_factory=dict)
+    """Priced moves per tensor meta (`moves.shared_moves(cluster, mesh_shape)` when `build_tables` made it)."""
 
     def move_time(self, meta: TensorMeta, src: Placements, dst: Placements, backward: bool) -> float | None:
         """Seconds to reshard (None if impossible), with the gradient's move back when `backward`."""
@@ -143,20 +144,18 @@ class Tables:
         repeated layers move the same tensors the same ways; one lookup serves both directions, and
         the table builder asks once per edge for the tensor's cache (building the tables is mostly
         these lookups)."""
-        cache = self._moves.setdefault(meta, {})
+        cache = self.moves_of(meta)
 
         def times(src: Placements, dst: Placements) -> tuple[float, float] | None:
-            key = (src, dst)
+            key = (layout_id(src), layout_id(dst))
             found = cache.get(key, _UNKNOWN)
-            if found is _UNKNOWN:
-                try:
-                    found = transfer_times(meta, src, dst, self.mesh_shape, self.cluster)
-                except InfeasibleRedistribution:
-                    found = None
-                cache[key] = found
-            return found
+            return priced(cache, key, meta, src, dst, self.mesh_shape, self.cluster) if found is _UNKNOWN else found
 
         return times
+
+    def moves_of(self, meta: TensorMeta) -> Moves:
+        """The priced moves of a tensor of `meta` (`moves.Moves`); a pair not in it is priced by `moves.priced`."""
+        return self._moves.setdefault(meta, {})
 
 
 _UNKNOWN = object()
@@ -233,7 +232,8 @@ def build_tables(
     switches = [dtensor_switch(graph, by_node, rep, dtensor_s * trainable)] if dtensor_s * trainable > 0 else []
     tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget, switches=switches), tying, unit_costs, shape, cluster, optimizer_s,
                     dtensor_step_s=dtensor_s,
-                    memory=breakdowns, regions=regions, regions_forward=regions_forward, forward_s=forward_s)
+                    memory=breakdowns, regions=regions, regions_forward=regions_forward, forward_s=forward_s,
+                    _moves=shared_moves(cluster, shape))
 
     # every graph edge, as an edge between the classes it joins, counted as often as it occurs
     occurrences: dict[tuple, list[str | None]] = {}  # edge key -> the consumer's layer, per occurrence
@@ -264,20 +264,30 @@ def build_tables(
         # ordered de-duplication: set order varies between processes, and every rank must build the same model
         needed = list(dict.fromkeys(dst_layouts))
         copy_bytes = {b: float(local_bytes(meta, b, shape)) if keeps_copy(consumer) else 0.0 for b in needed}  # transfer_memory when a != b
+        # the loop below runs once per layout pair (hundreds of thousands on a 3-axis mesh): `moves` inlined, the
+        # priced moves looked up by layout ids
+        cache, cost, memory = tables.moves_of(meta), edge.cost, edge.memory
+        needed_ids = [(b, layout_id(b), copy_bytes[b]) for b in needed]
         for a in dict.fromkeys(src_layouts):
-            for b in needed:
-                t = moves(a, b)
+            ia = layout_id(a)
+            for b, ib, copied in needed_ids:
+                t = cache.get((ia, ib), _UNKNOWN)
+                if t is _UNKNOWN:
+                    t = priced(cache, (ia, ib), meta, a, b, shape, cluster)
                 if t is None:
                     continue
-                edge.cost[(a, b)] = (t[0] + t[1] if backward else t[0]) * times
-                m = 0.0 if a == b else copy_bytes[b]
+                key = (a, b)
+                cost[key] = (t[0] + t[1] if backward else t[0]) * times
+                m = 0.0 if ia == ib else copied
                 if m:
-                    edge.memory[(a, b)] = m * times
-                fwd = t[0] if unit is not None else 0.0
-                if fwd or (unit is not None and m):
-                    edge.recompute_cost[(a, b)] = fwd * times
-                    edge.recompute_saved[(a, b)] = m * times
-                    edge.recompute_peak[(a, b)] = m
+                    memory[key] = m * times
+                if unit is None:
+                    continue
+                fwd = t[0]
+                if fwd or m:
+                    edge.recompute_cost[key] = fwd * times
+                    edge.recompute_saved[key] = m * times
+                    edge.recompute_peak[key] = m
         if edge.recompute_cost:
             terms.add_edge(edge.name, unit, layers)
         tables.problem.edges.append(edge)

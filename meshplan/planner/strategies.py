@@ -228,6 +228,7 @@ def _expand_rows(rows: list, node: Node, in_metas: list[TensorMeta], mesh: MeshS
             axis_rows.append(conv)
             kernels.append(kernel)
     out: list[Strategy] = []
+    seen: set[Strategy] = set()
     for combo in itertools.product(range(len(axis_rows)), repeat=mesh.ndim):
         per_tensor = list(zip(*(axis_rows[r] for r in combo)))  # tensor -> placements over axes
         outs = tuple(None if node.outputs[i] is None else tuple(per_tensor[i]) for i in range(n_out))
@@ -235,7 +236,7 @@ def _expand_rows(rows: list, node: Node, in_metas: list[TensorMeta], mesh: MeshS
         used = {kernels[r] for r in combo} - {""}
         if len(used) > 1:  # two different kernels on two axes: not a program the runtime has
             continue
-        _keep_even(Strategy(ins, outs, source, used.pop() if used else ""), node, in_metas, mesh, out, rejected)
+        _keep_even(Strategy(ins, outs, source, used.pop() if used else ""), node, in_metas, mesh, out, rejected, seen)
     return out
 
 
@@ -273,6 +274,7 @@ def _from_op_strategy(
             if not answered:  # no layout at all: the rule itself fails
                 errors.append(f"{type(e).__name__}: {e}")
     out: list[Strategy] = []
+    seen: set[Strategy] = set()
     for spec in specs:
         outs_dt = spec.output_specs if isinstance(spec.output_specs, tuple) else (spec.output_specs,)
         ins_dt = spec.input_specs if spec.input_specs is not None else [spec.output_specs] * len(node.inputs)
@@ -287,7 +289,7 @@ def _from_op_strategy(
         masked = any(is_mask_partial(p) for s in list(ins_dt) + list(outs_dt) if s is not None for p in s.placements)
         s = Strategy(tuple(conv_in), tuple(None if m is None else c for m, c in zip(node.outputs, conv_out)), "dtensor",
                      "masked" if masked else "")
-        _keep_even(s, node, in_metas, mesh, out, rejected)
+        _keep_even(s, node, in_metas, mesh, out, rejected, seen)
     return out
 
 
@@ -330,9 +332,12 @@ def _conv(placements, *, is_input: bool = False) -> Placements | bool:
     return False if any(p is None for p in conv) else conv
 
 
-def _keep_even(s: Strategy, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec, out: list, rejected: list) -> None:
-    """Append `s` to `out` when every input and output layout is even, else to `rejected` with the reason."""
-    if s in out:
+def _keep_even(s: Strategy, node: Node, in_metas: list[TensorMeta], mesh: MeshSpec, out: list, rejected: list,
+               seen: set[Strategy]) -> None:
+    """Append `s` to `out` when every input and output layout is even, else to `rejected` with the reason.
+    `seen`: the strategies in `out`, to skip a repeat without comparing it with each of them (ops with hundreds of
+    strategies made that quadratic)."""
+    if s in seen:
         return
     pairs = [(p, m, f"output {i}") for i, (p, m) in enumerate(zip(s.outputs, node.outputs))]
     pairs += [(p, m, f"input {i}") for i, (p, m) in enumerate(zip(s.inputs, in_metas))]
@@ -341,3 +346,4 @@ def _keep_even(s: Strategy, node: Node, in_metas: list[TensorMeta], mesh: MeshSp
             rejected.append((s, uneven_reason(m.shape, p, mesh.shape, what)))
             return
     out.append(s)
+    seen.add(s)
