@@ -63,6 +63,12 @@ class RegionOp:
         """False drops a full-mesh strategy the rows expand to that the per-rank module cannot run."""
         return True
 
+    def why_not(self, strategy, args: Sequence[object], kwargs: dict, mesh) -> str | None:
+        """Why a full-mesh `strategy` is not offered on `mesh` (a `MeshSpec`) for `op(*args, **kwargs)`: None offers
+        it, a reason rules it out (the plan's `explain` lists it), and "" drops it unlisted (a layout this mesh
+        does not have, such as context parallelism on a mesh without a `cp` axis)."""
+        return None
+
     # ---- cost model
     def cost(self, node, in_metas, strategy, mesh_shape: tuple[int, ...], cluster, *, backward: bool):
         """`cost_model.regions.RegionCost` of one device under `strategy` (compute seconds and the op's

@@ -160,7 +160,7 @@ def _op_strategies(
         return [_replicated(node, graph, mesh, "meshplan")], [], ""
     # repeated layers ask the same question many times: key on op, shapes and static args
     static = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: TensorMeta.of(n.meta["val"]))
-    key = (node.target, node.outputs, repr(static), mesh.shape)
+    key = (node.target, node.outputs, repr(static), mesh.shape, mesh.axis_names)
     if key not in _CACHE:
         args_and_kwargs = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: n.meta["val"])
         rejected: list[tuple[Strategy, str]] = []
@@ -195,7 +195,16 @@ def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmes
             return []
     if rows is not None:
         expanded = _expand_rows(rows, node, in_metas, mesh, source, rejected)
-        return [s for s in expanded if region.keep(s)] if region is not None and source == "meshplan" else expanded
+        if region is None or source != "meshplan":
+            return expanded
+        kept = []
+        for s in filter(region.keep, expanded):
+            why = region.why_not(s, args, kwargs, mesh)
+            if why is None:
+                kept.append(s)
+            elif why:
+                rejected.append((s, why))
+        return kept
     if op in prop.op_strategy_funcs:
         return _from_op_strategy(prop.op_strategy_funcs[op], op, args, kwargs, node, in_metas, mesh, dmesh, rejected, errors)
     return []
@@ -224,7 +233,7 @@ def _expand_rows(rows: list, node: Node, in_metas: list[TensorMeta], mesh: MeshS
                 conv.append(_as_run(p, is_input=i >= n_out) or "skip")
         if "skip" in conv or any(isinstance(p, Partial) and p.reduce_op == "avg" for p in conv[n_out:]):
             continue
-        if conv not in axis_rows:
+        if (conv, kernel) not in zip(axis_rows, kernels):  # one layout may run as several kernels
             axis_rows.append(conv)
             kernels.append(kernel)
     out: list[Strategy] = []

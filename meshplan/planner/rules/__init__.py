@@ -2,20 +2,19 @@
 
 A rule returns single-mesh-axis rows `[outputs..., inputs...]` of placements, like DTensor's
 single-dim strategies; the strategy generator expands them over every mesh axis. Region ops
-(ir/regions.py) carry their rules themselves.
+(ir/regions.py) carry their rules themselves: attention's (`attention.py`) is read by the
+context-parallel region op (regions/context_parallel.py), which adds its sequence-split kernels.
 """
 
 import torch
 
 from meshplan.ir.op_kinds import RANDOM_OPS
-from meshplan.planner.rules.attention import sdpa_rule
 from meshplan.planner.rules.conv import conv_rule
 from meshplan.planner.rules.copy import copy_rule
 from meshplan.planner.rules.random import random_rule
 from meshplan.planner.rules.registry import RULES, register_rule
 
 _aten = torch.ops.aten
-register_rule(_aten.scaled_dot_product_attention.default)(sdpa_rule)
 register_rule(_aten.convolution.default)(conv_rule)
 register_rule(_aten.copy.default)(copy_rule)
 register_rule(*RANDOM_OPS)(random_rule)

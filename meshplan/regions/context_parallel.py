@@ -1,0 +1,230 @@
+"""Context parallelism as a region op: scaled-dot-product attention with the sequence split over a `cp` mesh axis.
+
+`aten.scaled_dot_product_attention(q, k, v, ...)` takes q, k and v as [batch, heads, seq, head_dim]. Its rows
+are the plain op's (batch or heads split, `planner/rules/attention.py`) plus three kernels with q, k, v and the
+output split on the sequence (dim 2), offered only on a mesh axis named `cp` (torchtitan's name):
+
+- `cp_attention(allgather)`: k and v are all-gathered over the axis (backward: their gradients
+  reduce-scattered home); each rank attends its own query rows to the keys it needs, the causal mask
+  built from the true token positions (rank r holds rows r*L .. r*L+L-1, so only keys 0 .. (r+1)*L-1).
+- `cp_attention(balanced)`: the same with head-tail load balancing for causal masks. Rank r computes
+  query chunks r and 2P-1-r of 2P (the same work on every rank, against the rank-r-heavy split above).
+  Outside the op the sequence stays split contiguously: q is all-gathered and each rank picks its two
+  chunks, and the output chunks go back by a second all-gather. So positions, RoPE tables, labels and
+  the loss are untouched by the balancing (nothing else has to follow a token order), at the price of two
+  more all-gathers (and two reduce-scatters in backward) of q-sized tensors.
+- `cp_attention(ulysses)`: all-to-all from sequence-split to heads-split (q, k, v), the plain op over the whole
+  sequence and the local heads, all-to-all back (DeepSpeed-Ulysses); needs the heads and the KV heads on
+  this rank divisible by P.
+
+Each kernel's name carries `,causal` when the op is causal, so its cost knows the mask shape. Not offered, with
+the reason `explain` prints: an explicit mask tensor, dropout, a sequence not divisible by 2P (balanced),
+heads not divisible by P (ulysses). Every collective goes through the runtime's `StepFunction` (counted, its
+backward the dual step): the steps priced here are the steps the plan lists and the runtime runs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshplan.cost_model.estimate import compute_time, steps_time
+from meshplan.cost_model.redistribution import CommStep
+from meshplan.cost_model.regions import RegionCost
+from meshplan.ir.graph import TensorMeta
+from meshplan.ir.placement import Replicate, Shard, local_shape
+from meshplan.ir.regions import KernelRow, RegionOp, Row
+from meshplan.planner.rules.attention import sdpa_rule
+from meshplan.runtime.collectives import MeshComm, StepFunction
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+SEQ = 2
+"""q, k, v and the output are [batch, heads, seq, head_dim]."""
+CP_AXIS = "cp"
+"""The mesh axis name the kernels are offered on."""
+VARIANTS = ("allgather", "balanced", "ulysses")
+
+
+def kernel_name(variant: str, causal: bool) -> str:
+    return f"cp_attention({variant}{',causal' if causal else ''})"
+
+
+def parse_kernel(kernel: str) -> tuple[str, bool]:
+    """`'cp_attention(balanced,causal)'` -> ('balanced', True)."""
+    m = re.fullmatch(r"cp_attention\((\w+)(,causal)?\)", kernel)
+    if not m or m.group(1) not in VARIANTS:
+        raise AssertionError(f"not a context-parallel attention kernel: {kernel!r}")
+    return m.group(1), bool(m.group(2))
+
+
+def sdpa_arguments(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False) -> dict:
+    """The op's arguments by name (its schema, so positional and keyword calls read alike)."""
+    return dict(q=q, k=k, v=v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def cp_axis(strategy) -> int:
+    """The mesh axis that splits the sequence (the kernel row's axis)."""
+    axes = [a for a, p in enumerate(strategy.inputs[0]) if p == Shard(SEQ)]
+    if len(axes) != 1:
+        raise AssertionError(f"a context-parallel kernel splits the sequence over exactly one mesh axis: {strategy}")
+    return axes[0]
+
+
+def balanced_chunks(rank: int, n: int) -> tuple[int, int]:
+    """The two of 2n sequence chunks rank `rank` computes under head-tail balancing."""
+    return rank, 2 * n - 1 - rank
+
+
+def balanced_work(n: int) -> float:
+    """One rank's causal attention work under head-tail balancing, as a fraction of a (S/n) x S rectangle:
+    chunks r and 2n-1-r of size c = S/2n attend to (r+1)c and (2n-r)c keys, (2n+1)c^2 in all, over 4n c^2."""
+    return (2 * n + 1) / (4 * n)
+
+
+# ---------------------------------------------------------------- this rank's part
+
+def _step(x: torch.Tensor, step: CommStep, comm: MeshComm) -> torch.Tensor:
+    return StepFunction.apply(x, step, comm)
+
+
+def _attend(q, k, v, first: int, causal: bool, scale, enable_gqa: bool) -> torch.Tensor:
+    """Query rows at sequence positions first .. first+len(q)-1 against keys 0 .. len(k)-1 (causal: only the keys
+    at or before each row are needed, so they are cut to first+len(q))."""
+    if not causal:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=enable_gqa)
+    rows = q.shape[SEQ]
+    keys = first + rows
+    k, v = k.narrow(SEQ, 0, keys), v.narrow(SEQ, 0, keys)
+    qpos = torch.arange(first, keys, device=q.device)
+    mask = torch.arange(keys, device=q.device)[None, :] <= qpos[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+class ContextParallelAttention(nn.Module):
+    """This rank's part of one attention node whose sequence is split over mesh axis `axis`."""
+
+    def __init__(self, variant: str, causal: bool, axis: int, comm: MeshComm) -> None:
+        super().__init__()
+        self.variant, self.causal, self.axis, self.comm = variant, causal, axis, comm
+
+    def forward(self, *args, **kwargs):
+        a = sdpa_arguments(*args, **kwargs)
+        if a["attn_mask"] is not None or a["dropout_p"] != 0.0:
+            raise AssertionError("context-parallel attention was planned for an op with a mask tensor or dropout")
+        q, k, v, scale, gqa = a["q"], a["k"], a["v"], a["scale"], a["enable_gqa"]
+        if self.variant == "ulysses":
+            to_heads = CommStep("all_to_all", self.axis, SEQ, 1)
+            q, k, v = (_step(t, to_heads, self.comm) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=scale, enable_gqa=gqa)
+            return _step(out, to_heads.dual(), self.comm)
+        gather = CommStep("all_gather", self.axis, SEQ)
+        keys, values = _step(k, gather, self.comm), _step(v, gather, self.comm)
+        n, me, rows = self.comm.mesh.shape[self.axis], self.comm.coord[self.axis], q.shape[SEQ]
+        if self.variant == "allgather":
+            return _attend(q, keys, values, me * rows, self.causal, scale, gqa)
+        c = rows // 2
+        whole_q = _step(q, gather, self.comm)
+        mine = [_attend(whole_q.narrow(SEQ, j * c, c), keys, values, j * c, True, scale, gqa) for j in balanced_chunks(me, n)]
+        # gathered rank after rank, each rank's two chunks in `balanced_chunks` order: pick this rank's contiguous two
+        everyone = _step(torch.cat(mine, dim=SEQ), gather, self.comm)
+        slot = {j: 2 * r + s for r in range(n) for s, j in enumerate(balanced_chunks(r, n))}
+        return torch.cat([everyone.narrow(SEQ, slot[j] * c, c) for j in (2 * me, 2 * me + 1)], dim=SEQ)
+
+    def extra_repr(self) -> str:
+        return f"{kernel_name(self.variant, self.causal)} over mesh axis {self.comm.mesh.axis_names[self.axis]}"
+
+
+# ---------------------------------------------------------------- the region op
+
+def _local_bytes(meta: TensorMeta, layout, mesh_shape) -> int:
+    return meta.itemsize * math.prod(local_shape(meta.shape, layout, mesh_shape))
+
+
+class ContextParallel(RegionOp):
+    name = "context_parallel_attention"
+    ops = (SDPA,)
+
+    def rule(self, args, kwargs) -> list[Row]:
+        rows = sdpa_rule(args, kwargs)
+        a = sdpa_arguments(*args, **kwargs)
+        causal = bool(a["is_causal"])
+        tail = [] if a["attn_mask"] is None else [Replicate()]  # a mask makes the row refused, with its reason (why_not)
+        for variant in VARIANTS:
+            rows.append(KernelRow([Shard(SEQ)] * 4 + tail, kernel_name(variant, causal)))
+        return rows
+
+    def why_not(self, strategy, args, kwargs, mesh) -> str | None:
+        if not strategy.kernel:
+            return None
+        axes = [a for a, p in enumerate(strategy.inputs[0]) if p == Shard(SEQ)]
+        if [mesh.axis_names[a] for a in axes] != [CP_AXIS]:
+            return ""  # sequence-split attention is a `cp` axis' layout: on other axes not a candidate at all
+        axis = axes[0]
+        a = sdpa_arguments(*args, **kwargs)
+        variant, causal = parse_kernel(strategy.kernel)
+        n = mesh.shape[axis]
+        what = f"context-parallel attention ({variant}) over mesh axis {CP_AXIS}={n}"
+        if a["attn_mask"] is not None:
+            return f"{what}: the op has an explicit attn_mask tensor, which only is_causal=True or no mask can be split by"
+        if a["dropout_p"]:
+            return f"{what}: dropout_p={a['dropout_p']} inside attention is not supported (its mask would differ per split)"
+        seq = a["q"].shape[SEQ]
+        if variant == "balanced":
+            if not causal:
+                return f"{what}: head-tail balancing is for causal masks; without one every rank already does the same work"
+            if seq % (2 * n):
+                return f"{what}: sequence length {seq} does not split into 2 x {n} = {2 * n} equal chunks"
+        if variant == "ulysses":
+            heads = {"query heads": a["q"].shape[1], "key/value heads": a["k"].shape[1]}
+            for label, count in heads.items():
+                local = count // math.prod(mesh.shape[b] for b, p in enumerate(strategy.inputs[0]) if p == Shard(1))
+                if local % n:
+                    return f"{what}: {local} {label} per device do not divide by {n} (all-to-all from sequence to heads)"
+        return None
+
+    def cost(self, node, in_metas, strategy, mesh_shape, cluster, *, backward: bool) -> RegionCost | None:
+        if not strategy.kernel:
+            return None
+        variant, causal = parse_kernel(strategy.kernel)
+        axis = cp_axis(strategy)
+        n = mesh_shape[axis]
+        q, k, v = in_metas[:3]
+        qb, kb, vb = (_local_bytes(m, p, mesh_shape) for m, p in zip((q, k, v), strategy.inputs))
+        ob = _local_bytes(node.outputs[0], strategy.outputs[0], mesh_shape)
+        local = [list(local_shape(m.shape, p, mesh_shape)) for m, p in zip((q, k, v), strategy.inputs)]
+        if variant == "ulysses":
+            steps = [CommStep("all_to_all", axis, SEQ, 1, nbytes=b) for b in (qb, kb, vb)]
+            forward = steps + [CommStep("all_to_all", axis, 1, SEQ, nbytes=ob)]
+            for shape in local:  # whole sequence, heads / n
+                shape[1], shape[SEQ] = shape[1] // n, shape[SEQ] * n
+            work = 1.0
+        else:
+            forward = [CommStep("all_gather", axis, SEQ, nbytes=kb * n), CommStep("all_gather", axis, SEQ, nbytes=vb * n)]
+            if variant == "balanced":
+                forward += [CommStep("all_gather", axis, SEQ, nbytes=qb * n), CommStep("all_gather", axis, SEQ, nbytes=ob * n)]
+            for shape in local[1:]:  # the gathered keys and values
+                shape[SEQ] *= n
+            # the plain op's price counts the whole score rectangle, causal or not: the last contiguous rank
+            # attends its rows to every key, and a balanced rank does (2n+1)/4n of that
+            work = balanced_work(n) if variant == "balanced" else 1.0
+        metas = [TensorMeta(tuple(s), m.dtype) for s, m in zip(local, (q, k, v))]
+        out = TensorMeta(tuple(local[0][:3]) + (local[2][3],), node.outputs[0].dtype)
+        whole = ((Replicate(),) * len(mesh_shape),)
+        compute = work * compute_time(node.target, metas, [out], whole, mesh_shape, cluster, backward=backward,
+                                      in_layouts=whole * 3)
+        back = [s.dual() for s in forward] if backward else []
+        return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back),
+                          comm_s=steps_time(forward, mesh_shape, cluster) + steps_time(back, mesh_shape, cluster))
+
+    def local_module(self, strategy, comm: MeshComm, args) -> ContextParallelAttention | None:
+        if not strategy.kernel:
+            return None
+        variant, causal = parse_kernel(strategy.kernel)
+        return ContextParallelAttention(variant, causal, cp_axis(strategy), comm)
+
+
+CONTEXT_PARALLEL_REGION = ContextParallel()

@@ -1,0 +1,173 @@
+"""Context parallelism (regions/context_parallel.py): attention with the sequence split over a `cp` mesh axis.
+
+Planning checks run in one process; parity runs 2 gloo ranks against one process (fp32: the loss, every
+gradient of the first step, every parameter after 3 AdamW steps) and checks that the collectives executed equal
+the plan's. Each kernel variant is forced by offering only it (the test narrows the region op's `why_not`), with
+the tokens split on the sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import meshplan
+from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
+from meshplan.planner import strategies
+from meshplan.regions.context_parallel import CONTEXT_PARALLEL_REGION, balanced_chunks, kernel_name, parse_kernel
+from meshplan.runtime.launch import run_local
+from meshplan.runtime.local_view import local_of
+from meshplan.runtime.parallel_module import shard_tensor
+
+STEPS = 3
+SDPA = "aten.scaled_dot_product_attention.default"
+
+
+def _build(name: str):
+    torch.manual_seed(0)
+    if name == "gpt":
+        model = GPT(GPTConfig(seq_len=16, hidden=32, heads=4, layers=2))
+    else:  # GQA (4 query heads, 2 key/value heads) and RoPE
+        model = Llama(LlamaConfig(seq_len=16, hidden=32, heads=4, kv_heads=2, intermediate=64, layers=2))
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, tokens
+
+
+def _loss(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+@contextlib.contextmanager
+def _only(kernel: str | None):
+    """Attention offered only as `kernel` on a `cp` mesh (None: as the planner offers it)."""
+    if kernel is None:
+        yield
+        return
+    offered = CONTEXT_PARALLEL_REGION.why_not
+    CONTEXT_PARALLEL_REGION.why_not = lambda s, *a: offered(s, *a) if s.kernel == kernel else ""
+    strategies._CACHE.clear()
+    try:
+        yield
+    finally:
+        del CONTEXT_PARALLEL_REGION.why_not
+        strategies._CACHE.clear()
+
+
+def _plan(name: str, world: int, kernel: str | None, **kw):
+    model, tokens = _build(name)
+    with warnings.catch_warnings(), _only(kernel):
+        warnings.simplefilter("ignore")
+        return meshplan.plan(model, devices=world, mesh_shape=(world,), axis_names=("cp",), example_inputs=(tokens,),
+                             input_layouts={"tokens": "S(1)"}, **kw)
+
+
+def _train(model, tokens, grads_of=None):
+    """3 AdamW steps; the losses and the first step's gradients (each through `grads_of`)."""
+    # eps above round-off: a key bias gets a zero gradient in exact arithmetic (softmax ignores a shift of every
+    # score), which Adam would otherwise turn into full-size steps of the round-off's sign
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = _loss(model(tokens), tokens)
+        loss.backward()
+        if step == 0:
+            grads = {k: (grads_of or (lambda g: g))(p.grad.detach()).clone() for k, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _worker(rank: int, world: int, name: str, plan):
+    model, tokens = _build(name)
+    pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
+    pmodel.reset_collective_counts()
+    losses, grads = _train(pmodel, tokens, local_of)
+    params = {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}
+    return losses, grads, params, pmodel.collective_counts()
+
+
+def _check_parity(name: str, plan, results) -> None:
+    model, tokens = _build(name)
+    ref_losses, ref_grads = _train(model, tokens)
+    ref_params = dict(model.named_parameters())
+    layouts = {f: p.layout for p in plan.params for f in p.fqns}
+    expected = {k: v * STEPS for k, v in plan.collectives().items()}
+    for rank, (losses, grads, params, counts) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for fqn in ref_params:
+            want_g = shard_tensor(ref_grads[fqn], layouts[fqn], plan.mesh, rank)
+            torch.testing.assert_close(grads[fqn], want_g, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} grad {fqn}: {m}")
+            want = shard_tensor(ref_params[fqn].detach(), layouts[fqn], plan.mesh, rank)
+            torch.testing.assert_close(params[fqn], want, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {fqn}: {m}")
+        assert dict(counts) == expected, f"rank {rank} executed {dict(counts)} but the plan lists {expected}"
+
+
+def _kernels(plan) -> set[str]:
+    return {n.strategy.kernel for n in plan.nodes if n.target == SDPA}
+
+
+# ---------------------------------------------------------------- planning, one process
+
+def test_kernel_names_and_balanced_chunks():
+    assert parse_kernel(kernel_name("balanced", True)) == ("balanced", True)
+    assert parse_kernel("cp_attention(ulysses)") == ("ulysses", False)
+    # rank i holds chunks i and 2P-1-i: every chunk exactly once
+    for n in (2, 4):
+        assert sorted(c for r in range(n) for c in balanced_chunks(r, n)) == list(range(2 * n))
+
+
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ulysses"])
+def test_forced_variant_lists_its_collectives(variant):
+    plan = _plan("gpt", 2, kernel_name(variant, True))
+    assert _kernels(plan) == {kernel_name(variant, True)}
+    node = next(n for n in plan.nodes if n.target == SDPA)
+    kinds = [s.kind for s in node.forward_comm]
+    back = [s.kind for s in node.backward_comm]
+    if variant == "ulysses":
+        assert kinds == ["all_to_all"] * 4 and back == ["all_to_all"] * 4
+    else:
+        gathers = 4 if variant == "balanced" else 2
+        assert kinds == ["all_gather"] * gathers and back == ["reduce_scatter"] * gathers
+
+
+def test_cp_kernels_need_a_cp_axis():
+    model, tokens = _build("gpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, devices=2, mesh_shape=(2,), example_inputs=(tokens,), input_layouts={"tokens": "S(1)"})
+    alts = str(plan.explain("scaled_dot_product_attention"))
+    assert "cp_attention" not in alts and _kernels(plan) == {""}
+
+
+def test_not_offered_cases_say_why():
+    # 12 tokens: 2 x 4 = 8 chunks do not divide it (balanced refused) ...
+    model = GPT(GPTConfig(seq_len=12, hidden=32, heads=4, layers=1))
+    tokens = torch.randint(0, 128, (2, 12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, devices=4, mesh_shape=(4,), axis_names=("cp",), example_inputs=(tokens,))
+    text = str(plan.explain("scaled_dot_product_attention"))
+    assert "sequence length 12 does not split into 2 x 4 = 8 equal chunks" in text
+    # ... and 2 heads do not divide by 4 ranks (Ulysses refused)
+    model = GPT(GPTConfig(seq_len=16, hidden=32, heads=2, layers=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, devices=4, mesh_shape=(4,), axis_names=("cp",), example_inputs=(torch.randint(0, 128, (2, 16)),))
+    assert "2 query heads per device do not divide by 4" in str(plan.explain("scaled_dot_product_attention"))
+
+
+# ---------------------------------------------------------------- parity on 2 gloo ranks
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ulysses"])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_parity_on_two_ranks(name, variant):
+    plan = _plan(name, 2, kernel_name(variant, True))
+    assert _kernels(plan) == {kernel_name(variant, True)}
+    results = run_local(2, _worker, name, plan, timeout=600)
+    _check_parity(name, plan, results)
