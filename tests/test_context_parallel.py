@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import meshplan
+from meshplan.ir.placement import Shard
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
 from meshplan.planner import strategies
 from meshplan.regions.context_parallel import CONTEXT_PARALLEL_REGION, balanced_chunks, kernel_name, parse_kernel
@@ -57,12 +58,16 @@ def _only(kernel: str | None):
         strategies._CACHE.clear()
 
 
-def _plan(name: str, world: int, kernel: str | None, **kw):
+def _plan(name: str, world: int, kernel: str | None, *, axes: tuple[str, ...] = ("cp",), tokens_layout: str = "S(1)",
+          **kw):
+    """`name` planned on a mesh of `axes` (sizes: 2 per axis but for a lone cp axis of `world`), the tokens split
+    as `tokens_layout`."""
     model, tokens = _build(name)
+    shape = (world,) if len(axes) == 1 else (2,) * len(axes)
     with warnings.catch_warnings(), _only(kernel):
         warnings.simplefilter("ignore")
-        return meshplan.plan(model, devices=world, mesh_shape=(world,), axis_names=("cp",), example_inputs=(tokens,),
-                             input_layouts={"tokens": "S(1)"}, **kw)
+        return meshplan.plan(model, devices=world, mesh_shape=shape, axis_names=axes, example_inputs=(tokens,),
+                             input_layouts={"tokens": tokens_layout}, **kw)
 
 
 def _train(model, tokens, grads_of=None):
@@ -171,3 +176,40 @@ def test_parity_on_two_ranks(name, variant):
     assert _kernels(plan) == {kernel_name(variant, True)}
     results = run_local(2, _worker, name, plan, timeout=600)
     _check_parity(name, plan, results)
+
+
+MEGATRON = {"gpt": ({"*.q_proj.*": "RS(0)", "*.k_proj.*": "RS(0)", "*.v_proj.*": "RS(0)", "*.fc1.*": "RS(0)",
+                     "*.out_proj.weight": "RS(1)", "*.fc2.weight": "RS(1)"}),
+            "llama": ({"*.q_proj.weight": "RS(0)", "*.k_proj.weight": "RS(0)", "*.v_proj.weight": "RS(0)",
+                       "*.gate_proj.weight": "RS(0)", "*.up_proj.weight": "RS(0)", "*.o_proj.weight": "RS(1)",
+                       "*.down_proj.weight": "RS(1)"})}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ulysses"])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_parity_cp_by_tp(name, variant):
+    """cp x tp (2 x 2): Megatron's column/row-parallel projections on tp (heads split), the sequence on cp."""
+    plan = _plan(name, 4, kernel_name(variant, True), axes=("cp", "tp"), tokens_layout="S(1)R", param_layouts=MEGATRON[name])
+    node = next(n for n in plan.nodes if n.target == SDPA)
+    assert node.strategy.inputs[0] == (Shard(2), Shard(1)), node.strategy
+    results = run_local(4, _worker, name, plan, timeout=900)
+    _check_parity(name, plan, results)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["allgather", "ulysses"])
+def test_parity_dp_by_cp_with_fsdp_storage(variant):
+    """dp x cp (2 x 2), every parameter stored sharded over both axes (FSDP over dp x cp, as torchtitan does)."""
+    plan = _plan("gpt", 4, kernel_name(variant, True), axes=("dp", "cp"), tokens_layout="S(0)S(1)", param_layouts={"*": "S(0)S(0)"})
+    assert {p.layout for p in plan.params} == {(Shard(0), Shard(0))}
+    results = run_local(4, _worker, "gpt", plan, timeout=900)
+    _check_parity("gpt", plan, results)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["allgather", "balanced"])
+def test_parity_on_four_ranks(variant):
+    plan = _plan("llama", 4, kernel_name(variant, True))
+    results = run_local(4, _worker, "llama", plan, timeout=900)
+    _check_parity("llama", plan, results)
