@@ -99,6 +99,7 @@ LAYERS = (
     ("meshplan.planner", "meshplan.runtime"),  # the runtime reads plans, never the planner
     ("meshplan.regions",),  # region op plugins: each has a rule, a cost and a per-rank module; the registry is in ir
     ("meshplan.inspect", "meshplan.api"),
+    ("meshplan.elastic",),  # on the public API: plans per world size, resharded resume, background checkpoints
     ("meshplan",),
     ("meshplan.profiling",),
     ("meshplan.cli", "meshplan.calibrate"),  # calibrate: the deprecated name of profiling.calibrate

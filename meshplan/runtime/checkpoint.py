@@ -38,8 +38,8 @@ from meshplan.plans.plan import ParamChoice
 from meshplan.runtime.local_view import local_of
 
 __all__ = [
-    "CheckpointInfo", "device_mesh", "latest_checkpoint", "load_checkpoint", "load_model_state_dict",
-    "load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict", "save_checkpoint",
+    "CheckpointInfo", "checkpoint_state", "device_mesh", "latest_checkpoint", "load_checkpoint", "load_model_state_dict",
+    "load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict", "save_checkpoint", "write_info",
 ]
 
 INFO_FILE = "meshplan.json"
@@ -208,6 +208,20 @@ def save_checkpoint(path: str | os.PathLike, pmodel, optimizer: torch.optim.Opti
     `extra` must be JSON-serialisable (no pickle in a checkpoint).
     """
     path = os.fspath(path)
+    state, text = checkpoint_state(pmodel, optimizer, step=step, extra=extra)
+    comm = pmodel.comm
+    _dcp(comm, f"saving checkpoint {path}", lambda: dcp.save(state, storage_writer=FileSystemWriter(path), process_group=pmodel.process_group))
+    with comm.guard(f"saving checkpoint {path}"):
+        if dist.get_rank(pmodel.process_group) == 0:
+            write_info(path, text)
+        dist.barrier(group=pmodel.process_group)
+
+
+def checkpoint_state(pmodel, optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
+                     extra: Any = None) -> tuple[dict[str, Any], str]:
+    """What `save_checkpoint` writes: the DCP state dict (this rank's tensors) and the text of `meshplan.json`.
+    Every rank calls it (it gathers the optimizer's parameter groups); a saver that runs DCP itself
+    (`dcp.async_save`) writes the text with `write_info` on the first rank once DCP has finished."""
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise ValueError(f"step must be an int or None, got {step!r}")
     state: dict[str, Any] = {"model": model_state_dict(pmodel)}
@@ -233,15 +247,15 @@ def save_checkpoint(path: str | os.PathLike, pmodel, optimizer: torch.optim.Opti
         text = json.dumps(info, indent=1, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint metadata must be JSON (extra, optimizer hyper-parameters): {e}") from None
-    comm = pmodel.comm
-    _dcp(comm, f"saving checkpoint {path}", lambda: dcp.save(state, storage_writer=FileSystemWriter(path), process_group=pmodel.process_group))
-    with comm.guard(f"saving checkpoint {path}"):
-        if dist.get_rank(pmodel.process_group) == 0:
-            tmp = os.path.join(path, INFO_FILE + ".tmp")
-            with open(tmp, "w") as f:
-                f.write(text)
-            os.replace(tmp, os.path.join(path, INFO_FILE))
-        dist.barrier(group=pmodel.process_group)
+    return state, text
+
+
+def write_info(path: str | os.PathLike, text: str) -> None:
+    """Write `meshplan.json` (from `checkpoint_state`) into `path` atomically: the mark of a complete checkpoint."""
+    tmp = os.path.join(os.fspath(path), INFO_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(os.fspath(path), INFO_FILE))
 
 
 def _over_ranks(pmodel, param_groups: list[dict], layout: dict) -> tuple[list[dict], dict]:
