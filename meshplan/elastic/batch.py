@@ -36,7 +36,7 @@ class BatchSplit:
 
     def __str__(self) -> str:
         return (f"global batch {self.global_batch} = {self.accumulation} micro-batch(es) of {self.micro_batch} "
-                f"({self.per_rank} per rank on {self.world} ranks)")
+                f"({self.per_rank} per rank on {self.world} rank{'s' if self.world != 1 else ''})")
 
 
 def _check_positive(name: str, value) -> None:

@@ -1,0 +1,215 @@
+"""What a world-size change costs an elastic run (issue 30), and what background checkpoints cost a step.
+
+    python benchmarks/elastic.py [--last-call 3] [--steps 60] [--every 10]
+
+1. Recovery and growth, under torchrun's elastic agent exactly as tests/test_elastic.py runs them: two agents
+   of 2 ranks (c10d rendezvous on 127.0.0.1) train tests/scripts/train_elastic.py's GPT; after step 5 one agent
+   and its workers are SIGKILLed (the failure), the survivors restart on 2 ranks; after step 10 a third agent
+   starts (the join) and the run goes back to 4 ranks. Printed for each: the time from the failure (the join)
+   to the first step completed after it, split into
+   - detect: until the surviving agent saw its workers fail (its log's timestamp; growth: none, the agent
+     polls for waiting nodes every 0.5 s and stops its workers with SIGTERM, which save first),
+   - rendezvous: until the new workers started (the agent's restart, the c10d rendezvous: a lost node is
+     dropped after keep_alive_interval x keep_alive_max_attempt = 3 s, then last_call_timeout passes),
+   - start: the worker's imports and `init_process_group`,
+   - planning: the plan for the new world (made by the first rank, or read from the plan store),
+   - build: `auto_parallelize` with that plan (trace, shard, per-rank program),
+   - load: the newest checkpoint resharded onto the plan,
+   - first step;
+   and the steps redone.
+2. Checkpoint overhead: the same loop on 2 local ranks, `--steps` steps without checkpoints and with one every
+   `--every` steps (interleaved twice), giving the mean step time, the loop's wait per checkpoint (staging)
+   and the cost per step at `--every` and at the default interval (`ElasticRun.start(checkpoint_every=100)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+import train_elastic  # noqa: E402
+
+from meshplan.elastic import ElasticRun  # noqa: E402
+from meshplan.runtime.launch import free_port, run_local  # noqa: E402
+
+KILL_AFTER, JOIN_AFTER, STEPS, EVERY = 5, 10, 15, 3
+SCRIPT = train_elastic.__file__
+DEFAULT_INTERVAL = 100
+PHASES = ("detect", "rendezvous", "start", "planning", "build", "load", "first step")
+
+
+def _env(node: str) -> dict:
+    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "NODE_NAME": node,
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _agent(node, port, work, out, rdzv, *, host):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-bench",
+           "--rdzv-conf", f"{rdzv},is_host={'true' if host else 'false'}", "--max-restarts", "3", "--monitor-interval", "0.5",
+           SCRIPT, "--work", work, "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+           "--hold-after", str(KILL_AFTER), "--hold-after", str(JOIN_AFTER)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(node), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _records(work) -> list[dict]:
+    path = os.path.join(work, "log.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _wait_for(work, what, agents, timeout=600.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [r for r in _records(work) if what(r)]
+        if found:
+            return found[0]
+        dead = {n: p.returncode for n, p in agents.items() if p.poll() is not None}
+        if dead:
+            raise RuntimeError(f"agents exited while waiting: {dead}")
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out; log: {_records(work)}")
+
+
+def _worker_failure_seen(agent_log: str, after: float) -> float | None:
+    """When the agent logged its first worker failure after `after` (torchelastic's `E1126 07:19:16.802 ...`)."""
+    for m in re.finditer(r"^E(\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode", agent_log, re.M):
+        now = dt.datetime.now()
+        t = dt.datetime.strptime(f"{now.year}-{m[1]}-{m[2]} {m[3]}", "%Y-%m-%d %H:%M:%S.%f").timestamp()
+        if t >= after:
+            return t
+    return None
+
+
+def _phases(t0: float, detected: float | None, start: dict, first_step: float) -> dict[str, float]:
+    tl = start["timeline"]
+    marks = [t0, detected if detected is not None else t0, start["process"], tl["group"], tl["plan"], tl["model"],
+             tl["load"], first_step]
+    return dict(zip(PHASES, (b - a for a, b in zip(marks, marks[1:]))))
+
+
+def world_changes(last_call: int) -> dict:
+    rdzv = f"last_call_timeout={last_call},keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
+    with tempfile.TemporaryDirectory(prefix="meshplan-elastic-bench-") as tmp:
+        work = os.path.join(tmp, "run")
+        os.makedirs(work)
+        port, agents, logs = free_port(), {}, {n: open(os.path.join(tmp, f"agent_{n}.txt"), "w") for n in "abc"}
+        try:
+            agents["a"] = _agent("a", port, work, logs["a"], rdzv, host=True)
+            agents["b"] = _agent("b", port, work, logs["b"], rdzv, host=False)
+            _wait_for(work, lambda r: r.get("event") == "held" and r["step"] == KILL_AFTER, agents)
+            b = agents.pop("b")
+            b.kill()
+            for name in os.listdir(os.path.join(work, "pids")):
+                if name.startswith("b-"):
+                    try:
+                        os.kill(int(name.split("-")[1]), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            open(os.path.join(work, f"release_{KILL_AFTER}"), "w").close()
+            t_fail = time.time()
+            _wait_for(work, lambda r: r.get("event") == "held" and r["step"] == JOIN_AFTER, agents)
+            t_join = time.time()
+            agents["c"] = _agent("c", port, work, logs["c"], rdzv, host=False)
+            _wait_for(work, lambda r: r.get("event") == "start" and r["step"] >= JOIN_AFTER, agents)
+            open(os.path.join(work, f"release_{JOIN_AFTER}"), "w").close()
+            for name, proc in agents.items():
+                if proc.wait(timeout=600) != 0:
+                    raise RuntimeError(f"agent {name} exited with {proc.returncode}")
+        finally:
+            for proc in agents.values():
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            for f in logs.values():
+                f.close()
+        with open(os.path.join(tmp, "agent_a.txt")) as f:
+            detected = _worker_failure_seen(f.read(), t_fail)
+        records = _records(work)
+    starts = [r for r in records if r.get("event") == "start"]
+    if [s["world"] for s in starts] != [4, 2, 4]:
+        raise RuntimeError(f"the worlds were {[s['world'] for s in starts]}, not [4, 2, 4]: {starts}")
+    steps = [r for r in records if "loss" in r]
+    first_after = [next(r["time"] for r in steps if r["world"] == w and r["time"] > s["timeline"]["load"])
+                   for w, s in ((2, starts[1]), (4, starts[2]))]
+    return {
+        "recover": _phases(t_fail, detected, starts[1], first_after[0]), "grow": _phases(t_join, None, starts[2], first_after[1]),
+        "redone": KILL_AFTER - starts[1]["step"], "plan_sources": [s["plan_source"] for s in starts],
+    }
+
+
+def _timed_loop(rank, world, root, steps, every):
+    torch.manual_seed(0)
+    run = ElasticRun.start(train_elastic.GPT(train_elastic.CFG), (train_elastic.batch(1),), checkpoint_dir=root,
+                           global_batch=train_elastic.GLOBAL_BATCH, micro_batch=4,
+                           optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), checkpoint_every=every)
+    times, last = [], None
+    for step in run.steps(steps):
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)  # one whole iteration: the step and whatever the loop waited for after it
+        for tokens in run.micro_batches(train_elastic.batch(step)):
+            (train_elastic.loss_of(run.model, tokens) / run.split.accumulation).backward()
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+        last = now
+    return times, run.checkpoint_timings
+
+
+def checkpoint_overhead(steps: int, every: int) -> dict:
+    without, with_, saves = [], [], []
+    for _ in range(2):
+        for interval, out in ((steps + 1, without), (every, with_)):  # steps + 1: only the final, after the loop
+            with tempfile.TemporaryDirectory(prefix="meshplan-elastic-ckpt-") as root:
+                times, timings = run_local(2, _timed_loop, root, steps, interval, timeout=600)[0]
+            out.extend(times[2:])  # the first steps warm up
+            saves.extend(t for t in timings if t["step"] < steps)
+    base, loaded = statistics.mean(without), statistics.mean(with_)
+    per_save = (loaded - base) * every
+    return {"step_s": base, "step_with_s": loaded, "every": every, "blocking_s": statistics.median(t["blocking_s"] for t in saves),
+            "total_s": statistics.median(t["total_s"] for t in saves), "per_save_s": per_save,
+            "overhead": (loaded - base) / base, "overhead_default": per_save / (DEFAULT_INTERVAL * base)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--last-call", type=int, default=3, help="rendezvous last_call_timeout, seconds")
+    parser.add_argument("--steps", type=int, default=60, help="steps of each checkpoint-overhead loop")
+    parser.add_argument("--every", type=int, default=10, help="checkpoint interval of the overhead loop")
+    args = parser.parse_args()
+    print(f"benchmarks/elastic.py at {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
+    changes = world_changes(args.last_call)
+    print(f"\nworld changes (GPT {train_elastic.CFG}, global batch {train_elastic.GLOBAL_BATCH}, checkpoint every {EVERY} steps, "
+          f"rendezvous last_call_timeout={args.last_call} s, keep-alive 1 s x 3)")
+    print(f"{'':24}" + "".join(f"{p:>11}" for p in PHASES) + f"{'total':>11}")
+    for name, label in (("recover", "failure 4 -> 2 ranks"), ("grow", "join 2 -> 4 ranks")):
+        ph = changes[name]
+        print(f"{label:24}" + "".join(f"{ph[p]:>10.2f}s" for p in PHASES) + f"{sum(ph.values()):>10.2f}s")
+    print(f"steps redone after the failure: {changes['redone']} (checkpoint interval {EVERY}); after the join: 0 (saved "
+          f"on SIGTERM); plans: {' -> '.join(changes['plan_sources'])}")
+    o = checkpoint_overhead(args.steps, args.every)
+    print(f"\ncheckpoint overhead (2 ranks, {args.steps} steps x 2 runs each way): step {o['step_s'] * 1e3:.1f} ms without "
+          f"checkpoints, {o['step_with_s'] * 1e3:.1f} ms with one every {o['every']} steps; per checkpoint: the loop waits "
+          f"{o['blocking_s'] * 1e3:.1f} ms (median; staging), writing takes {o['total_s'] * 1e3:.1f} ms, cost "
+          f"{o['per_save_s'] * 1e3:.1f} ms of step time")
+    print(f"overhead: {o['overhead'] * 100:.1f} % at every {o['every']} steps; {o['overhead_default'] * 100:.1f} % at the "
+          f"default interval of {DEFAULT_INTERVAL} steps (target <= 5 %: {'met' if o['overhead_default'] <= 0.05 else 'NOT met'})")
+
+
+if __name__ == "__main__":
+    main()
