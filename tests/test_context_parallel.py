@@ -16,8 +16,11 @@ import torch
 import torch.nn.functional as F
 
 import meshplan
+from meshplan.ir.causal_mask import is_causal_mask
 from meshplan.ir.placement import Shard
+from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
+from meshplan.models.hf import hf_model
 from meshplan.planner import strategies
 from meshplan.regions.context_parallel import CONTEXT_PARALLEL_REGION, balanced_chunks, kernel_name, parse_kernel
 from meshplan.runtime.launch import run_local
@@ -99,7 +102,10 @@ def _worker(rank: int, world: int, name: str, plan):
 def _check_parity(name: str, plan, results) -> None:
     model, tokens = _build(name)
     ref_losses, ref_grads = _train(model, tokens)
-    ref_params = dict(model.named_parameters())
+    _compare(plan, dict(model.named_parameters()), ref_losses, ref_grads, results)
+
+
+def _compare(plan, ref_params, ref_losses, ref_grads, results) -> None:
     layouts = {f: p.layout for p in plan.params for f in p.fqns}
     expected = {k: v * STEPS for k, v in plan.collectives().items()}
     for rank, (losses, grads, params, counts) in enumerate(results):
@@ -213,3 +219,78 @@ def test_parity_on_four_ranks(variant):
     plan = _plan("llama", 4, kernel_name(variant, True))
     results = run_local(4, _worker, "llama", plan, timeout=900)
     _check_parity("llama", plan, results)
+
+
+# ---------------------------------------------------------------- Hugging Face Llama (GQA, RoPE, its own loss)
+
+def _hf_train(model, args, kwargs, grads_of=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = model(*args, **kwargs).loss
+        loss.backward()
+        if step == 0:
+            grads = {k: (grads_of or (lambda g: g))(p.grad.detach()).clone() for k, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _hf_plan(kernel: str):
+    model, args, kwargs = hf_model("llama")
+    with warnings.catch_warnings(), _only(kernel):
+        warnings.simplefilter("ignore")
+        return meshplan.plan(model, devices=2, mesh_shape=(2,), axis_names=("cp",), example_inputs=args, example_kwargs=kwargs,
+                             input_layouts={"input_ids": "S(1)", "labels": "S(1)"})
+
+
+def _hf_worker(rank: int, world: int, plan):
+    model, args, kwargs = hf_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=args, example_kwargs=kwargs, plan=plan)
+    pmodel.reset_collective_counts()
+    losses, grads = _hf_train(pmodel, args, kwargs, local_of)
+    return losses, grads, {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}, pmodel.collective_counts()
+
+
+def test_hf_causal_mask_becomes_the_causal_flag():
+    """Hugging Face builds its causal mask as a tensor under torch.export; the trace turns it back into is_causal."""
+    plan = _hf_plan(None)
+    nodes = [n for n in plan.nodes if n.target == SDPA]
+    assert len(nodes) == 2 and all(len(n.strategy.inputs) == 3 for n in nodes)  # q, k, v: no mask tensor left
+    assert "cp_attention(allgather,causal)" in str(plan.explain(nodes[0].name))
+
+
+def test_only_exact_causal_masks_count():
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert is_causal_mask(causal[None, None], 4, 4)
+    floats = torch.zeros(4, 4).masked_fill(~causal, torch.finfo(torch.float32).min)
+    assert is_causal_mask(floats, 4, 4) and is_causal_mask(floats.masked_fill(~causal, float("-inf")), 4, 4)
+    window = causal & torch.ones(4, 4, dtype=torch.bool).triu(-1)  # sliding window of 2: not causal
+    assert not is_causal_mask(window, 4, 4) and not is_causal_mask(floats.masked_fill(~causal, -1e4), 4, 4)
+    assert not is_causal_mask(causal, 4, 8)
+
+
+def test_a_mask_made_from_data_stays_a_mask():
+    class Masked(torch.nn.Module):
+        def forward(self, x, keep):
+            q = x.view(1, 1, 8, 4)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=keep.view(1, 1, 8, 8))
+
+    keep = torch.ones(8, 8, dtype=torch.bool).tril()  # causal values, but an input: the next call may differ
+    graph = trace(Masked(), (torch.randn(8, 4), keep))
+    (node,) = [n for n in graph.nodes if n.target == SDPA]
+    assert len(node.inputs) == 4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ulysses"])
+def test_hf_llama_parity_on_two_ranks(variant):
+    plan = _hf_plan(kernel_name(variant, True))
+    assert _kernels(plan) == {kernel_name(variant, True)}
+    results = run_local(2, _hf_worker, plan, timeout=600)
+    model, args, kwargs = hf_model("llama")
+    ref_losses, ref_grads = _hf_train(model, args, kwargs)
+    _compare(plan, dict(model.named_parameters()), ref_losses, ref_grads, results)

@@ -27,6 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 from torch.export.graph_signature import ConstantArgument, InputKind, InputSpec, OutputKind
 
+from meshplan.ir.causal_mask import causal_masks_to_flags
 from meshplan.ir.graph import Graph, Node, TensorMeta, TensorRef
 from meshplan.ir.mutations import (REGION_OUTPUT, UNSET, assigned, attributes, detach_parameter_updates, forward_attributes,
                                    rebind_updated_parameters)
@@ -477,6 +478,7 @@ def _exported(model: nn.Module, args: tuple, kwargs: dict, precision: MixedPreci
     with truncated(model, stacks), regions_patched(model), cast_for_tracing(model, precision):
         ep = _export(model, args, kwargs)
     gm, fixed = ep.graph_module, _fix_inputs(ep, args, kwargs)
+    causal_masks_to_flags(gm)  # Hugging Face's causal masks, materialised under export, back to is_causal
     specs = [s for s in ep.graph_signature.input_specs if not isinstance(s.arg, ConstantArgument)]
     if precision is not None:
         _place_weight_casts(gm, {s.arg.name for s in specs if s.kind == InputKind.PARAMETER})
