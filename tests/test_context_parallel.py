@@ -2,8 +2,8 @@
 
 Planning checks run in one process; parity runs 2 gloo ranks against one process (fp32: the loss, every
 gradient of the first step, every parameter after 3 AdamW steps) and checks that the collectives executed equal
-the plan's. Each kernel variant is forced by offering only it (the test narrows the region op's `why_not`), with
-the tokens split on the sequence.
+the plan's. Each kernel variant is forced by offering only it (`force_context_parallel`), with the tokens split on the
+sequence.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from meshplan.ir.placement import Shard
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
 from meshplan.models.hf import hf_model
-from meshplan.planner import strategies
-from meshplan.regions.context_parallel import CONTEXT_PARALLEL_REGION, balanced_chunks, kernel_name, parse_kernel
+from meshplan.regions.context_parallel import balanced_chunks, kernel_name, force_context_parallel, parse_kernel
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
@@ -45,20 +44,9 @@ def _loss(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-@contextlib.contextmanager
 def _only(kernel: str | None):
     """Attention offered only as `kernel` on a `cp` mesh (None: as the planner offers it)."""
-    if kernel is None:
-        yield
-        return
-    offered = CONTEXT_PARALLEL_REGION.why_not
-    CONTEXT_PARALLEL_REGION.why_not = lambda s, *a: offered(s, *a) if s.kernel == kernel else ""
-    strategies._CACHE.clear()
-    try:
-        yield
-    finally:
-        del CONTEXT_PARALLEL_REGION.why_not
-        strategies._CACHE.clear()
+    return contextlib.nullcontext() if kernel is None else force_context_parallel(parse_kernel(kernel)[0])
 
 
 def _plan(name: str, world: int, kernel: str | None, *, axes: tuple[str, ...] = ("cp",), tokens_layout: str = "S(1)",
@@ -144,6 +132,15 @@ def test_forced_variant_lists_its_collectives(variant):
     else:
         gathers = 4 if variant == "balanced" else 2
         assert kinds == ["all_gather"] * gathers and back == ["reduce_scatter"] * gathers
+
+
+def test_forcing_names_the_allowed_variants():
+    with pytest.raises(ValueError, match="force_context_parallel takes one or more of allgather, balanced, ulysses; got \\('ring',\\)"):
+        with force_context_parallel("ring"):
+            pass
+    plan = _plan("gpt", 2, kernel_name("ulysses", True))
+    text = str(plan.explain("scaled_dot_product_attention"))
+    assert "force_context_parallel('ulysses'): attention runs as one of these kernels" in text
 
 
 def test_cp_kernels_need_a_cp_axis():

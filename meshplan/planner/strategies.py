@@ -174,6 +174,11 @@ def _op_strategies(
 _CACHE: dict[tuple, tuple[list[Strategy], list[tuple[Strategy, str]], str]] = {}
 
 
+def clear_strategy_cache() -> None:
+    """Forget the cached strategies: for a region op whose offer changed (regions/context_parallel.py `force_context_parallel`)."""
+    _CACHE.clear()
+
+
 def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmesh: DeviceMesh, rejected: list,
                            errors: list[str]) -> list[Strategy]:
     """`errors` gets the exception of a DTensor rule that raised on every layout asked."""

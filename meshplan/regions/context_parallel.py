@@ -19,14 +19,16 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
 
 Each kernel's name carries `,causal` when the op is causal, so its cost knows the mask shape. Not offered, with
 the reason `explain` prints: an explicit mask tensor, dropout, a sequence not divisible by 2P (balanced),
-heads not divisible by P (ulysses). Every collective goes through the runtime's `StepFunction` (counted, its
+heads not divisible by P (ulysses). `force_context_parallel` makes a plan use them. Every collective goes through the runtime's `StepFunction` (counted, its
 backward the dual step): the steps priced here are the steps the plan lists and the runtime runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,7 @@ from meshplan.ir.graph import TensorMeta
 from meshplan.ir.placement import Replicate, Shard, local_shape
 from meshplan.ir.regions import KernelRow, RegionOp, Row
 from meshplan.planner.rules.attention import sdpa_rule
+from meshplan.planner.strategies import clear_strategy_cache
 from meshplan.runtime.collectives import MeshComm, StepFunction
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -148,6 +151,12 @@ class ContextParallel(RegionOp):
     name = "context_parallel_attention"
     ops = (SDPA,)
 
+    def __init__(self) -> None:
+        self.variants: tuple[str, ...] = VARIANTS
+        """The kernels offered."""
+        self.forced = False
+        """On a mesh with a `cp` axis, attention runs as one of `variants` (set by `force_context_parallel`)."""
+
     def rule(self, args, kwargs) -> list[Row]:
         rows = sdpa_rule(args, kwargs)
         a = sdpa_arguments(*args, **kwargs)
@@ -159,6 +168,8 @@ class ContextParallel(RegionOp):
 
     def why_not(self, strategy, args, kwargs, mesh) -> str | None:
         if not strategy.kernel:
+            if self.forced and CP_AXIS in mesh.axis_names:
+                return f"force_context_parallel({', '.join(map(repr, self.variants))}): attention runs as one of these kernels"
             return None
         axes = [a for a, p in enumerate(strategy.inputs[0]) if p == Shard(SEQ)]
         if [mesh.axis_names[a] for a in axes] != [CP_AXIS]:
@@ -168,6 +179,8 @@ class ContextParallel(RegionOp):
         variant, causal = parse_kernel(strategy.kernel)
         n = mesh.shape[axis]
         what = f"context-parallel attention ({variant}) over mesh axis {CP_AXIS}={n}"
+        if variant not in self.variants:
+            return f"{what}: planned with force_context_parallel({', '.join(map(repr, self.variants))})"
         if a["attn_mask"] is not None:
             return f"{what}: the op has an explicit attn_mask tensor, which only is_causal=True or no mask can be split by"
         if a["dropout_p"]:
@@ -228,3 +241,22 @@ class ContextParallel(RegionOp):
 
 
 CONTEXT_PARALLEL_REGION = ContextParallel()
+
+
+@contextlib.contextmanager
+def force_context_parallel(*variants: str, region: ContextParallel = CONTEXT_PARALLEL_REGION) -> Iterator[None]:
+    """Plans made inside the block run every attention op on a mesh with a `cp` axis as one of these kernels (of
+    `VARIANTS`; others and the plain op's layouts are ruled out, and `explain` says so), e.g.
+    `with force_context_parallel("ulysses"): meshplan.plan(..., axis_names=("cp",))`. Process-wide state while
+    the block runs: plan in one thread at a time."""
+    unknown = [v for v in variants if v not in VARIANTS]
+    if not variants or unknown:
+        raise ValueError(f"force_context_parallel takes one or more of {', '.join(VARIANTS)}; got {variants!r}")
+    before = region.variants, region.forced
+    region.variants, region.forced = tuple(variants), True
+    clear_strategy_cache()  # the offered strategies are cached per op and mesh
+    try:
+        yield
+    finally:
+        region.variants, region.forced = before
+        clear_strategy_cache()
