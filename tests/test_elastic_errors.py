@@ -124,3 +124,23 @@ def test_sigterm_saves_and_a_smaller_world_resumes_with_the_same_losses(tmp_path
     assert "was saved from a different model" in errors["model"]
     assert "was trained with global batch 8 and this run has 4" in errors["batch"]
     assert "batch has 6 samples on dim 0 but the global batch is 8" in errors["step batch"]
+
+
+def _with_dropout(rank, world, root, total, stop_at):
+    run = _start(root, cfg=GPTConfig(layers=1, dropout=0.2), micro_batch=2)
+    try:
+        return run.resumed_from is not None, _train(run, total, kill_at=stop_at)
+    except SystemExit:
+        return None
+
+
+@pytest.mark.multiprocess
+def test_a_resume_draws_the_dropout_masks_an_uninterrupted_run_draws(tmp_path):
+    """The runtime's own random stream (dropout) is in the checkpoint: stopped after step 2 and resumed on the same
+    world, steps 3 and 4 equal the uninterrupted run's (the masks of a micro-batch cut differ between worlds)."""
+    root = str(tmp_path / "run")
+    assert run_local(2, _with_dropout, root, 4, 2, timeout=300) == [None, None]
+    resumed, losses = run_local(2, _with_dropout, root, 4, None, timeout=300)[0]
+    fresh, reference = run_local(2, _with_dropout, str(tmp_path / "reference"), 4, None, timeout=300)[0]
+    assert resumed and not fresh
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[2:]), rtol=1e-5, atol=0)

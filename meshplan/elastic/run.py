@@ -56,6 +56,15 @@ def _join_group(timeout: timedelta) -> None:
     init_torchrun_group(timeout=timeout)
 
 
+def _text(state: torch.Tensor) -> str:
+    """A generator state (bytes) as JSON text: nothing in a checkpoint is pickled."""
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def _slice(value, lo: int, hi: int):
     return value[lo:hi] if isinstance(value, torch.Tensor) else value
 
@@ -162,13 +171,13 @@ class ElasticRun:
                              f"global_batch={saved.get('global_batch')} or start a new run in another directory")
         if self.scheduler is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
-        rng = torch.frombuffer(bytearray(base64.b64decode(saved["rng"])), dtype=torch.uint8)
-        torch.set_rng_state(rng)
+        torch.set_rng_state(_tensor(saved["rng"]))
+        self.model.set_rng_state([_tensor(t) for t in saved["program_rng"]])
         self.step, self.extra, self.resumed_from = info.step, dict(info.extra.get("user", {})), path
 
     def _state(self) -> dict:
-        rng = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
-        elastic = {"global_batch": self.split.global_batch, "world": self.split.world, "rng": rng,
+        elastic = {"global_batch": self.split.global_batch, "world": self.split.world, "rng": _text(torch.get_rng_state()),
+                   "program_rng": [_text(t) for t in self.model.rng_state()],
                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
         return {"elastic": elastic, "user": self.extra}
 

@@ -318,6 +318,20 @@ class ParallelModule(nn.Module):
         torch.nn.utils.clip_grads_with_norm_(list(params.values()), max_norm, total)
         return total
 
+    def rng_state(self) -> list[torch.Tensor]:
+        """The generator states of the program's own random stream, which random ops inside the model (dropout) draw
+        from (runtime/rng.py); empty for a model without random ops. A checkpoint that keeps them lets a resumed run
+        draw the masks an uninterrupted one would."""
+        return self._rng.states() if self._rng is not None else []
+
+    def set_rng_state(self, states: list[torch.Tensor]) -> None:
+        """Continue the program's random stream from `rng_state()`'s states."""
+        if self._rng is None:
+            if states:
+                raise ValueError(f"{len(states)} random generator states given, but this model has no random ops")
+            return
+        self._rng.load_states(states)
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Backward passes inside this block keep their gradients local (no collective); the first
         backward after it reduces everything accumulated since the last reduction, as DDP's `no_sync`."""

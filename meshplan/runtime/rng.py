@@ -41,3 +41,14 @@ class ProgramRng:
             self._states[0] = torch.get_rng_state()
             if self._device is not None:
                 self._states[1] = torch.get_device_module(self._device.type).get_rng_state(self._device)
+
+    def states(self) -> list[torch.Tensor]:
+        """The stream's generator states (CPU, then the device's): what a checkpoint keeps."""
+        return [s.clone() for s in self._states]
+
+    def load_states(self, states: list[torch.Tensor]) -> None:
+        """Continue the stream from `states` (from `states()`, on any rank: every rank's stream is the same)."""
+        if len(states) != len(self._states):
+            raise ValueError(f"{len(states)} random generator states given; this program's stream has {len(self._states)} "
+                             "(the CPU's, and the device's on an accelerator): restore states saved on the same kind of device")
+        self._states = [s.clone() for s in states]
