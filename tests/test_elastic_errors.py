@@ -115,9 +115,13 @@ def test_sigterm_saves_and_a_smaller_world_resumes_with_the_same_losses(tmp_path
     assert "this rank was sent SIGTERM; checkpoint of step 3 saved" in results[1][1]
     assert "another rank was sent SIGTERM" in results[0][1]
     assert results[0][2] == ["step_000000002", "step_000000003"]
+    # a save a lost world left half-written is discarded before anyone saves again
+    os.makedirs(os.path.join(root, "ckpt", "step_000000009"))
+    open(os.path.join(root, "ckpt", "step_000000009", "__3_0.distcp"), "w").close()
     # one rank resumes it with its own plan (4 micro-batches of 2 instead of 2 micro-batches of 4 per rank)
     [(resumed, losses, again)] = run_local(1, _resume, root, timeout=300)
     assert resumed == ("planned", "step_000000003", 3, 4) and again == "store"
+    assert sorted(os.listdir(os.path.join(root, "ckpt"))) == ["step_000000004", "step_000000005"]
     reference = run_local(2, _uninterrupted, str(tmp_path / "reference"), timeout=300)[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[3:]), rtol=1e-4, atol=0)
     errors = run_local(2, _refused, root, timeout=300)[0]

@@ -32,7 +32,7 @@ from torch import nn
 from meshplan.api import auto_parallelize, plan_once
 from meshplan.elastic.batch import BatchSplit, split_batch
 from meshplan.elastic.plans import PlanStore, model_key, plan_for_world
-from meshplan.elastic.saver import AsyncSaver
+from meshplan.elastic.saver import AsyncSaver, discard_partial
 from meshplan.runtime.checkpoint import latest_checkpoint, load_checkpoint
 from meshplan.runtime.collectives import resolve_timeout
 from meshplan.runtime.launch import init_torchrun_group, is_torchrun
@@ -150,8 +150,11 @@ class ElasticRun:
         self.timeline["model"] = time.time()
         self.step, self.extra, self.resumed_from = 0, {}, None
         root = os.path.join(os.fspath(checkpoint_dir), "ckpt")
-        last = [latest_checkpoint(root) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(last, src=0, group=self._control)  # one choice, even while a save is finishing
+        last = [None]
+        if dist.get_rank() == 0:  # one choice for every rank; no save runs yet: the last world's ranks are gone
+            discard_partial(root)
+            last = [latest_checkpoint(root)]
+        dist.broadcast_object_list(last, src=0, group=self._control)
         if last[0] is not None:
             self._resume(last[0])
         self.timeline["load"] = time.time()

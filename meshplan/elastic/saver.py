@@ -26,12 +26,23 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from meshplan.runtime.checkpoint import INFO_FILE, checkpoint_state, save_checkpoint, write_info
 
-__all__ = ["AsyncSaver", "checkpoint_path"]
+__all__ = ["AsyncSaver", "checkpoint_path", "discard_partial"]
 
 
 def checkpoint_path(root: str, step: int) -> str:
     """`root/step_000000012`: names that sort by step (`latest_checkpoint` takes the last complete one)."""
     return os.path.join(root, f"step_{step:09d}")
+
+
+def discard_partial(root: str) -> None:
+    """Remove the checkpoint directories under `root` without `meshplan.json`: saves that a lost world left
+    half-written. Call before any rank saves (a save of the same step would otherwise land among the dead ranks'
+    shard files)."""
+    if not os.path.isdir(root):
+        return
+    for d in os.listdir(root):
+        if d.startswith("step_") and not os.path.isfile(os.path.join(root, d, INFO_FILE)):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
 class AsyncSaver:
