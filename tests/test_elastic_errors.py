@@ -43,6 +43,15 @@ def test_a_world_no_plan_fits_names_the_smallest_that_does():
         plan_for_world(model, 1, lambda w: (x,), global_batch=8, micro_batch=None, max_world=2, memory_budget=100_000)
 
 
+def test_torchruns_shared_store_is_refused_with_the_variable_that_fixes_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(ValueError, match=r"needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 .*TORCHELASTIC_RESTART_COUNT=2"):
+        _start(str(tmp_path))
+
+
 def _loss(model, tokens):
     logits = model(tokens)
     return F.cross_entropy(logits[:, :-1].reshape(-1, CFG.vocab_size), tokens[:, 1:].reshape(-1))
