@@ -122,8 +122,9 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     # an offloaded parameter's optimizer state (and its step) live in host memory
     state = OPTIMIZER_STATES[optimizer] * 4 * sum(n for p, n in zip(trainable, numels) if not p.offload)
     numels = [n for p, n in zip(trainable, numels) if not p.offload]
-    mine = {p.node for p in params}
-    buckets = sum(b.nbytes for b in plan.buckets if any(name in mine for name in b.params))
+    # a stage's rank packs only its own parameters of a bucket (runtime/stage_grads.py)
+    mine = {p.node: nbytes(graph[p.node].out, p.layout) for p in params}
+    buckets = sum(b.nbytes if nodes is None else sum(mine.get(name, 0) for name in b.params) for b in plan.buckets)
     resident = MemoryBreakdown(params=param_bytes, grads=buckets, optimizer=state, activations=0)
 
     # tensors: a producer's output ("ref") or a resharded copy ("move"); views alias their input's root
@@ -239,21 +240,27 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
         if not any(node.requires_grad) or is_view(node.target):
             continue
         sent_back = []
-        scratch = 0
         for pos, ref in enumerate(node.inputs):
             if not graph[ref.node].grad(ref.index):
                 continue
             key = tensor_in(node, pos, ref)
             level += grad_of(key, ref)
-            if key[0] == "move":  # its dual step brings the gradient back to the producer's layout
-                src = graph[key[1]].inputs[key[2]]
-                level += grad_of(root.get(("ref", src.node, src.index), ("ref", src.node, src.index)), src)
+            if key[0] == "move":
                 sent_back.append(key)
-                scratch = max(scratch, scratch_bwd.get(key, 0))
-        if base + level + param_grads + scratch > peak:
-            peak, where, grads_at_peak, copies_at_peak = base + level + param_grads + scratch, "backward", param_grads, copies
-        for key in [("ref", node.name, j) for j in range(len(node.outputs))] + sent_back:
-            if key in grads:  # consumed by this op's backward (or sent back by the dual step)
+        if base + level + param_grads > peak:
+            peak, where, grads_at_peak, copies_at_peak = base + level + param_grads, "backward", param_grads, copies
+        for key in [("ref", node.name, j) for j in range(len(node.outputs))]:
+            if key in grads:  # consumed by this op's backward
+                level -= grads.pop(key)
+        # then each move's dual step (the next node autograd runs) brings its gradient back to the producer's layout,
+        # with the collective's scratch while it runs, and frees the moved copy's gradient
+        for key in sent_back:
+            src = graph[key[1]].inputs[key[2]]
+            level += grad_of(root.get(("ref", src.node, src.index), ("ref", src.node, src.index)), src)
+            held = base + level + param_grads + scratch_bwd.get(key, 0)
+            if held > peak:
+                peak, where, grads_at_peak, copies_at_peak = held, "backward", param_grads, copies
+            if key in grads:
                 level -= grads.pop(key)
         for key in released_at.pop(i, ()):
             hold(key, -1)
