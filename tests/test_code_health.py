@@ -54,6 +54,8 @@ PRIVATE_TORCH = {
     ".._parameters": "nn.Module's own dicts",
     ".._pytree": "see torch.utils._pytree",
     ".._schema": "an op's schema (argument names, mutation)",
+    ".._scaled_dot_product_flash_attention_for_cpu": "context-parallel attention's blocks with their log-sum-exp",
+    ".._scaled_dot_product_flash_attention_for_cpu_backward": "context-parallel attention's blocks in backward",
 }
 """Every private torch name meshplan touches -> why; `.._name` entries are private attributes of torch objects."""
 

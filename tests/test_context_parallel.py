@@ -136,15 +136,15 @@ def test_forced_variant_lists_its_collectives(variant):
 
 def test_priced_with_the_issue_formulas():
     """GPT b=2, S=16, h=h_kv=32, fp32, P=2: the gathered K and V are b*S*h_kv*e bytes each (an all-gather moves
-    (P-1)/P of them per rank), Ulysses moves 4 all-to-alls of b*S*h*e/P, and a balanced causal rank computes
-    (2P+1)/4P of the contiguous split's last rank."""
+    (P-1)/P of them per rank), Ulysses moves 4 all-to-alls of b*S*h*e/P, and the contiguous split's busiest causal
+    rank computes (2P-1)/P of a balanced rank."""
     b, s, h, e, p = 2, 16, 32, 4, 2
     nodes = {v: next(n for n in _plan("gpt", p, kernel_name(v, True)).nodes if n.target == SDPA) for v in ("allgather", "balanced", "ulysses")}
     gather = nodes["allgather"]
     assert [st.nbytes for st in gather.forward_comm] == [b * s * h * e] * 2
     assert [st.nbytes for st in gather.backward_comm] == [b * s * h * e] * 2  # dK, dV reduce-scattered home, same bytes
     assert [st.nbytes for st in nodes["ulysses"].forward_comm] == [b * s * h * e // p] * 4
-    assert nodes["balanced"].time_s == pytest.approx(gather.time_s * (2 * p + 1) / (4 * p))
+    assert nodes["balanced"].time_s == pytest.approx(gather.time_s * p / (2 * p - 1))  # the contiguous split's causal excess
 
 
 def test_forcing_names_the_allowed_variants():

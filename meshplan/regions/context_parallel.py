@@ -82,29 +82,62 @@ def balanced_chunks(rank: int, n: int) -> tuple[int, int]:
     return rank, 2 * n - 1 - rank
 
 
-def balanced_work(n: int) -> float:
-    """One rank's causal attention work under head-tail balancing, as a fraction of a (S/n) x S rectangle:
-    chunks r and 2n-1-r of size c = S/2n attend to (r+1)c and (2n-r)c keys, (2n+1)c^2 in all, over 4n c^2."""
-    return (2 * n + 1) / (4 * n)
+def causal_imbalance(n: int) -> float:
+    """The busiest rank's causal attention work over the average, sequence split contiguously over `n` ranks:
+    rank n-1 attends its L rows to (n-1)L whole keys and an L x L causal diagonal, (n - 1/2)L^2, while the whole
+    causal op is nL x nL / 2, n L^2 / 2 per rank. Head-tail balancing gives every rank n L^2 / 2 (factor 1)."""
+    return (2 * n - 1) / n
 
 
 # ---------------------------------------------------------------- this rank's part
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
 
 def _step(x: torch.Tensor, step: CommStep, comm: MeshComm) -> torch.Tensor:
     return StepFunction.apply(x, step, comm)
 
 
-def _attend(q, k, v, first: int, causal: bool, scale, enable_gqa: bool) -> torch.Tensor:
-    """Query rows at sequence positions first .. first+len(q)-1 against keys 0 .. len(k)-1 (causal: only the keys
-    at or before each row are needed, so they are cut to first+len(q))."""
+class BlockAttention(torch.autograd.Function):
+    """q against key/value blocks, each whole or causal (a diagonal block: query i sees keys <= i), by the CPU flash
+    kernel per block and merged by log-sum-exp; so no mask tensor and no score matrix exists. Backward runs the
+    flash backward per block with the merged output and log-sum-exp (ring attention's backward)."""
+
+    @staticmethod
+    def forward(ctx, q, scale, causal: tuple[bool, ...], *kv):
+        outs, lses = [], []
+        for i, is_causal in enumerate(causal):
+            o, lse = FLASH(q, kv[2 * i], kv[2 * i + 1], 0.0, is_causal, scale=scale)
+            outs.append(o)
+            lses.append(lse)
+        lse = torch.logsumexp(torch.stack(lses), dim=0)
+        out = sum(o.float() * (part - lse).exp().unsqueeze(-1) for o, part in zip(outs, lses)).to(q.dtype)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.save_for_backward(q, out, lse, *kv)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, out, lse, *kv = ctx.saved_tensors
+        grad_q, grad_kv = torch.zeros_like(q), []
+        for i, is_causal in enumerate(ctx.causal):
+            dq, dk, dv = FLASH_BACKWARD(grad.contiguous(), q, kv[2 * i], kv[2 * i + 1], out, lse, 0.0, is_causal, scale=ctx.scale)
+            grad_q += dq
+            grad_kv += [dk, dv]
+        return (grad_q, None, None, *grad_kv)
+
+
+def _attend(q, k, v, first: int, causal: bool, scale) -> torch.Tensor:
+    """Query rows at sequence positions first .. first+len(q)-1 against keys 0 .. len(k)-1. Causal: the keys
+    before `first` are whole to every row and the next len(q) a causal diagonal; later keys are not needed."""
     if not causal:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=enable_gqa)
+        return BlockAttention.apply(q, scale, (False,), k, v)
     rows = q.shape[SEQ]
-    keys = first + rows
-    k, v = k.narrow(SEQ, 0, keys), v.narrow(SEQ, 0, keys)
-    qpos = torch.arange(first, keys, device=q.device)
-    mask = torch.arange(keys, device=q.device)[None, :] <= qpos[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    blocks: list[tuple[bool, torch.Tensor, torch.Tensor]] = [(True, k.narrow(SEQ, first, rows), v.narrow(SEQ, first, rows))]
+    if first:
+        blocks.insert(0, (False, k.narrow(SEQ, 0, first), v.narrow(SEQ, 0, first)))
+    return BlockAttention.apply(q, scale, tuple(c for c, _, _ in blocks), *(t for _, kb, vb in blocks for t in (kb, vb)))
 
 
 class ContextParallelAttention(nn.Module):
@@ -119,6 +152,9 @@ class ContextParallelAttention(nn.Module):
         if a["attn_mask"] is not None or a["dropout_p"] != 0.0:
             raise AssertionError("context-parallel attention was planned for an op with a mask tensor or dropout")
         q, k, v, scale, gqa = a["q"], a["k"], a["v"], a["scale"], a["enable_gqa"]
+        if q.device.type != "cpu" and self.variant != "ulysses":
+            raise ValueError(f"{kernel_name(self.variant, self.causal)} runs on the CPU flash kernel; got tensors on {q.device}. "
+                             "Plan with force_context_parallel('ulysses') there, or without a cp axis")
         if self.variant == "ulysses":
             to_heads = CommStep("all_to_all", self.axis, SEQ, 1)
             q, k, v = (_step(t, to_heads, self.comm) for t in (q, k, v))
@@ -126,12 +162,14 @@ class ContextParallelAttention(nn.Module):
             return _step(out, to_heads.dual(), self.comm)
         gather = CommStep("all_gather", self.axis, SEQ)
         keys, values = _step(k, gather, self.comm), _step(v, gather, self.comm)
+        if gqa and keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group of query heads
+            keys, values = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
         n, me, rows = self.comm.mesh.shape[self.axis], self.comm.coord[self.axis], q.shape[SEQ]
         if self.variant == "allgather":
-            return _attend(q, keys, values, me * rows, self.causal, scale, gqa)
+            return _attend(q, keys, values, me * rows, self.causal, scale)
         c = rows // 2
         whole_q = _step(q, gather, self.comm)
-        mine = [_attend(whole_q.narrow(SEQ, j * c, c), keys, values, j * c, True, scale, gqa) for j in balanced_chunks(me, n)]
+        mine = [_attend(whole_q.narrow(SEQ, j * c, c), keys, values, j * c, True, scale) for j in balanced_chunks(me, n)]
         # gathered rank after rank, each rank's two chunks in `balanced_chunks` order: pick this rank's contiguous two
         everyone = _step(torch.cat(mine, dim=SEQ), gather, self.comm)
         slot = {j: 2 * r + s for r in range(n) for s, j in enumerate(balanced_chunks(r, n))}
@@ -221,9 +259,8 @@ class ContextParallel(RegionOp):
                 forward += [CommStep("all_gather", axis, SEQ, nbytes=qb * n), CommStep("all_gather", axis, SEQ, nbytes=ob * n)]
             for shape in local[1:]:  # the gathered keys and values
                 shape[SEQ] *= n
-            # the plain op's price counts the whole score rectangle, causal or not: the last contiguous rank
-            # attends its rows to every key, and a balanced rank does (2n+1)/4n of that
-            work = balanced_work(n) if variant == "balanced" else 1.0
+            # the plain op's price of these shapes, as if split evenly, times the busiest rank's causal excess
+            work = causal_imbalance(n) if causal and variant == "allgather" else 1.0
         metas = [TensorMeta(tuple(s), m.dtype) for s, m in zip(local, (q, k, v))]
         out = TensorMeta(tuple(local[0][:3]) + (local[2][3],), node.outputs[0].dtype)
         whole = ((Replicate(),) * len(mesh_shape),)
