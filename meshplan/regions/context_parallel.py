@@ -5,8 +5,10 @@ are the plain op's (batch or heads split, `planner/rules/attention.py`) plus thr
 output split on the sequence (dim 2), offered only on a mesh axis named `cp` (torchtitan's name):
 
 - `cp_attention(allgather)`: k and v are all-gathered over the axis (backward: their gradients
-  reduce-scattered home); each rank attends its own query rows to the keys it needs, the causal mask
-  built from the true token positions (rank r holds rows r*L .. r*L+L-1, so only keys 0 .. (r+1)*L-1).
+  reduce-scattered home); each rank attends its own query rows to the keys it needs, placed by the true
+  token positions: rank r holds rows r*L .. r*L+L-1, so keys before r*L are whole to it, the next L a causal
+  diagonal, and later ones unused. `BlockAttention` runs the CPU flash kernel per block and merges the blocks
+  by their log-sum-exp, so no mask tensor or score matrix exists.
 - `cp_attention(balanced)`: the same with head-tail load balancing for causal masks. Rank r computes
   query chunks r and 2P-1-r of 2P (the same work on every rank, against the rank-r-heavy split above).
   Outside the op the sequence stays split contiguously: q is all-gathered and each rank picks its two
@@ -19,8 +21,9 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
 
 Each kernel's name carries `,causal` when the op is causal, so its cost knows the mask shape. Not offered, with
 the reason `explain` prints: an explicit mask tensor, dropout, a sequence not divisible by 2P (balanced),
-heads not divisible by P (ulysses). `force_context_parallel` makes a plan use them. Every collective goes through the runtime's `StepFunction` (counted, its
-backward the dual step): the steps priced here are the steps the plan lists and the runtime runs.
+heads not divisible by P (ulysses). `force_context_parallel` makes a plan use them. Every collective goes through
+the runtime's `StepFunction` (counted, its backward the dual step): the steps priced here are the steps the plan
+lists and the runtime runs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""Long sequences (issue 29): context-parallel attention against the best plan without sequence sharding.
+
+    python benchmarks/long_context.py [--seq 2048 4096] [--world 4] [--steps 4] [--profile benchmarks/data/fidelity_profile.json]
+
+For each sequence length, a small-width meshplan Llama (2 layers, width 64, 4 query / 2 key-value heads, batch 1)
+is planned from the saved profile (out of sample: nothing re-measured or rescaled) four ways on `world` gloo
+ranks: a `cp` mesh with each context-parallel kernel forced (all-gathered K/V, head-tail balanced, Ulysses), and
+the default search, whose meshes have no `cp` axis (the best plan without sequence sharding). Each is then
+trained with AdamW on local processes; the table gives predicted and measured step time (median over steps,
+slowest rank) and peak bytes per rank (predicted: the plan's memory; measured: resident state plus the
+profiler's allocation peak during a step, as `profiling/fidelity.py` measures it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, not an installed meshplan
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import meshplan  # noqa: E402
+from meshplan.cost_model.presets import get_cluster  # noqa: E402
+from meshplan.cost_model.profile import resolve_profile  # noqa: E402
+from meshplan.models import Llama, LlamaConfig  # noqa: E402
+from meshplan.plans.plan import Plan  # noqa: E402
+from meshplan.profiling.fidelity import peak_during, resident_bytes, slowest_rank_seconds, solver_memory  # noqa: E402
+from meshplan.regions.context_parallel import force_context_parallel  # noqa: E402
+from meshplan.runtime.launch import run_local  # noqa: E402
+
+DEFAULT_PROFILE = Path(__file__).resolve().parent / "data" / "fidelity_profile.json"
+PLANS = ("cp allgather", "cp balanced", "cp ulysses", "best without cp")
+
+
+def build(seq: int) -> tuple[Llama, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(seq_len=seq, hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2))
+    return model, torch.randint(0, 128, (1, seq), generator=torch.Generator().manual_seed(1))
+
+
+def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:])
+
+
+def make_plan(kind: str, seq: int, world: int, cluster) -> Plan:
+    model, tokens = build(seq)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "best without cp":
+            return meshplan.plan(model, world, (tokens,), cluster=cluster)
+        with force_context_parallel(kind.split()[1]):
+            return meshplan.plan(model, world, (tokens,), cluster=cluster, mesh_shape=(world,), axis_names=("cp",),
+                                 input_layouts={"tokens": "S(1)"})
+
+
+def measure(rank: int, world: int, plans_json: list[str], seq: int, warmup: int, steps: int) -> list[dict]:
+    out = []
+    for text in plans_json:
+        plan = Plan.from_json(text)
+        model, tokens = build(seq)
+        pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
+        opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
+
+        def step(pmodel=pmodel, opt=opt, tokens=tokens) -> None:
+            loss_of(pmodel(tokens), tokens).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(warmup):
+            step()
+        times = [slowest_rank_seconds(step) for _ in range(steps)]
+        peak = torch.tensor(float(resident_bytes(pmodel, opt) + peak_during(step)), dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out.append({"time_s": statistics.median(times), "peak_bytes": float(peak)})
+        del pmodel, opt
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--profile", default=str(DEFAULT_PROFILE))
+    args = ap.parse_args()
+    profile = resolve_profile(args.profile, None)
+    cluster = get_cluster(profile.cluster if profile else "cpu").with_profile(profile)
+    print(f"world {args.world} gloo ranks, planned from {args.profile}")
+    print("| seq | plan | mesh | attention | predicted ms | measured ms | error | predicted MiB | measured MiB |")
+    print("|---:|---|---|---|---:|---:|---:|---:|---:|")
+    for seq in args.seq:
+        plans = [make_plan(kind, seq, args.world, cluster) for kind in PLANS]
+        got = run_local(args.world, measure, [p.to_json() for p in plans], seq, args.warmup, args.steps, timeout=3600)[0]
+        for kind, plan, m in zip(PLANS, plans, got):
+            attn = {n.strategy.kernel or str(n.strategy) for n in plan.nodes if n.target == "aten.scaled_dot_product_attention.default"}
+            err = plan.step_time_s / m["time_s"] - 1
+            print(f"| {seq} | {kind} | {plan.mesh} | {', '.join(sorted(attn))} | {plan.step_time_s * 1e3:.1f} | "
+                  f"{m['time_s'] * 1e3:.1f} | {err:+.0%} | {solver_memory(plan) / 2**20:.1f} | {m['peak_bytes'] / 2**20:.1f} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
