@@ -232,7 +232,8 @@ class ElasticRun:
 
     @property
     def checkpoint_timings(self) -> list[dict[str, float]]:
-        """Per background checkpoint: `step`, `blocking_s` (time the loop waited), `total_s` (until written)."""
+        """Per background checkpoint: `step`, `start` (`time.perf_counter()`), `blocking_s` (time the loop waited),
+        `total_s` (until written)."""
         return self._saver.timings
 
     def _stop_agreed(self) -> bool:

@@ -61,8 +61,8 @@ class AsyncSaver:
         self.saved_step: int | None = None
         """The newest step whose checkpoint this rank knows complete."""
         self.timings: list[dict[str, float]] = []
-        """Per save: `step`, `blocking_s` (the training loop waited: gathering metadata, staging the copy) and
-        `total_s` (until the files were written)."""
+        """Per save: `step`, `start` (`time.perf_counter()`), `blocking_s` (the training loop waited: gathering
+        metadata, staging the copy) and `total_s` (until the files were written)."""
 
     def save(self, step: int, extra: Any) -> None:
         """Start the checkpoint of `step` and return once its tensors are copied (the previous save is waited for)."""
@@ -71,7 +71,7 @@ class AsyncSaver:
         path = checkpoint_path(self.root, step)
         state, text = checkpoint_state(self.pmodel, self.optimizer, step=step, extra=extra)
         future = dcp.async_save(state, storage_writer=FileSystemWriter(path), process_group=self._group)
-        record = {"step": float(step), "blocking_s": time.perf_counter() - start}
+        record = {"step": float(step), "start": start, "blocking_s": time.perf_counter() - start}
         self.timings.append(record)
 
         done = threading.Event()  # set after the callback: a future's waiters wake before its callbacks run
