@@ -120,7 +120,7 @@ def test_kernel_names_and_balanced_chunks():
         assert sorted(c for r in range(n) for c in balanced_chunks(r, n)) == list(range(2 * n))
 
 
-@pytest.mark.parametrize("variant", ["allgather", "balanced", "ulysses"])
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring", "ulysses"])
 def test_forced_variant_lists_its_collectives(variant):
     plan = _plan("gpt", 2, kernel_name(variant, True))
     assert _kernels(plan) == {kernel_name(variant, True)}
@@ -129,6 +129,8 @@ def test_forced_variant_lists_its_collectives(variant):
     back = [s.kind for s in node.backward_comm]
     if variant == "ulysses":
         assert kinds == ["all_to_all"] * 4 and back == ["all_to_all"] * 4
+    elif variant == "ring":  # P-1 = 1 exchange of K, V; back: 1 of K, V, dK, dV and 1 of dK, dV home
+        assert kinds == ["send_recv"] and back == ["send_recv"] * 2
     else:
         gathers = 4 if variant == "balanced" else 2
         assert kinds == ["all_gather"] * gathers and back == ["reduce_scatter"] * gathers
@@ -148,8 +150,8 @@ def test_priced_with_the_issue_formulas():
 
 
 def test_forcing_names_the_allowed_variants():
-    with pytest.raises(ValueError, match="force_context_parallel takes one or more of allgather, balanced, ulysses; got \\('ring',\\)"):
-        with force_context_parallel("ring"):
+    with pytest.raises(ValueError, match="force_context_parallel takes one or more of allgather, balanced, ring, ulysses; got \\('zigzag',\\)"):
+        with force_context_parallel("zigzag"):
             pass
     plan = _plan("gpt", 2, kernel_name("ulysses", True))
     text = str(plan.explain("scaled_dot_product_attention"))
@@ -185,7 +187,7 @@ def test_not_offered_cases_say_why():
 # ---------------------------------------------------------------- parity on 2 gloo ranks
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["allgather", "balanced", "ulysses"])
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring", "ulysses"])
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_parity_on_two_ranks(name, variant):
     plan = _plan(name, 2, kernel_name(variant, True))
@@ -202,7 +204,7 @@ MEGATRON = {"gpt": ({"*.q_proj.*": "RS(0)", "*.k_proj.*": "RS(0)", "*.v_proj.*":
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["allgather", "balanced", "ulysses"])
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring", "ulysses"])
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_parity_cp_by_tp(name, variant):
     """cp x tp (2 x 2): Megatron's column/row-parallel projections on tp (heads split), the sequence on cp."""
@@ -224,7 +226,7 @@ def test_parity_dp_by_cp_with_fsdp_storage(variant):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["allgather", "balanced"])
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring"])
 def test_parity_on_four_ranks(variant):
     plan = _plan("llama", 4, kernel_name(variant, True))
     results = run_local(4, _worker, "llama", plan, timeout=900)
@@ -296,7 +298,7 @@ def test_a_mask_made_from_data_stays_a_mask():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["allgather", "balanced", "ulysses"])
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring", "ulysses"])
 def test_hf_llama_parity_on_two_ranks(variant):
     plan = _hf_plan(kernel_name(variant, True))
     assert _kernels(plan) == {kernel_name(variant, True)}

@@ -26,8 +26,10 @@ DUAL_KIND = {
     "chunk": "pad",
     "pad": "chunk",
     "to_partial": "to_partial",
+    "send_recv": "send_recv",
 }
-COMMUNICATING = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+COMMUNICATING = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+"""Kinds that move data between devices; send_recv only in a region op's own steps (ring attention), never a redistribution's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +37,7 @@ class CommStep:
     """One step of a redistribution on one mesh axis."""
 
     kind: str
-    """all_gather | reduce_scatter | all_reduce | all_to_all | chunk | pad | to_partial."""
+    """all_gather | reduce_scatter | all_reduce | all_to_all | chunk | pad | to_partial | send_recv (ring attention)."""
     axis: int
     """The mesh axis whose devices take part."""
     dim: int = -1

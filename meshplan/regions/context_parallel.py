@@ -15,6 +15,9 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
   chunks, and the output chunks go back by a second all-gather. So positions, RoPE tables, labels and
   the loss are untouched by the balancing (nothing else has to follow a token order), at the price of two
   more all-gathers (and two reduce-scatters in backward) of q-sized tensors.
+- `cp_attention(ring)`: the same split and blocks, but K and V travel P-1 times to the next rank (point to
+  point) instead of being gathered, so a rank holds one other block at a time and saves only its own K and V;
+  backward sends them round again while the dK/dV of each block accumulate on the way home (`RingAttention`).
 - `cp_attention(ulysses)`: all-to-all from sequence-split to heads-split (q, k, v), the plain op over the whole
   sequence and the local heads, all-to-all back (DeepSpeed-Ulysses); needs the heads and the KV heads on
   this rank divisible by P.
@@ -34,6 +37,7 @@ import re
 from collections.abc import Iterator
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -45,14 +49,14 @@ from meshplan.ir.placement import Replicate, Shard, local_shape
 from meshplan.ir.regions import KernelRow, RegionOp, Row
 from meshplan.planner.rules.attention import sdpa_rule
 from meshplan.planner.strategies import clear_strategy_cache
-from meshplan.runtime.collectives import MeshComm, StepFunction
+from meshplan.runtime.collectives import MeshComm, StepFunction, collective, forward_phase, wait
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 SEQ = 2
 """q, k, v and the output are [batch, heads, seq, head_dim]."""
 CP_AXIS = "cp"
 """The mesh axis name the kernels are offered on."""
-VARIANTS = ("allgather", "balanced", "ulysses")
+VARIANTS = ("allgather", "balanced", "ring", "ulysses")
 
 
 def kernel_name(variant: str, causal: bool) -> str:
@@ -143,6 +147,80 @@ def _attend(q, k, v, first: int, causal: bool, scale) -> torch.Tensor:
     return BlockAttention.apply(q, scale, tuple(c for c, _, _ in blocks), *(t for _, kb, vb in blocks for t in (kb, vb)))
 
 
+def _rotate(x: torch.Tensor, comm: MeshComm, axis: int, phase: str) -> torch.Tensor:
+    """`x` sent to the next rank along `axis` and the previous rank's received (one point-to-point exchange, as an
+    all-to-all with one non-empty piece each way)."""
+    n, me = comm.mesh.shape[axis], comm.coord[axis]
+    send, recv = [0] * n, [0] * n
+    send[(me + 1) % n] = recv[(me - 1) % n] = x.numel()
+    return collective(comm, phase, "send_recv", lambda: f"{phase} ring attention send/recv over mesh axis {comm.mesh.axis_names[axis]}",
+                      lambda: wait(funcol.all_to_all_single(x.contiguous().view(-1), recv, send, comm.group_name(axis))).view(x.shape))
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention over mesh axis `axis` (sequence split contiguously): K and V (packed) travel P-1 times to the
+    next rank; at step t a rank holds the block of rank (r - t) mod P, whole to it when earlier in the sequence, a
+    causal diagonal when its own, unused when later (causal). Blocks merge by log-sum-exp. Only the rank's own K
+    and V are saved: backward sends them round again with the dK/dV of the block they belong to accumulating on
+    the way, and one last exchange brings each dK/dV home. Grouped-query heads are repeated per block (and their
+    gradients summed back), so K and V travel with their own heads."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal: bool, axis: int, comm: MeshComm):
+        n, me = comm.mesh.shape[axis], comm.coord[axis]
+        ctx.scale, ctx.causal, ctx.axis, ctx.comm = scale, causal, axis, comm
+        phase = forward_phase()
+        packed, outs, lses = torch.stack([k, v]), [], []
+        for t in range(n):
+            block = _ring_block(me, (me - t) % n, causal)
+            if block is not None:
+                kb, vb = (_repeat_heads(x, q.shape[1]) for x in packed.unbind(0))
+                o, lse = FLASH(q, kb, vb, 0.0, block, scale=scale)
+                outs.append(o)
+                lses.append(lse)
+            if t < n - 1:
+                packed = _rotate(packed, comm, axis, phase)
+        lse = torch.logsumexp(torch.stack(lses), dim=0)
+        out = sum(o.float() * (part - lse).exp().unsqueeze(-1) for o, part in zip(outs, lses)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, axis = ctx.comm, ctx.axis
+        n, me = comm.mesh.shape[axis], comm.coord[axis]
+        grad, grad_q = grad.contiguous(), torch.zeros_like(q)
+        travelling = torch.cat([torch.stack([k, v]), torch.zeros_like(torch.stack([k, v]))])  # K, V, dK, dV of one block
+        for t in range(n):
+            block = _ring_block(me, (me - t) % n, ctx.causal)
+            if block is not None:
+                kb, vb = (_repeat_heads(x, q.shape[1]) for x in travelling[:2].unbind(0))
+                dq, dk, dv = FLASH_BACKWARD(grad, q, kb, vb, out, lse, 0.0, block, scale=ctx.scale)
+                grad_q += dq
+                travelling = torch.cat([travelling[:2], travelling[2:] + torch.stack([_sum_heads(dk, k.shape[1]), _sum_heads(dv, v.shape[1])])])
+            if t < n - 1:
+                travelling = _rotate(travelling, comm, axis, "backward")
+        home = _rotate(travelling[2:], comm, axis, "backward")  # rank r holds block r+1's finished dK, dV
+        return grad_q, home[0], home[1], None, None, None, None
+
+
+def _ring_block(me: int, src: int, causal: bool) -> bool | None:
+    """Rank `me` against rank `src`'s keys: None when unused, else whether the block is a causal diagonal."""
+    if not causal:
+        return False
+    return None if src > me else src == me
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    b, h, s, d = grad.shape
+    return grad if h == heads else grad.view(b, heads, h // heads, s, d).sum(2)
+
+
 class ContextParallelAttention(nn.Module):
     """This rank's part of one attention node whose sequence is split over mesh axis `axis`."""
 
@@ -163,6 +241,8 @@ class ContextParallelAttention(nn.Module):
             q, k, v = (_step(t, to_heads, self.comm) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=scale, enable_gqa=gqa)
             return _step(out, to_heads.dual(), self.comm)
+        if self.variant == "ring":
+            return RingAttention.apply(q, k, v, scale, self.causal, self.axis, self.comm)
         gather = CommStep("all_gather", self.axis, SEQ)
         keys, values = _step(k, gather, self.comm), _step(v, gather, self.comm)
         if gqa and keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group of query heads
@@ -256,6 +336,13 @@ class ContextParallel(RegionOp):
             for shape in local:  # whole sequence, heads / n
                 shape[1], shape[SEQ] = shape[1] // n, shape[SEQ] * n
             work = 1.0
+        elif variant == "ring":
+            # n-1 exchanges of the packed K, V; backward n-1 of K, V, dK, dV and one of dK, dV home
+            forward = [CommStep("send_recv", axis, nbytes=kb + vb)] * (n - 1)
+            back_steps = [CommStep("send_recv", axis, nbytes=2 * (kb + vb))] * (n - 1) + [CommStep("send_recv", axis, nbytes=kb + vb)]
+            for shape in local[1:]:
+                shape[SEQ] *= n
+            work = causal_imbalance(n) if causal else 1.0
         else:
             forward = [CommStep("all_gather", axis, SEQ, nbytes=kb * n), CommStep("all_gather", axis, SEQ, nbytes=vb * n)]
             if variant == "balanced":
@@ -269,7 +356,7 @@ class ContextParallel(RegionOp):
         whole = ((Replicate(),) * len(mesh_shape),)
         compute = work * compute_time(node.target, metas, [out], whole, mesh_shape, cluster, backward=backward,
                                       in_layouts=whole * 3)
-        back = [s.dual() for s in forward] if backward else []
+        back = (back_steps if variant == "ring" else [s.dual() for s in forward]) if backward else []
         return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back),
                           comm_s=steps_time(forward, mesh_shape, cluster) + steps_time(back, mesh_shape, cluster))
 
