@@ -74,6 +74,7 @@ def _train(run, total, kill_at=None):
         run.optimizer.step()
         run.optimizer.zero_grad()
         losses.append(loss)
+        run.extra["samples"] = step * run.split.global_batch  # the data position, saved with every checkpoint
         if step == kill_at and torch.distributed.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # preemption: this rank alone is told
     return losses
@@ -91,7 +92,7 @@ def _save_on_sigterm_then_resume_elsewhere(rank, world, root):
 
 def _resume(rank, world, root):
     run = _start(root, micro_batch=2, checkpoint_every=2)
-    resumed = (run.plan_source, os.path.basename(run.resumed_from), run.step, run.split.accumulation)
+    resumed = (run.plan_source, os.path.basename(run.resumed_from), run.step, run.split.accumulation, dict(run.extra))
     losses = _train(run, 5)
     again = _start(root, micro_batch=2)  # the same world again: its plan comes from the store
     return resumed, losses, again.plan_source
@@ -129,7 +130,7 @@ def test_sigterm_saves_and_a_smaller_world_resumes_with_the_same_losses(tmp_path
     open(os.path.join(root, "ckpt", "step_000000009", "__3_0.distcp"), "w").close()
     # one rank resumes it with its own plan (4 micro-batches of 2 instead of 2 micro-batches of 4 per rank)
     [(resumed, losses, again)] = run_local(1, _resume, root, timeout=300)
-    assert resumed == ("planned", "step_000000003", 3, 4) and again == "store"
+    assert resumed == ("planned", "step_000000003", 3, 4, {"samples": 24}) and again == "store"
     assert sorted(os.listdir(os.path.join(root, "ckpt"))) == ["step_000000004", "step_000000005"]
     reference = run_local(2, _uninterrupted, str(tmp_path / "reference"), timeout=300)[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[3:]), rtol=1e-4, atol=0)
