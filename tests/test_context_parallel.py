@@ -216,7 +216,7 @@ def test_parity_cp_by_tp(name, variant):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["allgather", "ulysses"])
+@pytest.mark.parametrize("variant", ["allgather", "ring", "ulysses"])
 def test_parity_dp_by_cp_with_fsdp_storage(variant):
     """dp x cp (2 x 2), every parameter stored sharded over both axes (FSDP over dp x cp, as torchtitan does)."""
     plan = _plan("gpt", 4, kernel_name(variant, True), axes=("dp", "cp"), tokens_layout="S(0)S(1)", param_layouts={"*": "S(0)S(0)"})
@@ -249,12 +249,12 @@ def _hf_train(model, args, kwargs, grads_of=None):
     return losses, grads
 
 
-def _hf_plan(kernel: str):
+def _hf_plan(kernel: str, world: int = 2):
     model, args, kwargs = hf_model("llama")
     with warnings.catch_warnings(), _only(kernel):
         warnings.simplefilter("ignore")
-        return meshplan.plan(model, devices=2, mesh_shape=(2,), axis_names=("cp",), example_inputs=args, example_kwargs=kwargs,
-                             input_layouts={"input_ids": "S(1)", "labels": "S(1)"})
+        return meshplan.plan(model, devices=world, mesh_shape=(world,), axis_names=("cp",), example_inputs=args,
+                             example_kwargs=kwargs, input_layouts={"input_ids": "S(1)", "labels": "S(1)"})
 
 
 def _hf_worker(rank: int, world: int, plan):
@@ -298,11 +298,11 @@ def test_a_mask_made_from_data_stays_a_mask():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring", "ulysses"])
-def test_hf_llama_parity_on_two_ranks(variant):
-    plan = _hf_plan(kernel_name(variant, True))
+@pytest.mark.parametrize("world,variant", [(2, "allgather"), (2, "balanced"), (2, "ring"), (2, "ulysses"), (4, "ring"), (4, "balanced")])
+def test_hf_llama_parity(world, variant):
+    plan = _hf_plan(kernel_name(variant, True), world)
     assert _kernels(plan) == {kernel_name(variant, True)}
-    results = run_local(2, _hf_worker, plan, timeout=600)
+    results = run_local(world, _hf_worker, plan, timeout=900)
     model, args, kwargs = hf_model("llama")
     ref_losses, ref_grads = _hf_train(model, args, kwargs)
     _compare(plan, dict(model.named_parameters()), ref_losses, ref_grads, results)
