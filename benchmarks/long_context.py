@@ -3,9 +3,10 @@
     python benchmarks/long_context.py [--seq 2048 4096] [--world 4] [--steps 4] [--profile benchmarks/data/fidelity_profile.json]
 
 For each sequence length, a small-width meshplan Llama (2 layers, width 64, 4 query / 2 key-value heads, batch 1)
-is planned from the saved profile (out of sample: nothing re-measured or rescaled) four ways on `world` gloo
-ranks: a `cp` mesh with each context-parallel kernel forced (all-gathered K/V, head-tail balanced, Ulysses), and
-the default search, whose meshes have no `cp` axis (the best plan without sequence sharding). Each is then
+is planned from the saved profile (out of sample: nothing re-measured or rescaled) five ways on `world` gloo
+ranks: a `cp` mesh with each context-parallel kernel forced (all-gathered K/V, head-tail balanced, ring, Ulysses),
+and the default search, whose meshes have no `cp` axis (the best plan without the context-parallel kernels; with a
+batch of 1 it may still split the sequence outside attention and the heads inside it). Each is then
 trained with AdamW on local processes; the table gives predicted and measured step time (median over steps,
 slowest rank) and peak bytes per rank (predicted: the plan's memory; measured: resident state plus the
 profiler's allocation peak during a step, as `profiling/fidelity.py` measures it).
@@ -34,7 +35,7 @@ from meshplan.regions.context_parallel import force_context_parallel  # noqa: E4
 from meshplan.runtime.launch import run_local  # noqa: E402
 
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "data" / "fidelity_profile.json"
-PLANS = ("cp allgather", "cp balanced", "cp ulysses", "best without cp")
+PLANS = ("cp allgather", "cp balanced", "cp ring", "cp ulysses", "best without cp")
 
 
 def build(seq: int) -> tuple[Llama, torch.Tensor]:
