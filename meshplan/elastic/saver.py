@@ -55,6 +55,7 @@ class AsyncSaver:
         ranks = dist.get_process_group_ranks(pmodel.process_group)
         self._group = dist.new_group(ranks, backend="gloo", timeout=timeout)
         self._first = dist.get_rank() == ranks[0]
+        self._plan_hash = pmodel.plan.hash()
         self._pending: tuple[int, Future, threading.Event] | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -69,7 +70,7 @@ class AsyncSaver:
         self.wait()
         start = time.perf_counter()
         path = checkpoint_path(self.root, step)
-        state, text = checkpoint_state(self.pmodel, self.optimizer, step=step, extra=extra)
+        state, text = checkpoint_state(self.pmodel, self.optimizer, step=step, extra=extra, plan_hash=self._plan_hash)
         future = dcp.async_save(state, storage_writer=FileSystemWriter(path), process_group=self._group)
         record = {"step": float(step), "start": start, "blocking_s": time.perf_counter() - start}
         self.timings.append(record)
