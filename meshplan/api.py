@@ -295,7 +295,7 @@ def _eval_program(model: nn.Module, example_inputs: tuple, example_kwargs: dict 
     if not attributes and eval_graph.fingerprint() == graph.fingerprint():
         return None
     options = PlanOptions(
-        inputs=plan.inputs_mode, recompute="never",
+        inputs=plan.inputs_mode, recompute="never", loss_only=plan.pipeline is not None,
         param_layouts={p.fqns[0]: p.layout for p in plan.params}, input_layouts={i.name: i.layout for i in plan.inputs},
     )
     phase(f"planning {type(model).__name__} in {'train' if training else 'eval'} mode"

@@ -42,7 +42,7 @@ def plan_code(
     if not isinstance(rank, int) or not 0 <= rank < plan.mesh.size:
         raise ValueError(f"rank={rank!r} is not a rank of mesh {plan.mesh}; allowed: 0..{plan.mesh.size - 1}")
     comm = MeshComm(plan.mesh, rank)
-    gm = local_program(graph.fx, plan, comm)
+    gm = local_program(graph, plan, comm)
     moves = {name: m for name, m in gm.named_children()}
     names = plan.mesh.axis_names
 

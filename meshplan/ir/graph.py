@@ -185,6 +185,11 @@ class Graph:
             raise AssertionError("graph must end with its output node")
         return last
 
+    def loss_outputs(self) -> frozenset[TensorRef]:
+        """The outputs that are the model's own loss: scalars that receive a gradient (a Hugging Face model given
+        `labels=`); empty when the loss is computed outside the model."""
+        return frozenset(r for r in self.output.inputs if self[r.node].grad(r.index) and self.meta(r).shape == ())
+
     def layer_groups(self) -> dict[str, list[str]]:
         """Repeated layers: `layers.*` -> [`layers.0`, `layers.1`, ...], in order."""
         groups: dict[str, list[str]] = {}

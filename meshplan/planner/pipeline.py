@@ -358,8 +358,9 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
     def solve_at(graph: Graph, mesh: tuple[int, ...], explain: bool) -> Plan:
         nonlocal solves
         solves += 1
+        # a pipelined step hands out the loss alone: the stage profiles price no gather of the model's other outputs
         plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, alternatives=explain,
-                                   time_limit_s=options.time_limit_s)
+                                   time_limit_s=options.time_limit_s, loss_only=True)
         return make_plan(graph, MeshSpec(mesh), cluster, plan_options, model_name=model_name)
 
     def short_profile(mesh: tuple[int, ...], n: int) -> tuple[list[Unit], Plan, str] | None:
@@ -398,7 +399,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         profiled = ((c.tensor,), c.micro, options.layers, options.optimizer)
         params, inputs = arranged_layouts(graph, plans[profiled], data=c.data, stand_in=stand_ins[profiled], stack=short[1] if short else None)
         plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, time_limit_s=options.time_limit_s,
-                                   param_layouts=params, input_layouts=inputs, preferred=preferred, alternatives=explain)
+                                   param_layouts=params, input_layouts=inputs, preferred=preferred, alternatives=explain,
+                                   loss_only=c.pipeline > 1)
         return make_plan(graph, MeshSpec(mesh, names), cluster, plan_options, model_name=model_name)
 
     def arranged(c: Candidate, graph: Graph) -> Plan:

@@ -98,6 +98,10 @@ class PlanOptions:
     """parameter_plan, parallelize_plan and meshplan.shard annotations (see planner/constraints.py)."""
     inputs: str = "global"
     """'global': every rank passes the whole batch; 'local': each rank passes its own slice."""
+    loss_only: bool = False
+    """The runtime hands out only the model's own scalar loss (a pipelined step returns that alone): the model's other
+    outputs (a Hugging Face model's logits beside its loss) keep whatever layout is cheapest instead of being gathered
+    whole, and the loss function sees them as DTensors. No effect on a model without a scalar loss output."""
     strict: bool = False
     """Raise instead of replicating ops that have no sharding rule."""
     param_layouts: dict[str, str | Placements] = field(default_factory=dict)
@@ -170,7 +174,7 @@ def _candidates(graph: Graph, mesh: MeshSpec, options: PlanOptions) -> tuple[Can
     whose indices the solves report), the lists before the annotations (what they rule out, for Plan.explain), and
     the constraints the annotations bound to the graph."""
     phase(f"candidate strategies on mesh {mesh}")
-    cands = generate(graph, mesh, inputs=options.inputs, strict=options.strict)
+    cands = generate(graph, mesh, inputs=options.inputs, strict=options.strict, loss_only=options.loss_only)
     before_constraints = dict(cands.by_node)
     constraints = constrain(
         graph, mesh, cands.by_node, mode=options.mode, annotations=options.annotations,

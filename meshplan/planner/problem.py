@@ -50,9 +50,7 @@ def gradient_paths(graph: Graph) -> tuple[frozenset, frozenset]:
     cached = _PATHS.get(id(graph))
     if cached is not None and cached[0] is graph:
         return cached[1], cached[2]
-    refs = [r for r in graph.output.inputs if graph[r.node].grad(r.index)]
-    losses = [r for r in refs if graph.meta(r).shape == ()]
-    outputs = frozenset(losses or refs)
+    outputs = graph.loss_outputs() or frozenset(r for r in graph.output.inputs if graph[r.node].grad(r.index))
     reached: set[str] = {r.node for r in outputs}
     for node in reversed(graph.nodes):
         if node.name in reached:

@@ -57,8 +57,8 @@ class Candidates:
 
 
 @timed("candidates")
-def generate(graph: Graph, mesh: MeshSpec, *, inputs: str = "global", strict: bool = False) -> Candidates:
-    """Candidate strategies for every node of `graph` on `mesh`."""
+def generate(graph: Graph, mesh: MeshSpec, *, inputs: str = "global", strict: bool = False, loss_only: bool = False) -> Candidates:
+    """Candidate strategies for every node of `graph` on `mesh` (`loss_only`: see `PlanOptions.loss_only`)."""
     if mesh.size == 1:  # one device: every layout is the whole tensor, so one strategy per node says it all
         leaf = Strategy((), ((Replicate(),) * mesh.ndim,), "leaf")
         return Candidates({n.name: [leaf if n.kind in LEAF_KINDS else _replicated(n, graph, mesh, "dtensor")] for n in graph.nodes})
@@ -72,7 +72,7 @@ def generate(graph: Graph, mesh: MeshSpec, *, inputs: str = "global", strict: bo
             by_node[node.name] = _leaf_strategies(node, mesh)
             rejected[node.name] = _leaf_rejected(node, mesh)
         elif node.kind == "output":
-            by_node[node.name] = _output_strategies(graph, node, mesh, inputs)
+            by_node[node.name] = _output_strategies(graph, node, mesh, inputs, loss_only)
         else:
             found, rejected[node.name], error = _op_strategies(graph, node, fx_nodes[node.name], mesh, dmesh)
             if not found:
@@ -134,12 +134,14 @@ def uneven_reason(shape: tuple[int, ...], placements: Placements, mesh_shape: tu
     return f"divisibility: {what} {list(shape)} has no dim for {''.join(map(str, placements))}"
 
 
-def _output_strategies(graph: Graph, node: Node, mesh: MeshSpec, inputs: str) -> list[Strategy]:
+def _output_strategies(graph: Graph, node: Node, mesh: MeshSpec, inputs: str, loss_only: bool) -> list[Strategy]:
     rep = (Replicate(),) * mesh.ndim
-    if inputs == "global":
+    losses = graph.loss_outputs() if loss_only and inputs == "global" else frozenset()
+    if inputs == "global" and not losses:
         # the user gets whole tensors back on every rank
         return [Strategy(tuple(rep for _ in node.inputs), (), "leaf")]
-    per_output = [layouts(graph.meta(r), mesh) for r in node.inputs]
+    # the loss stays whole; every other output is handed out in the layout it has (inputs="local": the rank's block)
+    per_output = [[rep] if r in losses else layouts(graph.meta(r), mesh) for r in node.inputs]
     return [Strategy(tuple(c), (), "leaf") for c in itertools.product(*per_output)]
 
 

@@ -136,7 +136,7 @@ class ParallelModule(nn.Module):
         self.plan = plan
         self.comm.create_groups([(a,) for a in range(plan.mesh.ndim)] + [b.axes for b in plan.buckets])
         self.device_mesh = self.comm.device_mesh
-        self.program = local_program(graph.fx, plan, self.comm)
+        self.program = local_program(graph, plan, self.comm)
         """this rank's program of `plan` (a pipelined plan's before it is cut into stages)"""
         cut = cut_program(self.program, graph, plan, stage_rank) if pipe is not None else None
 
@@ -237,7 +237,7 @@ class ParallelModule(nn.Module):
         return self._eval
 
     def _eval_program(self, graph: Graph, plan: Plan) -> _RankProgram | Pipeline:
-        program = local_program(graph.fx, plan, self.comm)
+        program = local_program(graph, plan, self.comm)
         if self.pipeline is None:
             return self._rank_program(graph, plan, program)
         # the same stages, cut from the eval-mode program; forward only
@@ -245,7 +245,7 @@ class ParallelModule(nn.Module):
         plan = dataclasses.replace(plan, pipeline=self.plan.pipeline)
         cut = cut_program(program, graph, plan, self.pipeline.cut.rank)
         return Pipeline(cut, graph, plan, program, self._stage_leaves(graph, plan, cut.needed), self._localiser(plan),
-                        self.comm.device, self.pipeline.pp_group, None)
+                        self.comm, self.pipeline.pp_group, None)
 
     def forward(self, *args, **kwargs):
         if self.pipeline is not None:

@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, sum_reducer
 from torch.utils import _pytree as pytree
@@ -36,6 +38,7 @@ from meshplan.ir.graph import Graph
 from meshplan.plans.plan import Plan
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.local_view import local_view
+from meshplan.runtime.rewrite import output_layouts
 from meshplan.runtime.stage_grads import StageGradSync, SyncingStage
 from meshplan.runtime.stage_split import StageProgram, example_values, node_stages, split_program, unit_stages
 
@@ -157,14 +160,19 @@ class Pipeline:
     (the eval-mode program is cut at the same stages and runs forward only).
 
     `leaves`: program placeholder -> the parameter, buffer or constant it takes (those of this rank's stages);
-    `localise(name, x)`: the user's input `name` as this rank's block; `pp_group`: the ranks at this rank's
-    sub-mesh position on every pipeline rank; `sync`: the gradient sync (None: forward only)."""
+    `localise(name, x)`: the user's input `name` as this rank's block; `comm`: this rank's place on the stage sub-mesh;
+    `pp_group`: the ranks at this rank's sub-mesh position on every pipeline rank; `sync`: the gradient sync (None:
+    forward only)."""
 
     def __init__(self, cut: StageCut, graph: Graph, plan: Plan, program: fx.GraphModule, leaves: dict[str, torch.Tensor],
-                 localise: Callable, device: torch.device, pp_group, sync: StageGradSync | None) -> None:
+                 localise: Callable, comm: MeshComm, pp_group, sync: StageGradSync | None) -> None:
         pipe = plan.pipeline
         n_stages = len(pipe.stages)
-        self.cut, self.plan, self.pp_group, self.sync = cut, plan, pp_group, sync
+        device = comm.device
+        self.cut, self.plan, self.comm, self.pp_group, self.sync = cut, plan, comm, pp_group, sync
+        self._handed_out = {i: layout for i, layout in enumerate(output_layouts(graph, plan)) if any(p != Replicate() for p in layout)}
+        """flat output index -> its layout, for the outputs the last stage hands the loss function as blocks
+        (`PlanOptions.loss_only`)"""
         self.traced = graph.fx
         """the traced program the stages were cut from (it binds the user's calls)"""
         self.loss_fn: Callable | None = None
@@ -174,7 +182,7 @@ class Pipeline:
         """stage index -> this rank's module running it"""
         torch_stages = []
         for k in cut.mine:
-            args = dict(group=pp_group, input_args=example_values(program, cut.programs[k].carried_in, graph, plan),
+            args = dict(group=pp_group, input_args=example_values(program, cut.programs[k].carried_in, graph, plan, whole_inputs=k == 0),
                         output_args=example_values(program, cut.programs[k].carried_out if k < n_stages - 1 else None, graph, plan))
             torch_stages.append(SyncingStage(self.stages[k], k, n_stages, device, sync=sync, **args) if sync is not None
                                 else PipelineStage(self.stages[k], k, n_stages, device, **args))
@@ -190,7 +198,21 @@ class Pipeline:
         """The user's loss of one microbatch. Zero-bubble schedules detach the loss in place after its input
         backward (torch's `stage_backward_input`), which fails on a view (a model that returns its own loss
         can hand back one): such a loss is cloned first."""
-        loss = self.loss_fn(out, target)
+        if not self._handed_out:
+            loss = self.loss_fn(out, target)
+        else:  # blocks of the model's other outputs reach the user's loss as the DTensors they are
+            flat, spec = pytree.tree_flatten(out)
+            mesh = self.comm.device_mesh
+            for i, layout in self._handed_out.items():
+                flat[i] = DTensor.from_local(flat[i], mesh, layout, run_check=False)
+            # the target is whole on every rank: a replicated DTensor (also for the backward of ops that save it); a
+            # plain tensor the loss meets, the model's own loss, is the same on every rank too
+            whole = [Replicate()] * mesh.ndim
+            target = pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, mesh, whole, run_check=False), target)
+            with implicit_replication():
+                loss = self.loss_fn(pytree.tree_unflatten(flat, spec), target)
+            if isinstance(loss, DTensor):  # a loss computed from them: the same value on every rank
+                loss = loss.full_tensor()
         return loss.clone() if loss._is_view() else loss
 
     def step(self, inputs: list, target, loss_fn: Callable, *, backward: bool) -> torch.Tensor | None:
@@ -283,7 +305,7 @@ def train_pipeline(cut: StageCut, graph: Graph, plan: Plan, program: fx.GraphMod
     trainable = {k: v for k, v in leaves.items() if isinstance(v, nn.Parameter) and v.requires_grad}
     holders = {name: {k for k in cut.mine if name in cut.programs[k].locals_in} for name in trainable}
     sync = StageGradSync(plan.buckets, trainable, holders, tied, tied_groups, plan.pipeline.microbatches, comm, fqn_of)
-    return Pipeline(cut, graph, plan, program, leaves, localise, comm.device, pp_groups[comm.rank], sync)
+    return Pipeline(cut, graph, plan, program, leaves, localise, comm, pp_groups[comm.rank], sync)
 
 
 __all__ = ["Pipeline", "StageCut", "cut_program", "stage_device", "train_pipeline"]

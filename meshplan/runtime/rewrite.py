@@ -8,6 +8,7 @@ differentiable by autograd, and usable under `torch.compile`.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -18,10 +19,10 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from meshplan.cost_model.redistribution import CommStep
-from meshplan.ir.graph import layer_of
-from meshplan.ir.placement import local_shape
+from meshplan.ir.graph import Graph, layer_of
+from meshplan.ir.placement import Placements, Replicate, local_shape
 from meshplan.ir.regions import region_op
-from meshplan.ir.trace import STRIDE_SAFE, TracedProgram
+from meshplan.ir.trace import STRIDE_SAFE
 from meshplan.plans.plan import Plan, Transfer
 from meshplan.runtime.collectives import MeshComm, StepFunction, scale_grad
 from meshplan.runtime.local_view import local_view
@@ -51,14 +52,15 @@ class Redistribute(nn.Module):
         return f"{self.what}: " + " -> ".join(str(s) for s in self.steps)
 
 
-def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.GraphModule:
-    """The per-rank program: same placeholders as the traced graph, local tensors throughout.
+def local_program(graph: Graph, plan: Plan, comm: MeshComm) -> fx.GraphModule:
+    """The per-rank program of `graph`'s traced program: same placeholders, local tensors throughout.
 
     Parameters and buffers come in as the module's DTensors; each op that reads one first takes its
     local view (`local_view`, differentiable into a DTensor gradient) right where it runs. Taken
     there rather than before the program starts, the view's backward node is as recent as its user,
     so autograd, which runs the most recently created ready node first, accumulates each gradient as
     soon as it is complete and its bucket's all-reduce overlaps the rest of backward."""
+    traced, out_scales = graph.fx, output_grad_scales(plan, output_layouts(graph, plan))
     leaves = {p.node for p in plan.params}
     transfers: dict[tuple[str, int], Transfer] = {(t.consumer, t.position): t for t in plan.transfers}
     out_layout = {n.name: n.strategy.outputs for n in plan.nodes}
@@ -116,9 +118,8 @@ def local_program(traced: TracedProgram, plan: Plan, comm: MeshComm) -> fx.Graph
             env[n].meta[SOURCE] = n.name
         elif n.op == "output":
             outs = fx.node.map_arg(n.args[0], moved("output"))
-            # the user's loss sees whole (or, with inputs="local", per-rank) outputs: its gradient
-            # arrives identical on every rank, and scaling by 1/devices turns it into our partial form
-            outs = fx.node.map_arg(outs, lambda x: graph.call_function(scale_grad, (x, 1.0 / plan.mesh.size)))
+            scales = iter(out_scales)
+            outs = fx.node.map_arg(outs, lambda x: graph.call_function(scale_grad, (x, next(scales))))
             graph.output(outs)
         else:
             raise AssertionError(f"unexpected node {n.format_node()}")
@@ -154,6 +155,27 @@ def _checkpoint_layers(gm: fx.GraphModule, in_layer: dict[str, list[fx.Node]]) -
         name = f"recompute_{i}"
         gm.add_submodule(name, Recomputed(lay, getattr(gm, name)))
     gm.recompile()
+
+
+def output_layouts(graph: Graph, plan: Plan) -> list[Placements]:
+    """The layout each output of `graph` leaves the program in under `plan`: a move's into the output, else its
+    producer's."""
+    into_output = {t.position: t.dst for t in plan.transfers if t.consumer == graph.output.name}
+    made = {n.name: n.strategy.outputs for n in plan.nodes}
+    made.update({p.node: (p.layout,) for p in plan.params})
+    made.update({i.name: (i.layout,) for i in plan.inputs})
+    whole = (Replicate(),) * plan.mesh.ndim  # a constant
+    return [into_output.get(i, made[r.node][r.index] if r.node in made else whole) for i, r in enumerate(graph.output.inputs)]
+
+
+def output_grad_scales(plan: Plan, layouts: list[Placements]) -> list[float]:
+    """What each output's incoming gradient is scaled by to be our partial form. The user's loss sees whole outputs
+    (with inputs="local", each rank its own, averaged as DDP does): the gradient arrives identical on every rank, and
+    1/devices makes the ranks' sum the gradient. An output handed out sharded (`PlanOptions.loss_only`: a DTensor)
+    gets the exact gradient of its block, identical only over the mesh axes it is replicated on."""
+    if plan.inputs_mode != "global":
+        return [1.0 / plan.mesh.size] * len(layouts)
+    return [1.0 / math.prod(size for size, p in zip(plan.mesh.shape, layout) if isinstance(p, Replicate)) for layout in layouts]
 
 
 def _region_module(n: fx.Node, strategy, comm: MeshComm) -> nn.Module | None:

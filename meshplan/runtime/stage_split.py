@@ -121,18 +121,22 @@ def split_program(gm: fx.GraphModule, stage_of: dict[fx.Node, int], n_stages: in
     return programs
 
 
-def example_values(gm: fx.GraphModule, names: tuple[str, ...] | None, graph: Graph, plan: Plan) -> tuple[torch.Tensor, ...]:
+def example_values(gm: fx.GraphModule, names: tuple[str, ...] | None, graph: Graph, plan: Plan, *,
+                   whole_inputs: bool = False) -> tuple[torch.Tensor, ...]:
     """Meta tensors shaped like this rank's blocks of the named program values (`names=None`: the program's outputs).
+    A user input is the rank's block too (what stage 0 hands on to a later stage that reads it, as a model computing
+    its own loss reads its labels), or the whole microbatch with `whole_inputs` (what stage 0 takes: it shards it).
 
     They give `PipelineStage` its send/receive buffers up front (static mode), so torch does not run an extra
     forward of every stage (with the stage's collectives) to infer them."""
     layouts = {n.name: n.strategy.outputs for n in plan.nodes}
+    inputs = {i.name: i.layout for i in plan.inputs}
     moved = {(t.consumer, t.forward): t.dst for t in plan.transfers}
     mesh = plan.mesh.shape
 
     def meta(owner: fx.GraphModule, node: fx.Node, idx: int = 0) -> torch.Tensor:
-        if node.op == "placeholder":  # a user input: the whole microbatch (stage 0 shards it)
-            m, layout = graph[node.name].outputs[0], None
+        if node.op == "placeholder":  # a user input
+            m, layout = graph[node.name].outputs[0], None if whole_inputs else inputs.get(node.name)
         elif node.op == "call_function" and node.target is operator.getitem:
             return meta(owner, node.args[0], node.args[1])
         elif node.op == "call_function" and node.target is scale_grad:
