@@ -28,69 +28,28 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "scripts"))
+import elastic_agents as ea  # noqa: E402
 import train_elastic  # noqa: E402
-
-import torch.nn.functional as F  # noqa: E402
-
 from meshplan.elastic import ElasticRun  # noqa: E402
 from meshplan.models import GPT, GPTConfig  # noqa: E402
 from meshplan.runtime.launch import free_port, run_local  # noqa: E402
 
 KILL_AFTER, JOIN_AFTER, STEPS, EVERY = 5, 10, 15, 3
-SCRIPT = train_elastic.__file__
 DEFAULT_INTERVAL = 100
 LARGER = GPTConfig(layers=4, hidden=256, seq_len=64, vocab_size=512)
 """A model whose step is not all fixed costs: checkpoint cost grows with the state, step time faster."""
 PHASES = ("detect", "rendezvous", "start", "planning", "build", "load", "first step")
-
-
-def _env(node: str) -> dict:
-    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "NODE_NAME": node,
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def _agent(node, port, work, out, rdzv, *, host):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-bench",
-           "--rdzv-conf", f"{rdzv},is_host={'true' if host else 'false'}", "--max-restarts", "3", "--monitor-interval", "0.5",
-           SCRIPT, "--work", work, "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
-           "--hold-after", str(KILL_AFTER), "--hold-after", str(JOIN_AFTER)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(node), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _records(work) -> list[dict]:
-    path = os.path.join(work, "log.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def _wait_for(work, what, agents, timeout=600.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [r for r in _records(work) if what(r)]
-        if found:
-            return found[0]
-        dead = {n: p.returncode for n, p in agents.items() if p.poll() is not None}
-        if dead:
-            raise RuntimeError(f"agents exited while waiting: {dead}")
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out; log: {_records(work)}")
 
 
 def _worker_failure_seen(agent_log: str, after: float) -> float | None:
@@ -114,26 +73,20 @@ def world_changes(last_call: int) -> dict:
     rdzv = f"last_call_timeout={last_call},keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
     with tempfile.TemporaryDirectory(prefix="meshplan-elastic-bench-") as tmp:
         work = os.path.join(tmp, "run")
-        os.makedirs(work)
+        args = ["--work", work, "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+                "--hold-after", str(KILL_AFTER), "--hold-after", str(JOIN_AFTER)]
         port, agents, logs = free_port(), {}, {n: open(os.path.join(tmp, f"agent_{n}.txt"), "w") for n in "abc"}
         try:
-            agents["a"] = _agent("a", port, work, logs["a"], rdzv, host=True)
-            agents["b"] = _agent("b", port, work, logs["b"], rdzv, host=False)
-            _wait_for(work, lambda r: r.get("event") == "held" and r["step"] == KILL_AFTER, agents)
-            b = agents.pop("b")
-            b.kill()
-            for name in os.listdir(os.path.join(work, "pids")):
-                if name.startswith("b-"):
-                    try:
-                        os.kill(int(name.split("-")[1]), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            agents["a"] = ea.agent("a", port, rdzv, args, logs["a"], host=True)
+            agents["b"] = ea.agent("b", port, rdzv, args, logs["b"], host=False)
+            ea.wait_for(work, lambda r: r.get("event") == "held" and r["step"] == KILL_AFTER, agents)
+            ea.kill_node(work, "b", agents.pop("b"))
             open(os.path.join(work, f"release_{KILL_AFTER}"), "w").close()
             t_fail = time.time()
-            _wait_for(work, lambda r: r.get("event") == "held" and r["step"] == JOIN_AFTER, agents)
+            ea.wait_for(work, lambda r: r.get("event") == "held" and r["step"] == JOIN_AFTER, agents)
             t_join = time.time()
-            agents["c"] = _agent("c", port, work, logs["c"], rdzv, host=False)
-            _wait_for(work, lambda r: r.get("event") == "start" and r["step"] >= JOIN_AFTER, agents)
+            agents["c"] = ea.agent("c", port, rdzv, args, logs["c"], host=False)
+            ea.wait_for(work, lambda r: r.get("event") == "start" and r["step"] >= JOIN_AFTER, agents)
             open(os.path.join(work, f"release_{JOIN_AFTER}"), "w").close()
             for name, proc in agents.items():
                 if proc.wait(timeout=600) != 0:
@@ -144,14 +97,12 @@ def world_changes(last_call: int) -> dict:
             tails = "".join(f"\n--- agent {n} ---\n" + open(os.path.join(tmp, f"agent_{n}.txt")).read()[-3000:] for n in logs)
             raise RuntimeError(f"{e}{tails}") from None
         finally:
-            for proc in agents.values():
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            ea.stop_all(work, agents)
             for f in logs.values():
                 f.close()
         with open(os.path.join(tmp, "agent_a.txt")) as f:
             detected = _worker_failure_seen(f.read(), t_fail)
-        records = _records(work)
+        records = ea.records(work)
     starts = [r for r in records if r.get("event") == "start"]
     if [s["world"] for s in starts] != [4, 2, 4]:
         raise RuntimeError(f"the worlds were {[s['world'] for s in starts]}, not [4, 2, 4]: {starts}")

@@ -9,107 +9,59 @@ checkpoints complete, until released or stopped), never by sleeps."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from meshplan.runtime.launch import free_port
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+import elastic_agents as ea  # noqa: E402
+
 pytestmark = pytest.mark.multiprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "scripts", "train_elastic.py")
 STEPS, KILL_AFTER, JOIN_AFTER, EVERY = 15, 5, 10, 3
 RDZV = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
 
 
-def _env(node: str) -> dict:
-    return {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "NODE_NAME": node,
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def _agent(node: str, port: int, work, out, *, host: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-           "--rdzv-conf", f"{RDZV},is_host={'true' if host else 'false'}", "--max-restarts", "3", "--monitor-interval", "0.5",
-           SCRIPT, "--work", str(work), "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
-           "--hold-after", str(KILL_AFTER), "--hold-after", str(JOIN_AFTER)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(node), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _records(work) -> list[dict]:
-    path = work / "log.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _wait_for(work, what, agents, timeout=400.0) -> dict:
-    """The first log record `what` accepts; fails if an agent exits first or `timeout` passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for r in _records(work):
-            if what(r):
-                return r
-        for name, proc in agents.items():
-            if proc.poll() is not None:
-                pytest.fail(f"agent {name} exited with {proc.returncode} while waiting")
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout:.0f} s; log: {_records(work)}")
-
-
-def _kill_node(work, node: str, agent: subprocess.Popen) -> None:
-    """SIGKILL the agent of `node` and its workers (each in a session of its own): a lost machine."""
-    agent.kill()
-    for name in os.listdir(work / "pids"):
-        if name.startswith(f"{node}-"):
-            try:
-                os.kill(int(name.split("-")[1]), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    agent.wait(timeout=30)
-
-
 def _reference_losses(work) -> dict[int, float]:
     """An uninterrupted 4-rank run of the same script."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", SCRIPT,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", ea.SCRIPT,
            "--work", str(work), "--steps", str(STEPS), "--checkpoint-every", str(EVERY)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env("ref"), capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=ea.ROOT, env=ea.env("ref"), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = _records(work)
+    records = ea.records(str(work))
     assert [r["world"] for r in records if r.get("event") == "start"] == [4]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def test_lose_a_node_then_grow_back(tmp_path):
-    work = tmp_path / "elastic"
-    work.mkdir()
+    work = str(tmp_path / "elastic")
+    args = ["--work", work, "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+            "--hold-after", str(KILL_AFTER), "--hold-after", str(JOIN_AFTER)]
     port = free_port()
-    agents: dict[str, subprocess.Popen] = {}
+    agents = {}
     logs = {n: open(tmp_path / f"agent_{n}.txt", "w") for n in "abc"}
     try:
-        agents["a"] = _agent("a", port, work, logs["a"], host=True)  # hosts the rendezvous store: it must survive
-        agents["b"] = _agent("b", port, work, logs["b"], host=False)
-        _wait_for(work, lambda r: r.get("event") == "held" and r["step"] == KILL_AFTER, agents)
-        _kill_node(work, "b", agents.pop("b"))
-        (work / f"release_{KILL_AFTER}").touch()
-        _wait_for(work, lambda r: r.get("event") == "held" and r["step"] == JOIN_AFTER, agents)
-        agents["c"] = _agent("c", port, work, logs["c"], host=False)
-        _wait_for(work, lambda r: r.get("event") == "start" and r["step"] >= JOIN_AFTER, agents)
-        (work / f"release_{JOIN_AFTER}").touch()
+        agents["a"] = ea.agent("a", port, RDZV, args, logs["a"], host=True)  # serves the rendezvous store: must survive
+        agents["b"] = ea.agent("b", port, RDZV, args, logs["b"], host=False)
+        ea.wait_for(work, lambda r: r.get("event") == "held" and r["step"] == KILL_AFTER, agents)
+        ea.kill_node(work, "b", agents.pop("b"))
+        open(os.path.join(work, f"release_{KILL_AFTER}"), "w").close()
+        ea.wait_for(work, lambda r: r.get("event") == "held" and r["step"] == JOIN_AFTER, agents)
+        agents["c"] = ea.agent("c", port, RDZV, args, logs["c"], host=False)
+        ea.wait_for(work, lambda r: r.get("event") == "start" and r["step"] >= JOIN_AFTER, agents)
+        open(os.path.join(work, f"release_{JOIN_AFTER}"), "w").close()
         for name, proc in agents.items():
             assert proc.wait(timeout=400) == 0, f"agent {name} failed: {(tmp_path / f'agent_{name}.txt').read_text()[-4000:]}"
     finally:
-        for proc in agents.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        ea.stop_all(work, agents)
         for f in logs.values():
             f.close()
-    records = _records(work)
+    records = ea.records(work)
     starts = [r for r in records if r.get("event") == "start"]
     # 4 ranks; 2 ranks under a plan made for 2 (accumulating 2 micro-batches of the same global batch), from the
     # checkpoint before the kill; 4 ranks again, from the checkpoint the SIGTERM saved, with the stored 4-rank plan
