@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
 
 from meshplan.runtime.checkpoint import INFO_FILE, checkpoint_state, save_checkpoint, write_info
 
@@ -32,6 +34,33 @@ __all__ = ["AsyncSaver", "checkpoint_path", "discard_partial"]
 def checkpoint_path(root: str, step: int) -> str:
     """`root/step_000000012`: names that sort by step (`latest_checkpoint` takes the last complete one)."""
     return os.path.join(root, f"step_{step:09d}")
+
+
+def _clone(value):
+    if isinstance(value, DTensor):
+        local = value.to_local().clone()
+        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+class _CloneStager(AsyncStager):
+    """Stages a CPU state dict by cloning each tensor (a DTensor: its local shard, rewrapped). Torch's default
+    (`FileSystemWriter.stage`) deep-copies every DTensor, spec included, then copies its data again: on 2 ranks
+    it took 14 ms per save against 7 ms for the test's GPT, 20 ms against 4 ms for a 4-layer data-parallel one,
+    time the training loop waits."""
+
+    _synchronize_after_execute = False  # staging is done when stage() returns
+
+    def stage(self, state_dict):
+        return _clone(state_dict)
+
+    def close(self) -> None:
+        pass
 
 
 def discard_partial(root: str) -> None:
@@ -56,6 +85,7 @@ class AsyncSaver:
         self._group = dist.new_group(ranks, backend="gloo", timeout=timeout)
         self._first = dist.get_rank() == ranks[0]
         self._plan_hash = pmodel.plan.hash()
+        self._stager = _CloneStager() if pmodel.comm.device.type == "cpu" else None  # torch's own copies to host memory
         self._pending: tuple[int, Future, threading.Event] | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -71,7 +101,8 @@ class AsyncSaver:
         start = time.perf_counter()
         path = checkpoint_path(self.root, step)
         state, text = checkpoint_state(self.pmodel, self.optimizer, step=step, extra=extra, plan_hash=self._plan_hash)
-        future = dcp.async_save(state, storage_writer=FileSystemWriter(path), process_group=self._group)
+        future = dcp.async_save(state, storage_writer=FileSystemWriter(path), process_group=self._group,
+                                async_stager=self._stager)
         record = {"step": float(step), "start": start, "blocking_s": time.perf_counter() - start}
         self.timings.append(record)
 
