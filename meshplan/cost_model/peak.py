@@ -46,6 +46,9 @@ SAVED: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
 }
 """ATen op -> (input positions, output indices) its autograd node keeps for backward. Ops not
 listed are assumed to keep every input (conservative)."""
+SAVED_FOR_OTHER: dict[str, dict[int, int]] = {"mul": {0: 1, 1: 0}, "div": {0: 1}}
+"""ATen op -> {input position: the input whose gradient needs it}: the input is saved only when that one needs a
+gradient (a product's factor serves the other factor's gradient alone: RoPE's `q * cos` keeps `cos`, not `q`)."""
 GLOO_SCRATCH = {"all_gather": 1, "reduce_scatter": 1}
 """Full-tensor copies gloo's `all_gather_into_tensor` / `reduce_scatter_tensor` allocate during the
 call (measured with torch.profiler on 2 and 4 ranks: exactly 1.0x the full tensor; `all_reduce`
@@ -160,8 +163,15 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
             else:
                 size[key], born[key] = nbytes(meta, out_layout[node.name][j]), i
         if any(node.requires_grad) and not is_view(node.target):  # a view's backward needs only shapes
-            keep_in, keep_out = SAVED.get(_name(node.target), (tuple(range(len(ins))), ()))
-            saves = [ins[p] for p in keep_in if p < len(ins)]
+            name = _name(node.target)
+            keep_in, keep_out = SAVED.get(name, (tuple(range(len(ins))), ()))
+            needed_by = SAVED_FOR_OTHER.get(name, {})
+
+            def needed(p: int) -> bool:
+                q = needed_by.get(p)
+                return q is None or (q < len(ins) and graph[node.inputs[q].node].grad(node.inputs[q].index))
+
+            saves = [ins[p] for p in keep_in if p < len(ins) and needed(p)]
             saves += [root.get(("ref", node.name, j), ("ref", node.name, j)) for j in keep_out if j < len(node.outputs)]
             again = node.layer if node.layer in recomputed else None
             for key in saves:
