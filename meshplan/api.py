@@ -24,6 +24,7 @@ from meshplan.ir.precision import MixedPrecision, resolve_precision
 from meshplan.ir.trace import example_call, trace
 from meshplan.planner.annotations import AnnotationError, module_annotations
 from meshplan.planner.constraints import Annotations
+from meshplan.planner.context_parallel_search import context_parallel_plans, searches_context_parallel
 from meshplan.planner.meshes import Devices, resolve_mesh
 from meshplan.planner.pipeline import PipelineOptions, microbatch_call, pipeline_options, plan_pipeline
 from meshplan.planner.planner import MemoryBudgetError, PlanOptions, make_plan
@@ -142,7 +143,8 @@ def plan(
     )
     phase(f"tracing {type(model).__name__}")
     graph = trace(model, example_inputs, example_kwargs, precision=precision)
-    result = search_meshes(graph, meshes, cluster_preset, options, model_name=type(model).__name__)
+    searched = isinstance(devices, int) and mesh_shape is None and not axis_names  # the default search: cp is tried too
+    result = search_meshes(graph, meshes, cluster_preset, options, model_name=type(model).__name__, context_parallel=searched)
     warn_wasted(result)
     return result
 
@@ -165,16 +167,22 @@ def multi_node_pipeline(devices: Devices, mesh_shape: Sequence[int] | None, mode
     return "auto"
 
 
-def search_meshes(graph: Graph, meshes: list[MeshSpec], cluster: ClusterPreset, options: PlanOptions, *, model_name: str) -> Plan:
+SEARCH_ERRORS = (MemoryBudgetError, AnnotationError, InfeasiblePlan, SolveTimeout)
+"""What a mesh that gives no plan raises: the search skips it."""
+
+
+def search_meshes(graph: Graph, meshes: list[MeshSpec], cluster: ClusterPreset, options: PlanOptions, *, model_name: str,
+                  context_parallel: bool = False) -> Plan:
     """The plan of least predicted step time over `meshes`. With several meshes, one that gives no
     plan (over the memory budget, annotations that cannot hold, no consistent choice, a solve out of
-    time) is skipped with a logged reason, and the returned plan lists the skipped meshes and why."""
+    time) is skipped with a logged reason, and the returned plan lists the skipped meshes and why.
+    `context_parallel`: try the best mesh again with a `cp` axis (planner/context_parallel_search.py)."""
     found: list[Plan] = []
     failed: list[tuple[MeshSpec, Exception]] = []
     for mesh in meshes:
         try:  # the plans found so far start the search of meshes too large to solve exactly
             p = make_plan(graph, mesh, cluster, options, model_name=model_name, earlier=found)
-        except (MemoryBudgetError, AnnotationError, InfeasiblePlan, SolveTimeout) as e:
+        except SEARCH_ERRORS as e:
             if len(meshes) == 1:
                 raise
             log.info("mesh %s skipped: %s", mesh, e)
@@ -182,7 +190,12 @@ def search_meshes(graph: Graph, meshes: list[MeshSpec], cluster: ClusterPreset, 
             continue
         log.info("mesh %s: predicted step %.3f ms, peak %s (%s)", mesh, p.step_time_s * 1e3, format_bytes(p.memory.total), p.solver.status)
         found.append(p)
-    skipped = tuple(f"mesh {mesh.shape}: {type(e).__name__}: {e}" for mesh, e in failed)
+    notes: list[str] = []
+    if context_parallel and searches_context_parallel(graph, options):
+        kept, notes = context_parallel_plans(meshes, found, lambda m: make_plan(graph, m, cluster, options, model_name=model_name,
+                                                                                 earlier=found), SEARCH_ERRORS)
+        found += kept
+    skipped = tuple(f"mesh {mesh.shape}: {type(e).__name__}: {e}" for mesh, e in failed) + tuple(notes)
     if not found:
         too_small = [e for _, e in failed if isinstance(e, MemoryBudgetError)]
         if too_small:

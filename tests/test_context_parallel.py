@@ -149,19 +149,30 @@ def test_priced_with_the_issue_formulas():
     assert nodes["balanced"].time_s == pytest.approx(gather.time_s * p / (2 * p - 1))  # the contiguous split's causal excess
 
 
-def test_searched_meshes_with_a_cp_axis_win_by_price_at_long_sequences():
-    """devices=4 with axis_names=("cp", "tp"): the search compares dp=4 with cp=2 x tp=2. With 2 heads (no 4-way
-    heads split), on H100 presets: no context parallelism at 256 tokens, context parallelism at 32k."""
-    chosen = {}
+def test_the_default_search_chooses_context_parallelism_by_price():
+    """devices=4, nothing else: the best mesh is planned again with a cp axis. With 2 heads (no 4-way heads split),
+    on H100 presets, it is not kept at 256 tokens, and the plan says why; at 32k tokens it is returned."""
+    plans = {}
     for seq in (256, 32768):
         with torch.device("meta"):
             model = Llama(LlamaConfig(seq_len=seq, hidden=512, heads=2, kv_heads=2, intermediate=1024, layers=2, vocab_size=1024))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = meshplan.plan(model, 4, (torch.randint(0, 1024, (1, seq), device="meta"),), cluster="h100", axis_names=("cp", "tp"))
-        chosen[seq] = (str(plan.mesh), _kernels(plan))
-    assert chosen[256] == ("dp=4", {""})
-    assert chosen[32768][0] == "cp=2 x tp=2" and all(k.startswith("cp_attention(") for k in chosen[32768][1]), chosen
+            plans[seq] = meshplan.plan(model, 4, (torch.randint(0, 1024, (1, seq), device="meta"),), cluster="h100")
+    short, long = plans[256], plans[32768]
+    assert str(short.mesh) == "dp=4" and _kernels(short) == {""}
+    note = "mesh cp=4 (context parallel): no attention op was priced cheaper split along the sequence"
+    assert short.solver.skipped == (note,) and f"skipped {note}" in short.summary()
+    assert str(long.mesh) == "cp=2 x tp=2" and all(k.startswith("cp_attention(") for k in _kernels(long)), _kernels(long)
+    assert long.solver.skipped == ()
+
+
+def test_a_named_mesh_is_not_searched_for_context_parallelism():
+    model, tokens = _build("gpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, 4, (tokens,), axis_names=("dp", "tp"))
+    assert "cp" not in plan.mesh.axis_names and not any("context parallel" in s for s in plan.solver.skipped)
 
 
 def test_forcing_names_the_allowed_variants():

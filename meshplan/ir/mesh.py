@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+CP_AXIS = "cp"
+"""The axis name that offers attention split along the sequence (context parallelism, torchtitan's name)."""
 DEFAULT_AXIS_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp0", "dp1", "tp")}
 """Names of a mesh given by shape alone, searched or not. A mesh is the intra-op sharding grid (a pipeline is a
 separate section of the plan), so no axis is called pp; the solver decides what each axis carries."""

@@ -45,6 +45,7 @@ from meshplan.cost_model.estimate import compute_time, steps_time
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.cost_model.regions import RegionCost
 from meshplan.ir.graph import TensorMeta
+from meshplan.ir.mesh import CP_AXIS
 from meshplan.ir.placement import Replicate, Shard, local_shape
 from meshplan.ir.regions import KernelRow, RegionOp, Row
 from meshplan.planner.rules.attention import sdpa_rule
@@ -54,8 +55,6 @@ from meshplan.runtime.collectives import MeshComm, StepFunction, collective, for
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 SEQ = 2
 """q, k, v and the output are [batch, heads, seq, head_dim]."""
-CP_AXIS = "cp"
-"""The mesh axis name the kernels are offered on."""
 VARIANTS = ("allgather", "balanced", "ring", "ulysses")
 
 
