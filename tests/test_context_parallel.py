@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -30,13 +31,13 @@ STEPS = 3
 SDPA = "aten.scaled_dot_product_attention.default"
 
 
-def _build(name: str):
+def _build(name: str, batch: int = 2):
     torch.manual_seed(0)
     if name == "gpt":
         model = GPT(GPTConfig(seq_len=16, hidden=32, heads=4, layers=2))
     else:  # GQA (4 query heads, 2 key/value heads) and RoPE
         model = Llama(LlamaConfig(seq_len=16, hidden=32, heads=4, kv_heads=2, intermediate=64, layers=2))
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 128, (batch, 16), generator=torch.Generator().manual_seed(1))
     return model, tokens
 
 
@@ -53,7 +54,7 @@ def _plan(name: str, world: int, kernel: str | None, *, axes: tuple[str, ...] = 
           **kw):
     """`name` planned on a mesh of `axes` (sizes: 2 per axis but for a lone cp axis of `world`), the tokens split
     as `tokens_layout`."""
-    model, tokens = _build(name)
+    model, tokens = _build(name, kw.pop("batch", 2))
     shape = (world,) if len(axes) == 1 else (2,) * len(axes)
     with warnings.catch_warnings(), _only(kernel):
         warnings.simplefilter("ignore")
@@ -78,8 +79,8 @@ def _train(model, tokens, grads_of=None):
     return losses, grads
 
 
-def _worker(rank: int, world: int, name: str, plan):
-    model, tokens = _build(name)
+def _worker(rank: int, world: int, name: str, plan, batch: int = 2):
+    model, tokens = _build(name, batch)
     pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
     pmodel.reset_collective_counts()
     losses, grads = _train(pmodel, tokens, local_of)
@@ -87,8 +88,8 @@ def _worker(rank: int, world: int, name: str, plan):
     return losses, grads, params, pmodel.collective_counts()
 
 
-def _check_parity(name: str, plan, results) -> None:
-    model, tokens = _build(name)
+def _check_parity(name: str, plan, results, batch: int = 2) -> None:
+    model, tokens = _build(name, batch)
     ref_losses, ref_grads = _train(model, tokens)
     _compare(plan, dict(model.named_parameters()), ref_losses, ref_grads, results)
 
@@ -220,6 +221,21 @@ def test_parity_on_two_ranks(name, variant):
     assert _kernels(plan) == {kernel_name(variant, True)}
     results = run_local(2, _worker, name, plan, timeout=600)
     _check_parity(name, plan, results)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["allgather", "ring"])
+def test_a_batch_of_one_runs_split_along_the_sequence_throughout(variant):
+    """One sequence: every op outside attention keeps the sequence split (norms, matmuls on the flattened tokens,
+    GELU), so the only collectives are attention's own and the whole logits handed to the user's loss."""
+    plan = _plan("gpt", 2, kernel_name(variant, True), batch=1)
+    outside = [n for n in plan.nodes if n.target in ("aten.native_layer_norm.default", "aten.addmm.default", "aten.gelu.default")]
+    assert outside and all(Shard(0) in n.strategy.outputs[0] or Shard(1) in n.strategy.outputs[0] for n in outside)
+    own = {"forward:all_gather": 4, "backward:reduce_scatter": 4} if variant == "allgather" else {"forward:send_recv": 2, "backward:send_recv": 4}
+    expected = Counter(own) + Counter({"forward:all_gather": 1, "backward:reduce_scatter": 1, "grad_sync:all_reduce": 1})
+    assert plan.collectives() == expected, plan.collectives()
+    results = run_local(2, _worker, "gpt", plan, 1, timeout=600)
+    _check_parity("gpt", plan, results, batch=1)
 
 
 MEGATRON = {"gpt": ({"*.q_proj.*": "RS(0)", "*.k_proj.*": "RS(0)", "*.v_proj.*": "RS(0)", "*.fc1.*": "RS(0)",
