@@ -61,7 +61,9 @@ class _ShardedLogSoftmax(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (out,) = ctx.saved_tensors
         total = _all_reduce(grad.sum(ctx.dim, keepdim=True), ctx.axes, ctx.comm, "backward")
-        return grad - out.exp() * total, None, None, None
+        # grad - exp(out) * total, in one buffer: the logits' gradient is the largest tensor of a language model's
+        # step, and the expression as written held two more of its size at once (the peak walk counts the result alone)
+        return out.exp().mul_(total).neg_().add_(grad), None, None, None
 
 
 class ShardedLogSoftmax(nn.Module):
