@@ -31,9 +31,28 @@ STEPS = 3
 SDPA = "aten.scaled_dot_product_attention.default"
 
 
+class Encoder(torch.nn.Module):
+    """Tokens -> logits through one attention without a causal mask (every position sees every other)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, 32)
+        self.qkv = torch.nn.Linear(32, 96)
+        self.head = torch.nn.Linear(32, 128)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.head(x + y.transpose(1, 2).reshape(b, s, 32))
+
+
 def _build(name: str, batch: int = 2):
     torch.manual_seed(0)
-    if name == "gpt":
+    if name == "encoder":
+        model = Encoder()
+    elif name == "gpt":
         model = GPT(GPTConfig(seq_len=16, hidden=32, heads=4, layers=2))
     else:  # GQA (4 query heads, 2 key/value heads) and RoPE
         model = Llama(LlamaConfig(seq_len=16, hidden=32, heads=4, kv_heads=2, intermediate=64, layers=2))
@@ -236,6 +255,23 @@ def test_a_batch_of_one_runs_split_along_the_sequence_throughout(variant):
     assert plan.collectives() == expected, plan.collectives()
     results = run_local(2, _worker, "gpt", plan, 1, timeout=600)
     _check_parity("gpt", plan, results, batch=1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["allgather", "ring", "ulysses"])
+def test_parity_without_a_causal_mask(variant):
+    plan = _plan("encoder", 2, kernel_name(variant, False))
+    assert _kernels(plan) == {kernel_name(variant, False)}
+    results = run_local(2, _worker, "encoder", plan, timeout=600)
+    _check_parity("encoder", plan, results)
+
+
+def test_balancing_needs_a_causal_mask():
+    model, tokens = _build("encoder")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, 2, (tokens,), mesh_shape=(2,), axis_names=("cp",))
+    assert "head-tail balancing is for causal masks" in str(plan.explain("scaled_dot_product_attention"))
 
 
 MEGATRON = {"gpt": ({"*.q_proj.*": "RS(0)", "*.k_proj.*": "RS(0)", "*.v_proj.*": "RS(0)", "*.fc1.*": "RS(0)",
