@@ -146,22 +146,38 @@ def _attend(q, k, v, first: int, causal: bool, scale) -> torch.Tensor:
     return BlockAttention.apply(q, scale, tuple(c for c, _, _ in blocks), *(t for _, kb, vb in blocks for t in (kb, vb)))
 
 
-def _rotate(x: torch.Tensor, comm: MeshComm, axis: int, phase: str) -> torch.Tensor:
-    """`x` sent to the next rank along `axis` and the previous rank's received (one point-to-point exchange, as an
-    all-to-all with one non-empty piece each way)."""
+def _start_rotate(x: torch.Tensor, comm: MeshComm, axis: int, phase: str):
+    """Start sending `x` to the next rank along `axis` and receiving the previous rank's (one point-to-point exchange,
+    as an all-to-all with one non-empty piece each way); `_finish_rotate` waits for it. Counted when started."""
     n, me = comm.mesh.shape[axis], comm.coord[axis]
     send, recv = [0] * n, [0] * n
     send[(me + 1) % n] = recv[(me - 1) % n] = x.numel()
-    return collective(comm, phase, "send_recv", lambda: f"{phase} ring attention send/recv over mesh axis {comm.mesh.axis_names[axis]}",
-                      lambda: wait(funcol.all_to_all_single(x.contiguous().view(-1), recv, send, comm.group_name(axis))).view(x.shape))
+    return collective(comm, phase, "send_recv", lambda: _what(comm, axis, phase),
+                      lambda: funcol.all_to_all_single(x.contiguous().view(-1), recv, send, comm.group_name(axis)))
+
+
+def _finish_rotate(pending, like: torch.Tensor, comm: MeshComm, axis: int, phase: str) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return wait(pending).view(like.shape)
+    with comm.guard(_what(comm, axis, phase)):
+        return wait(pending).view(like.shape)
+
+
+def _rotate(x: torch.Tensor, comm: MeshComm, axis: int, phase: str) -> torch.Tensor:
+    return _finish_rotate(_start_rotate(x, comm, axis, phase), x, comm, axis, phase)
+
+
+def _what(comm: MeshComm, axis: int, phase: str) -> str:
+    return f"{phase} ring attention send/recv over mesh axis {comm.mesh.axis_names[axis]}"
 
 
 class RingAttention(torch.autograd.Function):
     """Ring attention over mesh axis `axis` (sequence split contiguously): K and V (packed) travel P-1 times to the
-    next rank; at step t a rank holds the block of rank (r - t) mod P, whole to it when earlier in the sequence, a
-    causal diagonal when its own, unused when later (causal). Blocks merge by log-sum-exp. Only the rank's own K
-    and V are saved: backward sends them round again with the dK/dV of the block they belong to accumulating on
-    the way, and one last exchange brings each dK/dV home. Grouped-query heads are repeated per block (and their
+    next rank, each exchange overlapping the current block's compute; at step t a rank holds the block of rank
+    (r - t) mod P, whole to it when earlier in the sequence, a causal diagonal when its own, unused when later
+    (causal). Blocks merge by log-sum-exp. Only the rank's own K and V are saved: backward sends them round again
+    with the dK/dV of the block they belong to accumulating on the way (an exchange that must wait for the block's
+    gradients, so not overlapped), and one last exchange brings each dK/dV home. Grouped-query heads are repeated per block (and their
     gradients summed back), so K and V travel with their own heads."""
 
     @staticmethod
@@ -171,14 +187,16 @@ class RingAttention(torch.autograd.Function):
         phase = forward_phase()
         packed, outs, lses = torch.stack([k, v]), [], []
         for t in range(n):
+            # the next block travels while this one is computed (gloo and NCCL progress on their own threads/streams)
+            pending = _start_rotate(packed, comm, axis, phase) if t < n - 1 else None
             block = _ring_block(me, (me - t) % n, causal)
             if block is not None:
                 kb, vb = (_repeat_heads(x, q.shape[1]) for x in packed.unbind(0))
                 o, lse = FLASH(q, kb, vb, 0.0, block, scale=scale)
                 outs.append(o)
                 lses.append(lse)
-            if t < n - 1:
-                packed = _rotate(packed, comm, axis, phase)
+            if pending is not None:
+                packed = _finish_rotate(pending, packed, comm, axis, phase)
         lse = torch.logsumexp(torch.stack(lses), dim=0)
         out = sum(o.float() * (part - lse).exp().unsqueeze(-1) for o, part in zip(outs, lses)).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -353,11 +371,17 @@ class ContextParallel(RegionOp):
         metas = [TensorMeta(tuple(s), m.dtype) for s, m in zip(local, (q, k, v))]
         out = TensorMeta(tuple(local[0][:3]) + (local[2][3],), node.outputs[0].dtype)
         whole = ((Replicate(),) * len(mesh_shape),)
-        compute = work * compute_time(node.target, metas, [out], whole, mesh_shape, cluster, backward=backward,
-                                      in_layouts=whole * 3)
+
+        def priced(grad: bool) -> float:
+            return work * compute_time(node.target, metas, [out], whole, mesh_shape, cluster, backward=grad, in_layouts=whole * 3)
+
+        compute = priced(backward)
         back = (back_steps if variant == "ring" else [s.dual() for s in forward]) if backward else []
+        forward_comm = steps_time(forward, mesh_shape, cluster)
+        if variant == "ring":  # each forward exchange hides behind one of the n blocks the busiest rank computes
+            forward_comm = len(forward) * max(0.0, forward_comm / max(len(forward), 1) - priced(False) / n)
         return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back),
-                          comm_s=steps_time(forward, mesh_shape, cluster) + steps_time(back, mesh_shape, cluster))
+                          comm_s=forward_comm + steps_time(back, mesh_shape, cluster))
 
     def local_module(self, strategy, comm: MeshComm, args) -> ContextParallelAttention | None:
         if not strategy.kernel:
