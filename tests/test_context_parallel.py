@@ -327,16 +327,16 @@ def _hf_train(model, args, kwargs, grads_of=None):
     return losses, grads
 
 
-def _hf_plan(kernel: str, world: int = 2):
-    model, args, kwargs = hf_model("llama")
+def _hf_plan(kernel: str, world: int = 2, name: str = "llama"):
+    model, args, kwargs = hf_model(name)
     with warnings.catch_warnings(), _only(kernel):
         warnings.simplefilter("ignore")
         return meshplan.plan(model, devices=world, mesh_shape=(world,), axis_names=("cp",), example_inputs=args,
                              example_kwargs=kwargs, input_layouts={"input_ids": "S(1)", "labels": "S(1)"})
 
 
-def _hf_worker(rank: int, world: int, plan):
-    model, args, kwargs = hf_model("llama")
+def _hf_worker(rank: int, world: int, plan, name: str = "llama"):
+    model, args, kwargs = hf_model(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=args, example_kwargs=kwargs, plan=plan)
@@ -376,11 +376,13 @@ def test_a_mask_made_from_data_stays_a_mask():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world,variant", [(2, "allgather"), (2, "balanced"), (2, "ring"), (2, "ulysses"), (4, "ring"), (4, "balanced")])
-def test_hf_llama_parity(world, variant):
-    plan = _hf_plan(kernel_name(variant, True), world)
+@pytest.mark.parametrize("name,world,variant", [("llama", 2, "allgather"), ("llama", 2, "balanced"), ("llama", 2, "ring"),
+                                                ("llama", 2, "ulysses"), ("llama", 4, "ring"), ("llama", 4, "balanced"),
+                                                ("gpt2", 2, "allgather"), ("gpt2", 2, "ring")])
+def test_hf_parity(name, world, variant):
+    plan = _hf_plan(kernel_name(variant, True), world, name)
     assert _kernels(plan) == {kernel_name(variant, True)}
-    results = run_local(world, _hf_worker, plan, timeout=900)
-    model, args, kwargs = hf_model("llama")
+    results = run_local(world, _hf_worker, plan, name, timeout=900)
+    model, args, kwargs = hf_model(name)
     ref_losses, ref_grads = _hf_train(model, args, kwargs)
     _compare(plan, dict(model.named_parameters()), ref_losses, ref_grads, results)
