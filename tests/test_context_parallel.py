@@ -274,6 +274,16 @@ def test_balancing_needs_a_causal_mask():
     assert "head-tail balancing is for causal masks" in str(plan.explain("scaled_dot_product_attention"))
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["allgather", "ring"])
+def test_parity_with_recomputed_layers(variant):
+    """Recomputed layers run the kernel's forward again in backward, its exchanges included (listed as recompute:)."""
+    plan = _plan("gpt", 2, kernel_name(variant, True), batch=1, recompute="always")
+    assert plan.recompute and any(k.startswith("recompute:") for k in plan.collectives()), plan.collectives()
+    results = run_local(2, _worker, "gpt", plan, 1, timeout=600)
+    _check_parity("gpt", plan, results, batch=1)
+
+
 MEGATRON = {"gpt": ({"*.q_proj.*": "RS(0)", "*.k_proj.*": "RS(0)", "*.v_proj.*": "RS(0)", "*.fc1.*": "RS(0)",
                      "*.out_proj.weight": "RS(1)", "*.fc2.weight": "RS(1)"}),
             "llama": ({"*.q_proj.weight": "RS(0)", "*.k_proj.weight": "RS(0)", "*.v_proj.weight": "RS(0)",
