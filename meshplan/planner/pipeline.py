@@ -400,7 +400,7 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         params, inputs = arranged_layouts(graph, plans[profiled], data=c.data, stand_in=stand_ins[profiled], stack=short[1] if short else None)
         plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, time_limit_s=options.time_limit_s,
                                    param_layouts=params, input_layouts=inputs, preferred=preferred, alternatives=explain,
-                                   loss_only=c.pipeline > 1)
+                                   loss_only=c.pipeline > 1, microbatches=c.pipe.microbatches)
         return make_plan(graph, MeshSpec(mesh, names), cluster, plan_options, model_name=model_name)
 
     def arranged(c: Candidate, graph: Graph) -> Plan:

@@ -43,7 +43,7 @@ from meshplan.planner.constraints import Annotations, Constraint, constrain
 from meshplan.planner.neighbourhood import PAIR_LIMIT, Solved, Subset, coarsening, embedded, layout_pairs, merged
 from meshplan.planner.neighbourhood import search as neighbourhood_search
 from meshplan.planner.offload import OffloadOptions, add_offload_options, check_offload
-from meshplan.planner.problem import INFEASIBLE_S, Tables, build_tables, grad_flows, node_memory, transfer_memory
+from meshplan.planner.problem import INFEASIBLE_S, Tables, build_tables, grad_flows, node_memory, transfer_memory, weigh_per_step
 from meshplan.planner.propagation import propagate
 from meshplan.planner.recompute import RecomputeGroup, check_recompute, internal_outputs, recompute_groups
 from meshplan.planner.solver import InfeasiblePlan, Solution, SolveTimeout, evaluate, solve
@@ -98,6 +98,11 @@ class PlanOptions:
     """parameter_plan, parallelize_plan and meshplan.shard annotations (see planner/constraints.py)."""
     inputs: str = "global"
     """'global': every rank passes the whole batch; 'local': each rank passes its own slice."""
+    microbatches: int = 1
+    """Microbatches per step when this is a pipeline stage's plan (one microbatch's graph): the gradient sync and the
+    optimizer step run once per step, so the solve weighs them 1/microbatches against one microbatch's work (weighed
+    alike, a stage plan of 48 microbatches put tensor parallelism on the inter-node axis to spare the data-parallel
+    gradient sync it pays once). The plan's figures are unweighted."""
     loss_only: bool = False
     """The runtime hands out only the model's own scalar loss (a pipelined step returns that alone): the model's other
     outputs (a Hugging Face model's logits beside its loss) keep whatever layout is cheapest instead of being gathered
@@ -240,6 +245,8 @@ class _Planning:
             recompute=self.groups, force_recompute=options.recompute == "always", tying=self.tying if whole else None,
         )
         offload_from = add_offload_options(tables, self.graph, by_node, self.cluster, optimizer=options.optimizer, mode=options.offload)
+        if options.microbatches != 1:
+            weigh_per_step(tables.problem, self.graph, 1.0 / options.microbatches)
         return tables, offload_from
 
     def solve_subset(self, subset: Subset | None, row: float) -> Solved[_Searched]:

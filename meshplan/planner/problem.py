@@ -8,7 +8,7 @@ plan's predicted time and memory are exactly the quantities the solver minimised
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshplan.cost_model.compute import is_view
 from meshplan.cost_model.estimate import compute_time, dtensor_step_overhead, grad_sync_time, local_bytes, optimizer_step_time
@@ -160,6 +160,15 @@ _UNKNOWN = object()
 
 
 @timed("tables")
+def weigh_per_step(problem: Problem, graph: Graph, weight: float) -> None:
+    """Scale the costs paid once per step in `problem`'s objective (each parameter's gradient sync and optimizer step,
+    the plan-wide switches) by `weight`, against those paid per microbatch (`PlanOptions.microbatches`)."""
+    for name, costs in problem.node_costs.items():
+        if graph[name].kind == "param":
+            problem.node_costs[name] = [c * weight for c in costs]
+    problem.switches = [replace(sw, cost=sw.cost * weight) for sw in problem.switches]
+
+
 def build_tables(
     graph: Graph,
     mesh: MeshSpec,
