@@ -81,15 +81,16 @@ def _plan(name: str, world: int, kernel: str | None, *, axes: tuple[str, ...] = 
                              input_layouts={"tokens": tokens_layout}, **kw)
 
 
-def _train(model, tokens, grads_of=None):
-    """3 AdamW steps; the losses and the first step's gradients (each through `grads_of`)."""
+def _train(model, tokens, grads_of=None, loss_of=None):
+    """3 AdamW steps; the losses and the first step's gradients (each through `grads_of`). `loss_of(model)`: the step's
+    loss (default: the next-token loss of `model(tokens)`)."""
     # eps above round-off: a key bias gets a zero gradient in exact arithmetic (softmax ignores a shift of every
     # score), which Adam would otherwise turn into full-size steps of the round-off's sign
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     losses, grads = [], {}
     for step in range(STEPS):
         opt.zero_grad()
-        loss = _loss(model(tokens), tokens)
+        loss = loss_of(model) if loss_of is not None else _loss(model(tokens), tokens)
         loss.backward()
         if step == 0:
             grads = {k: (grads_of or (lambda g: g))(p.grad.detach()).clone() for k, p in model.named_parameters()}
@@ -324,17 +325,8 @@ def test_parity_on_four_ranks(variant):
 # ---------------------------------------------------------------- Hugging Face Llama (GQA, RoPE, its own loss)
 
 def _hf_train(model, args, kwargs, grads_of=None):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = model(*args, **kwargs).loss
-        loss.backward()
-        if step == 0:
-            grads = {k: (grads_of or (lambda g: g))(p.grad.detach()).clone() for k, p in model.named_parameters()}
-        opt.step()
-        losses.append(loss.item())
-    return losses, grads
+    """`_train` with the Hugging Face model's own loss."""
+    return _train(model, None, grads_of, loss_of=lambda m: m(*args, **kwargs).loss)
 
 
 def _hf_plan(kernel: str, world: int = 2, name: str = "llama"):

@@ -23,10 +23,11 @@ T_PROCESS = time.time()  # before torch is imported: the process's own start
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from meshplan.elastic import ElasticRun  # noqa: E402
 from meshplan.models import GPT, GPTConfig  # noqa: E402
+
+import token_data  # noqa: E402
 
 CFG = GPTConfig(layers=1)
 GLOBAL_BATCH = 8
@@ -34,15 +35,10 @@ GLOBAL_BATCH = 8
 
 def batch(step: int) -> torch.Tensor:
     """The global batch of `step`: a function of the step alone, so every world sees the same data."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    start = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, 1), generator=gen)
-    stride = torch.randint(1, 5, (GLOBAL_BATCH, 1), generator=gen)
-    return (start + stride * torch.arange(CFG.seq_len)) % CFG.vocab_size
+    return token_data.batch(step, GLOBAL_BATCH, CFG.vocab_size, CFG.seq_len)
 
 
-def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens)
-    return F.cross_entropy(logits[:, :-1].reshape(-1, CFG.vocab_size), tokens[:, 1:].reshape(-1))
+loss_of = token_data.next_token_loss
 
 
 def main() -> None:

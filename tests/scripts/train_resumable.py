@@ -22,12 +22,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import meshplan
 from meshplan.models import GPT, GPTConfig
 from meshplan.runtime.checkpoint import latest_checkpoint
 from meshplan.runtime.launch import init_torchrun_group
+
+import token_data
 
 CFG = GPTConfig(layers=1)
 BATCH = 4
@@ -40,15 +41,10 @@ def build() -> GPT:
 
 def batch(step: int) -> torch.Tensor:
     """The global batch of `step`: a function of the step alone, so a resumed run sees the same data."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    start = torch.randint(0, CFG.vocab_size, (BATCH, 1), generator=gen)
-    stride = torch.randint(1, 5, (BATCH, 1), generator=gen)
-    return (start + stride * torch.arange(CFG.seq_len)) % CFG.vocab_size
+    return token_data.batch(step, BATCH, CFG.vocab_size, CFG.seq_len)
 
 
-def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens)
-    return F.cross_entropy(logits[:, :-1].reshape(-1, CFG.vocab_size), tokens[:, 1:].reshape(-1))
+loss_of = token_data.next_token_loss
 
 
 def optimizer(params):
