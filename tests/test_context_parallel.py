@@ -388,3 +388,43 @@ def test_hf_parity(name, world, variant):
     model, args, kwargs = hf_model(name)
     ref_losses, ref_grads = _hf_train(model, args, kwargs)
     _compare(plan, dict(model.named_parameters()), ref_losses, ref_grads, results)
+
+
+def _saved_bytes(rank: int, world: int, name: str, plan) -> int:
+    """Bytes of the distinct storages autograd keeps from one forward (parameters aside), on this rank."""
+    model, tokens = _build(name)
+    pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
+    params = {local_of(p).untyped_storage().data_ptr() for p in pmodel.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        pmodel(tokens)
+    return sum(kept.values())
+
+
+@pytest.mark.multiprocess
+def test_the_peak_walk_holds_what_each_kernel_keeps_for_backward():
+    """The all-gather kernels keep the gathered keys and values for their backward (the balanced one the gathered
+    queries too), where the ring keeps only the rank's own: measured with saved-tensor hooks on 2 gloo ranks, what
+    each keeps beyond the ring is what the peak walk adds for it (`kept_bytes`)."""
+    from meshplan.cost_model.peak import predict_peak
+
+    model, tokens = _build("llama")
+    graph = trace(model, (tokens,))
+    measured, walked = {}, {}
+    for variant in ("ring", "allgather", "balanced"):
+        plan = _plan("llama", 2, kernel_name(variant, True))
+        assert _kernels(plan) == {kernel_name(variant, True)}
+        measured[variant] = set(run_local(2, _saved_bytes, "llama", plan, timeout=600))
+        walked[variant] = predict_peak(graph, plan).saved
+    assert all(len(m) == 1 for m in measured.values())  # both ranks keep the same
+    ring = measured["ring"].pop()
+    for variant in ("allgather", "balanced"):
+        extra = measured[variant].pop() - ring
+        assert extra > 0 and walked[variant] - walked["ring"] == extra, (variant, extra, walked)

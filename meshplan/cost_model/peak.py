@@ -29,6 +29,7 @@ from meshplan.cost_model.compute import is_view
 from meshplan.cost_model.memory import MemoryBreakdown, OPTIMIZER_STATES, format_bytes
 from meshplan.ir.graph import Graph, TensorRef
 from meshplan.ir.placement import local_shape
+from meshplan.ir.regions import region_op
 
 SAVED: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "mm": ((0, 1), ()), "addmm": ((1, 2), ()), "bmm": ((0, 1), ()), "baddbmm": ((1, 2), ()),
@@ -106,6 +107,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     out_layout = {n.name: n.strategy.outputs for n in plan.nodes}
     out_layout.update({p.node: (p.layout,) for p in plan.params})
     out_layout.update({i.name: (i.layout,) for i in plan.inputs})
+    strategy_of = {n.name: n.strategy for n in plan.nodes}
     moved = {(t.consumer, t.position): t for t in plan.transfers if t.forward}
     scratch_fwd = {("move", c, p): max(collective_scratch_bytes(s, plan.cluster) for s in t.forward) for (c, p), t in moved.items()}
     scratch_bwd = {("move", c, p): max((collective_scratch_bytes(s, plan.cluster) for s in t.backward), default=0)
@@ -162,6 +164,15 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
                 root[key] = ins[0]
             else:
                 size[key], born[key] = nbytes(meta, out_layout[node.name][j]), i
+        region = region_op(node.target)
+        kept = region.kept_bytes(node, [graph.meta(r) for r in node.inputs], strategy_of[node.name], shape) if region else 0
+        if kept and any(node.requires_grad):  # what the region's kernel keeps for its backward beyond the op's tensors
+            key = ("kept", node.name)
+            size[key], born[key] = kept, i
+            if node.layer in recomputed:  # a checkpointed layer drops it after the op and makes it again in backward
+                recomputed[node.layer][key] = i
+            else:
+                saved_until[key] = i
         if any(node.requires_grad) and not is_view(node.target):  # a view's backward needs only shapes
             name = _name(node.target)
             keep_in, keep_out = SAVED.get(name, (tuple(range(len(ins))), ()))

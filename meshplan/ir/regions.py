@@ -75,6 +75,11 @@ class RegionOp:
         own collectives, which the plan lists and the runtime executes), or None: priced as the plain op."""
         return None
 
+    def kept_bytes(self, node, in_metas, strategy, mesh_shape: tuple[int, ...]) -> int:
+        """Bytes one device's kernel keeps from its forward to its backward beyond the inputs and outputs the plain op
+        keeps (`cost_model/peak.py`'s `SAVED`): a context-parallel kernel's gathered keys and values."""
+        return 0
+
     def flops(self, node, in_metas) -> float | None:
         """Forward FLOPs on whole tensors where the op's arguments do not tell them, else None."""
         return None

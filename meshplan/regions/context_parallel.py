@@ -383,6 +383,24 @@ class ContextParallel(RegionOp):
         return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back),
                           comm_s=forward_comm + steps_time(back, mesh_shape, cluster))
 
+    def kept_bytes(self, node, in_metas, strategy, mesh_shape) -> int:
+        """The all-gather kernels keep the gathered keys and values (as many heads as the queries: grouped-query
+        heads are repeated first) where the plain op keeps the local ones; the balanced one also keeps the gathered
+        queries its chunks are views of (its two chunks' outputs, kept in place of its output, weigh the same)."""
+        if not strategy.kernel:
+            return 0
+        variant, _ = parse_kernel(strategy.kernel)
+        if variant not in ("allgather", "balanced"):
+            return 0
+        n = mesh_shape[cp_axis(strategy)]
+        q, k, v = in_metas[:3]
+        qb, kb, vb = (_local_bytes(m, p, mesh_shape) for m, p in zip((q, k, v), strategy.inputs))
+        repeat = q.shape[1] // k.shape[1]
+        kept = (kb + vb) * (n * repeat - 1)
+        if variant == "balanced":
+            kept += qb * (n - 1)
+        return kept
+
     def local_module(self, strategy, comm: MeshComm, args) -> ContextParallelAttention | None:
         if not strategy.kernel:
             return None
