@@ -2,7 +2,8 @@
 
     python benchmarks/long_context.py [--seq 2048 4096] [--world 4] [--steps 4] [--profile benchmarks/data/fidelity_profile.json]
 
-For each sequence length, a small-width meshplan Llama (2 layers, width 64, 4 query / 2 key-value heads, batch 1)
+For each sequence length, a small-width meshplan Llama (2 layers, width 64, 4 query / 2 key-value heads, batch 1) with
+its next-token loss inside (the whole step is in the plan, as in benchmarks/memory_truth.py)
 is planned from the saved profile (out of sample: nothing re-measured or rescaled) five ways on `world` gloo
 ranks: a `cp` mesh with each context-parallel kernel forced (all-gathered K/V, head-tail balanced, ring, Ulysses),
 and the default search, whose meshes have no `cp` axis (the best plan without the context-parallel kernels; with a
@@ -38,14 +39,21 @@ DEFAULT_PROFILE = Path(__file__).resolve().parent / "data" / "fidelity_profile.j
 PLANS = ("cp allgather", "cp balanced", "cp ring", "cp ulysses", "best without cp")
 
 
-def build(seq: int) -> tuple[Llama, torch.Tensor]:
+class WithLoss(torch.nn.Module):
+    """The Llama with its next-token loss inside, so the whole step is in the plan (and in its predicted peak)."""
+
+    def __init__(self, lm: Llama) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.lm(tokens)[0, :-1], tokens[0, 1:])
+
+
+def build(seq: int) -> tuple[WithLoss, torch.Tensor]:
     torch.manual_seed(0)
     model = Llama(LlamaConfig(seq_len=seq, hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2))
-    return model, torch.randint(0, 128, (1, seq), generator=torch.Generator().manual_seed(1))
-
-
-def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:])
+    return WithLoss(model), torch.randint(0, 128, (1, seq), generator=torch.Generator().manual_seed(1))
 
 
 def make_plan(kind: str, seq: int, world: int, cluster) -> Plan:
@@ -68,7 +76,7 @@ def measure(rank: int, world: int, plans_json: list[str], seq: int, warmup: int,
         opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
 
         def step(pmodel=pmodel, opt=opt, tokens=tokens) -> None:
-            loss_of(pmodel(tokens), tokens).backward()
+            pmodel(tokens).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
