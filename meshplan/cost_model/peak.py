@@ -8,8 +8,11 @@ every gradient resident at once, this walks the step as the runtime runs it:
 - forward, op by op: its outputs are allocated (views alias their input, 0 bytes), and so is every
   resharded copy of an input (`plan.transfers`: an all-gathered ZeRO/FSDP weight is one); a tensor
   is freed after its last forward reader unless an op saved it for backward (`SAVED`);
+- what an op saves follows autograd (`SAVED`; a product keeps a factor only for the other's gradient), and a
+  region op's kernel keeps what it declares (`RegionOp.kept_bytes`: a context-parallel kernel's gathered K/V);
 - backward, in reverse: each op allocates the gradients of its inputs, then frees its output
-  gradients and the tensors only it saved; parameter gradients stay until the optimizer step;
+  gradients and the tensors only it saved; a move into it then runs its backward collective (its scratch
+  while it runs) and frees the moved copy's gradient; parameter gradients stay until the optimizer step;
 - the optimizer step adds its per-parameter temporaries (`STEP_TEMPORARIES`);
 - a recomputed layer (`plan.recompute`, run under `torch.utils.checkpoint`) keeps only its inputs
   through forward; its backward starts by running its forward again, which brings back what its
