@@ -107,9 +107,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
     shape = plan.mesh.shape
-    out_layout = {n.name: n.strategy.outputs for n in plan.nodes}
-    out_layout.update({p.node: (p.layout,) for p in plan.params})
-    out_layout.update({i.name: (i.layout,) for i in plan.inputs})
+    out_layout = plan.value_layouts()
     strategy_of = {n.name: n.strategy for n in plan.nodes}
     moved = {(t.consumer, t.position): t for t in plan.transfers if t.forward}
     scratch_fwd = {("move", c, p): max(collective_scratch_bytes(s, plan.cluster) for s in t.forward) for (c, p), t in moved.items()}

@@ -223,6 +223,13 @@ class Plan:
             return None
         return self.model_flops / (self.devices * self.peak_flops * self.step_time_s)
 
+    def value_layouts(self) -> dict[str, tuple[Placements | None, ...]]:
+        """Node -> the layouts its values are made in: each op's outputs, each parameter's, buffer's and input's."""
+        out = {n.name: n.strategy.outputs for n in self.nodes}
+        out.update({p.node: (p.layout,) for p in self.params})
+        out.update({i.name: (i.layout,) for i in self.inputs})
+        return out
+
     def strategy_of(self, node: str) -> Strategy:
         for n in self.nodes:
             if n.name == node:

@@ -161,9 +161,7 @@ def output_layouts(graph: Graph, plan: Plan) -> list[Placements]:
     """The layout each output of `graph` leaves the program in under `plan`: a move's into the output, else its
     producer's."""
     into_output = {t.position: t.dst for t in plan.transfers if t.consumer == graph.output.name}
-    made = {n.name: n.strategy.outputs for n in plan.nodes}
-    made.update({p.node: (p.layout,) for p in plan.params})
-    made.update({i.name: (i.layout,) for i in plan.inputs})
+    made = plan.value_layouts()
     whole = (Replicate(),) * plan.mesh.ndim  # a constant
     return [into_output.get(i, made[r.node][r.index] if r.node in made else whole) for i, r in enumerate(graph.output.inputs)]
 
