@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 
 import meshplan
+from meshplan.cost_model.compute import attention_pairs
 from meshplan.ir.causal_mask import is_causal_mask
 from meshplan.ir.placement import Shard
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
 from meshplan.models.hf import hf_model
-from meshplan.regions.context_parallel import balanced_chunks, kernel_name, force_context_parallel, parse_kernel
+from meshplan.regions.context_parallel import balanced_chunks, causal_pairs, kernel_name, force_context_parallel, parse_kernel
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
@@ -159,15 +160,17 @@ def test_forced_variant_lists_its_collectives(variant):
 
 def test_priced_with_the_issue_formulas():
     """GPT b=2, S=16, h=h_kv=32, fp32, P=2: the gathered K and V are b*S*h_kv*e bytes each (an all-gather moves
-    (P-1)/P of them per rank), Ulysses moves 4 all-to-alls of b*S*h*e/P, and the contiguous split's busiest causal
-    rank computes (2P-1)/P of a balanced rank."""
+    (P-1)/P of them per rank), Ulysses moves 4 all-to-alls of b*S*h*e/P, and compute is the pairs the busiest rank's
+    causal blocks keep: L = 8 rows against 8 whole keys and an 8 x 8 causal diagonal (64 + 36 = 100) split
+    contiguously, chunks 0 and 3 of 4 rows (0 + 10 and 48 + 10 = 68) balanced, half of the causal op's 136 pairs."""
     b, s, h, e, p = 2, 16, 32, 4, 2
     nodes = {v: next(n for n in _plan("gpt", p, kernel_name(v, True)).nodes if n.target == SDPA) for v in ("allgather", "balanced", "ulysses")}
     gather = nodes["allgather"]
     assert [st.nbytes for st in gather.forward_comm] == [b * s * h * e] * 2
     assert [st.nbytes for st in gather.backward_comm] == [b * s * h * e] * 2  # dK, dV reduce-scattered home, same bytes
     assert [st.nbytes for st in nodes["ulysses"].forward_comm] == [b * s * h * e // p] * 4
-    assert nodes["balanced"].time_s == pytest.approx(gather.time_s * p / (2 * p - 1))  # the contiguous split's causal excess
+    assert causal_pairs("allgather", p, s // p) == 100 and causal_pairs("balanced", p, s // p) == 68 == attention_pairs(s, s, True) // p
+    assert nodes["balanced"].time_s == pytest.approx(gather.time_s * 68 / 100)  # the contiguous split's causal excess
 
 
 def test_the_default_search_chooses_context_parallelism_by_price():

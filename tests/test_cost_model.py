@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshplan.cost_model.collectives import COLLECTIVE_KINDS, LOCAL_KINDS, collective_time
-from meshplan.cost_model.compute import BACKWARD_FACTOR, is_view, op_bytes, op_flops, op_time, roofline_time
+from meshplan.cost_model.compute import BACKWARD_FACTOR, attention_pairs, is_view, op_bytes, op_flops, op_time, roofline_time
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset, DevicePreset, LinkPreset, get_cluster
 from meshplan.ir.graph import TensorMeta
@@ -135,6 +135,55 @@ def test_sdpa_flops_exact():
     assert op_flops("aten.scaled_dot_product_attention.default", [q, kv, kv], [q]) == expected
     cpu_target = "aten._scaled_dot_product_flash_attention_for_cpu.default"
     assert op_flops(cpu_target, [q, kv, kv], [q, f32(2, 3, 4)]) == expected
+
+
+def test_causal_sdpa_flops_count_the_pairs_the_mask_keeps():
+    """SDPA's is_causal mask is `ones(L, S).tril()` (upper-left aligned); the flash and memory-efficient kernels skip
+    what it masks, so a causal op costs its kept pairs, about half the rectangle, on every attention op name."""
+    for rows, keys in ((4, 6), (6, 4), (5, 5), (1, 7), (7, 1)):
+        assert attention_pairs(rows, keys, True) == int(torch.ones(rows, keys).tril().sum())
+        assert attention_pairs(rows, keys, False) == rows * keys
+    q, kv = f32(2, 3, 4, 8), f32(2, 3, 6, 8)
+    for target in ("aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
+                   "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default"):
+        assert op_flops(target, [q, kv, kv], [q], causal=True) == 4 * 2 * 3 * 10 * 8  # queries 0..3 see 1+2+3+4 keys
+        assert op_flops(target, [q, kv, kv], [q]) == 4 * 2 * 3 * 24 * 8
+    with pytest.raises(ValueError, match="causal=True prices attention ops .*; got 'aten.mm.default'"):
+        op_flops("aten.mm.default", [f32(4, 3), f32(3, 5)], [f32(4, 5)], causal=True)
+
+
+class _Attend(torch.nn.Module):
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, x):  # [batch, heads, seq, 64]
+        q = self.proj(x)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=self.causal)
+
+
+def test_causal_attention_is_planned_at_the_pairs_its_mask_keeps():
+    """The traced op remembers is_causal (`Node.attrs`), and its plan prices the kept pairs: (S+1)/2S of the same
+    op without the mask, at a compute-bound size on the H100 presets."""
+    import warnings
+
+    import meshplan
+    from meshplan.ir.trace import trace
+
+    seq = 4096
+    x = torch.randn(1, 8, seq, 64, device="meta")
+    attention = {}
+    for causal in (False, True):
+        with torch.device("meta"):
+            model = _Attend(causal)
+        node = next(n for n in trace(model, (x,)).nodes if n.target == "aten.scaled_dot_product_attention.default")
+        assert node.attrs == ((("is_causal", True),) if causal else ())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = meshplan.plan(model, 1, (x,), cluster="h100")
+        attention[causal] = next(n.time_s for n in plan.nodes if n.target == node.target)
+    assert attention[True] == pytest.approx(attention[False] * (seq + 1) / (2 * seq))
 
 
 def test_norm_softmax_conv_and_default_flops():

@@ -72,9 +72,22 @@ def _need(target: str, inputs: list[TensorMeta], count: int, ndims: tuple[int, .
             raise AssertionError(f"{target}: input {i} {inputs[i]} needs at least {nd} dims")
 
 
-def op_flops(target: str, inputs: list[TensorMeta], outputs: list[TensorMeta | None]) -> float:
-    """Forward FLOPs of one op (a multiply-add counts 2)."""
+def attention_pairs(q_len: int, kv_len: int, causal: bool) -> int:
+    """Query-key pairs attention computes: all of them, or those SDPA's `is_causal` mask keeps (upper-left
+    aligned: query i sees keys 0..i). The flash and memory-efficient kernels skip the masked blocks, so this,
+    not the whole rectangle, is their work (up to the half-masked blocks on the diagonal)."""
+    if not causal:
+        return q_len * kv_len
+    seen = min(q_len, kv_len)  # rows 0..seen-1 see i+1 keys, later rows all of them
+    return seen * (seen + 1) // 2 + (q_len - seen) * kv_len
+
+
+def op_flops(target: str, inputs: list[TensorMeta], outputs: list[TensorMeta | None], *, causal: bool = False) -> float:
+    """Forward FLOPs of one op (a multiply-add counts 2). `causal`: an attention op called with `is_causal=True`,
+    counted at the pairs its mask keeps (`attention_pairs`) where `FlopCounterMode` counts the whole rectangle."""
     name = _op_name(target)
+    if causal and name not in _SDPA_OPS:
+        raise ValueError(f"causal=True prices attention ops ({', '.join(sorted(_SDPA_OPS))}); got {target!r}")
     ins, outs = _tensors(inputs), _tensors(outputs)
     if name in _VIEW_OPS or name in _MOVE_OPS:
         return 0.0
@@ -99,7 +112,7 @@ def op_flops(target: str, inputs: list[TensorMeta], outputs: list[TensorMeta | N
         q, k, v = ins[:3]
         batch_heads = math.prod(q.shape[:-2])
         s, d, skv, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
-        return 2.0 * batch_heads * s * skv * (d + dv)
+        return 2.0 * batch_heads * attention_pairs(s, skv, causal) * (d + dv)
     if name == "convolution" and outs:  # out [N, Cout, *spatial], weight [Cout, Cin/groups, *kernel]
         # Assumes a forward (not transposed) convolution: the metas alone cannot tell them apart.
         _need(target, ins, 2, (0, 2))

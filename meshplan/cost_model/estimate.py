@@ -58,10 +58,13 @@ def compute_time(
     *,
     backward: bool,
     in_layouts: Sequence[Placements] | None = None,
+    causal: bool = False,
 ) -> float:
     """Seconds one device spends on this op per step (forward, plus backward when `backward`).
 
-    `in_layouts` (the strategy's input layouts) lets a measured profile find the op's local shapes."""
+    `in_layouts` (the strategy's input layouts) lets a measured profile find the op's local shapes. `causal`: attention
+    called with `is_causal=True`, whose roofline counts the pairs the mask keeps (`compute.attention_pairs`); a profile
+    timed the traced op itself, its mask included (`profiling/op_profiler.py` calls the node), so it stands as measured."""
     prof = cluster.profile
     if prof is not None and in_layouts is not None:
         loc_in = [_local_meta(m, p, mesh_shape) for m, p in zip(inputs, in_layouts)]
@@ -71,7 +74,7 @@ def compute_time(
             runs = 2 if backward else 1  # the op runs in forward, and its backward node in backward
             return (measured_seconds(t, backward) + runs * (prof.node_overhead_s or 0.0)) * prof.slowdown(math.prod(mesh_shape))
     split = work_split(out_layouts, mesh_shape, in_layouts)
-    flops = op_flops(target, list(inputs), list(outputs)) / split
+    flops = op_flops(target, list(inputs), list(outputs), causal=causal) / split
     nbytes = op_bytes(target, list(inputs), list(outputs)) / split
     dtype = next((m.dtype for m in outputs if m is not None), "float32")
     fwd = roofline_time(flops, nbytes, cluster.device, dtype)

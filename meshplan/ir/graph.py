@@ -92,7 +92,8 @@ class Node:
     requires_grad: tuple[bool, ...] = ()
     """Per output: does a gradient flow back into it (found by running the graph on meta tensors)."""
     attrs: tuple = ()
-    """Static (non-tensor) arguments of meshplan's own region ops (e.g. the moe op's top_k); empty for ATen ops."""
+    """Static (non-tensor) arguments of meshplan's own region ops (e.g. the moe op's top_k); for ATen ops only
+    `(("is_causal", True),)` on attention called with a causal mask, else empty. Not in `fingerprint`."""
 
     def grad(self, index: int = 0) -> bool:
         return bool(self.requires_grad and self.requires_grad[index])

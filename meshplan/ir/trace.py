@@ -452,7 +452,7 @@ def _traced(model: nn.Module, example_inputs: tuple, example_kwargs: dict, preci
             refs[n] = TensorRef(refs[src].node, idx)
         elif n.op == "call_function":
             inputs = tuple(refs[a] for a in _tensor_args(n))
-            attrs = _static_args(n) if str(n.target).startswith("meshplan.") else ()
+            attrs = _static_args(n) if str(n.target).startswith("meshplan.") else _causal_flag(n)
             nodes.append(Node(n.name, "op", op_name(n.target), inputs, _metas(n.meta.get("val")), _module_path(n), attrs=attrs))
             refs[n] = TensorRef(n.name)
         elif n.op == "output":
@@ -583,6 +583,18 @@ def _tensor_args(n: fx.Node) -> list[fx.Node]:
 def _static_args(n: fx.Node) -> tuple:
     """The non-tensor arguments of an op, in argument order (for meshplan's region ops)."""
     return tuple(a for a in pytree.tree_leaves((n.args, n.kwargs)) if not isinstance(a, fx.Node))
+
+
+def _causal_flag(n: fx.Node) -> tuple:
+    """`(("is_causal", True),)` for an ATen op called with `is_causal=True` (attention: the cost model prices the
+    pairs its mask keeps, `Node.attrs`), else ()."""
+    schema = getattr(n.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "is_causal" not in names:
+        return ()
+    i = names.index("is_causal")
+    value = n.kwargs.get("is_causal", n.args[i] if i < len(n.args) else schema.arguments[i].default_value)
+    return (("is_causal", True),) if value is True else ()
 
 
 MUTATED = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)

@@ -41,6 +41,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from meshplan.cost_model.compute import attention_pairs
 from meshplan.cost_model.estimate import compute_time, steps_time
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.cost_model.regions import RegionCost
@@ -88,11 +89,20 @@ def balanced_chunks(rank: int, n: int) -> tuple[int, int]:
     return rank, 2 * n - 1 - rank
 
 
-def causal_imbalance(n: int) -> float:
-    """The busiest rank's causal attention work over the average, sequence split contiguously over `n` ranks:
-    rank n-1 attends its L rows to (n-1)L whole keys and an L x L causal diagonal, (n - 1/2)L^2, while the whole
-    causal op is nL x nL / 2, n L^2 / 2 per rank. Head-tail balancing gives every rank n L^2 / 2 (factor 1)."""
-    return (2 * n - 1) / n
+def causal_pairs(variant: str, n: int, rows: int) -> int:
+    """Query-key pairs the busiest rank computes under a causal mask, the sequence split over `n` ranks of `rows`
+    query rows. A chunk of c rows starting at position f sees f whole keys and a c x c causal diagonal. Split
+    contiguously (allgather, ring) rank n-1 has f = (n-1)L: (n - 1/2)L^2, (2n-1)/n of the average; head-tail
+    balancing gives every rank chunks r and 2n-1-r of c = L/2: n L^2 / 2, the average."""
+    if variant == "balanced":
+        c = rows // 2
+        return sum(j * c * c + attention_pairs(c, c, True) for j in balanced_chunks(0, n))
+    return (n - 1) * rows * rows + attention_pairs(rows, rows, True)
+
+
+def is_causal(node) -> bool:
+    """Whether an SDPA node was traced with `is_causal=True` (`Node.attrs`)."""
+    return dict(node.attrs).get("is_causal", False)
 
 
 # ---------------------------------------------------------------- this rank's part
@@ -338,8 +348,9 @@ class ContextParallel(RegionOp):
         return None
 
     def cost(self, node, in_metas, strategy, mesh_shape, cluster, *, backward: bool) -> RegionCost | None:
-        if not strategy.kernel:
-            return None
+        if not strategy.kernel:  # the plain op, causal: priced at the pairs its mask keeps (non-causal: as any op)
+            return RegionCost(compute_s=compute_time(node.target, in_metas, node.outputs, strategy.outputs, mesh_shape, cluster,
+                                                     backward=backward, in_layouts=strategy.inputs, causal=True)) if is_causal(node) else None
         variant, causal = parse_kernel(strategy.kernel)
         axis = cp_axis(strategy)
         n = mesh_shape[axis]
@@ -352,28 +363,31 @@ class ContextParallel(RegionOp):
             forward = steps + [CommStep("all_to_all", axis, 1, SEQ, nbytes=ob)]
             for shape in local:  # whole sequence, heads / n
                 shape[1], shape[SEQ] = shape[1] // n, shape[SEQ] * n
-            work = 1.0
         elif variant == "ring":
             # n-1 exchanges of the packed K, V; backward n-1 of K, V, dK, dV and one of dK, dV home
             forward = [CommStep("send_recv", axis, nbytes=kb + vb)] * (n - 1)
             back_steps = [CommStep("send_recv", axis, nbytes=2 * (kb + vb))] * (n - 1) + [CommStep("send_recv", axis, nbytes=kb + vb)]
             for shape in local[1:]:
                 shape[SEQ] *= n
-            work = causal_imbalance(n) if causal else 1.0
         else:
             forward = [CommStep("all_gather", axis, SEQ, nbytes=kb * n), CommStep("all_gather", axis, SEQ, nbytes=vb * n)]
             if variant == "balanced":
                 forward += [CommStep("all_gather", axis, SEQ, nbytes=qb * n), CommStep("all_gather", axis, SEQ, nbytes=ob * n)]
             for shape in local[1:]:  # the gathered keys and values
                 shape[SEQ] *= n
-            # the plain op's price of these shapes, as if split evenly, times the busiest rank's causal excess
-            work = causal_imbalance(n) if causal and variant == "allgather" else 1.0
         metas = [TensorMeta(tuple(s), m.dtype) for s, m in zip(local, (q, k, v))]
         out = TensorMeta(tuple(local[0][:3]) + (local[2][3],), node.outputs[0].dtype)
         whole = ((Replicate(),) * len(mesh_shape),)
+        rows = local[0][SEQ]
+        # Ulysses runs the plain op (its local shapes are the heads-split op's, which a profile times with its mask);
+        # the others run blocks no profile times: the roofline of the L x S rectangle, scaled to the pairs the
+        # busiest rank's blocks compute under a causal mask
+        work = causal_pairs(variant, n, rows) / (rows * rows * n) if causal and variant != "ulysses" else 1.0
+        plain = variant == "ulysses"
 
         def priced(grad: bool) -> float:
-            return work * compute_time(node.target, metas, [out], whole, mesh_shape, cluster, backward=grad, in_layouts=whole * 3)
+            return work * compute_time(node.target, metas, [out], whole, mesh_shape, cluster, backward=grad,
+                                       in_layouts=whole * 3 if plain else None, causal=causal and plain)
 
         compute = priced(backward)
         back = (back_steps if variant == "ring" else [s.dual() for s in forward]) if backward else []
