@@ -12,7 +12,8 @@ Steps, on one device:
    that reference and fp32 training), as in tests/test_mixed_precision.py.
 3. **Predicted against measured**: the one-device plan of the same model with its loss inside its
    forward (so the whole step is in the plan, as benchmarks/memory_truth.py does), priced with the
-   presets and with the profile of step 1, against the median measured step (forward, backward, Adam
+   presets and with the profile of step 1 (and with one timing each op's runs one at a time, synchronised,
+   as profiles did before run 7), against the median measured step (forward, backward, Adam
    step; `torch.cuda.synchronize` around each) and the measured peak (`max_memory_allocated`) against
    the plan's memory figure.
 
@@ -144,7 +145,26 @@ def measure_plan(plan_json: str, size: str, device: torch.device, steps: int) ->
         if i >= 3:
             times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"median_step_s": statistics.median(times), "steps": steps, "peak_bytes": peak}
+    return {"median_step_s": statistics.median(times), "steps": steps, "peak_bytes": peak,
+            "kernel_s": kernel_seconds(pmodel, tokens, opt, device)}
+
+
+def kernel_seconds(pmodel, tokens, opt, device: torch.device, steps: int = 3) -> float | None:
+    """GPU kernel time per step (the sum of kernel durations the profiler records): the step time a GPU that never
+    waits for the CPU would take, against which the measured step shows how much the CPU's dispatch adds."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            pmodel(tokens).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync(device)
+    kernels = [e.duration_ns() for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA]
+    return sum(kernels) / 1e9 / steps
 
 
 def library_workspace_bytes(device: torch.device) -> int | None:
@@ -190,10 +210,12 @@ def run(*, device_type: str, quick: bool, out: Path, steps: int) -> dict:
     graph = trace(model, (tokens,), precision=precision)
     profile = profile_graph(graph, [MeshSpec((1,))], cluster=cluster, device=device)
     profile_seconds = time.perf_counter() - started
+    synchronised = profile_graph(graph, [MeshSpec((1,))], cluster=cluster, device=device, queued=1)  # each run alone, as before
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         presets = meshplan.plan(model, 1, (tokens,), cluster=cluster)
         profiled = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=profile)
+        one_by_one = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=synchronised)
     backend = "nccl" if device_type == "cuda" else "gloo"
     [(parity, measured, workspace)] = run_local(1, _worker, size, device_type, {"profiled": profiled.to_json()}, steps,
                                      backend=backend, timeout=540)
@@ -207,7 +229,8 @@ def run(*, device_type: str, quick: bool, out: Path, steps: int) -> dict:
         "step": {
             "measured_s": m["median_step_s"], "predicted_presets_s": presets.step_time_s, "predicted_profile_s": profiled.step_time_s,
             "error_presets": presets.step_time_s / m["median_step_s"] - 1, "error_profile": profiled.step_time_s / m["median_step_s"] - 1,
-            "mfu_measured": profiled.model_flops / (profiled.peak_flops * m["median_step_s"]),
+            "predicted_synchronised_profile_s": one_by_one.step_time_s,
+            "mfu_measured": profiled.model_flops / (profiled.peak_flops * m["median_step_s"]), "kernel_s": m["kernel_s"],
         },
         "memory": {"measured_peak_bytes": m["peak_bytes"], "plan_bytes": profiled.memory.total, "library_workspace_bytes": workspace},
         "seconds": time.perf_counter() - started,
@@ -223,6 +246,7 @@ def run(*, device_type: str, quick: bool, out: Path, steps: int) -> dict:
 
 def markdown(r: dict) -> str:
     s, p, mem = r["step"], r["bf16_parity"], r["memory"]
+    kernels = "n/a (CPU)" if s["kernel_s"] is None else f"{s['kernel_s'] * 1e3:.2f} ms"
     workspace = "n/a (CPU)" if mem["library_workspace_bytes"] is None else f"{mem['library_workspace_bytes'] / 2**20:.1f} MiB"
     peak = "n/a (CPU)" if mem["measured_peak_bytes"] is None else \
         f"{mem['measured_peak_bytes'] / 2**20:.1f} MiB (the plan {mem['plan_bytes'] / mem['measured_peak_bytes'] - 1:+.1%})"
@@ -233,8 +257,10 @@ def markdown(r: dict) -> str:
         f"- bf16 parity ({'passed' if p['passed'] else 'FAILED'}): worst gradient error {p['worst_grad_error_over_bf16_noise']:.2f} x its "
         f"bf16 noise ({p['worst_grad']}), losses within {p['max_loss_rel_error']:.1e}",
         f"- step: measured {s['measured_s'] * 1e3:.2f} ms; predicted {s['predicted_profile_s'] * 1e3:.2f} ms with the profile "
-        f"({s['error_profile']:+.0%}), {s['predicted_presets_s'] * 1e3:.2f} ms with the presets ({s['error_presets']:+.0%}); "
-        f"measured MFU {s['mfu_measured']:.1%}",
+        f"({s['error_profile']:+.0%}; each op timed alone: {s['predicted_synchronised_profile_s'] * 1e3:.2f} ms, "
+        f"{s['predicted_synchronised_profile_s'] / s['measured_s'] - 1:+.0%}), {s['predicted_presets_s'] * 1e3:.2f} ms with the presets "
+        f"({s['error_presets']:+.0%}); "
+        f"measured MFU {s['mfu_measured']:.1%}; GPU kernels {kernels} per step",
         f"- memory: measured peak {peak}, plan {mem['plan_bytes'] / 2**20:.1f} MiB; the math libraries' workspaces {workspace}", "",
     ])
 

@@ -119,6 +119,9 @@ def test_time_op_forward_and_backward():
     assert t.forward_s > 0 and t.backward_s is not None and t.backward_s >= 0 and t.runs >= 5
     t2 = time_op(addmm, metas, [False, False, False], tuple(addmm.meta["val"].shape), budget_s=0.005)
     assert t2.backward_s is None
+    # CUDA's way (runs queued back to back, their backwards in one call), here on the CPU: per-run seconds
+    t4 = time_op(addmm, metas, [True, False, True], tuple(addmm.meta["val"].shape), budget_s=0.005, queued=4)
+    assert t4.forward_s > 0 and t4.backward_s is not None and t4.backward_s >= 0
 
 
 @pytest.fixture(scope="module")

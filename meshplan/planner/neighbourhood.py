@@ -124,8 +124,13 @@ def _coarse_strategy(s: Strategy, groups: list[tuple[int, ...]]) -> tuple | None
 
 
 def merged(by_node: dict[str, list[Strategy]], groups: list[tuple[int, ...]]) -> Subset:
-    """Candidates whose placements agree within every group of axes (the coarser mesh's problem)."""
-    return {name: [i for i, s in enumerate(ss) if _coarse_strategy(s, groups) is not None] for name, ss in by_node.items()}
+    """Candidates whose placements agree within every group of axes (the coarser mesh's problem). A node with no such
+    candidate (a parameter given a layout that differs within a group) keeps every candidate: the solve places the rest
+    around it."""
+    out: Subset = {}
+    for name, ss in by_node.items():
+        out[name] = [i for i, s in enumerate(ss) if _coarse_strategy(s, groups) is not None] or list(range(len(ss)))
+    return out
 
 
 def embedded(by_node: dict[str, list[Strategy]], groups: list[tuple[int, ...]], coarse: dict[str, Hashable]) -> Subset:

@@ -36,13 +36,14 @@ from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
 from meshplan.cost_model.schedule_kinds import SCHEDULES, actions_per_microbatch, check_schedule, chunks_per_device
 from meshplan.cost_model.schedules import in_flight, schedule_time
 from meshplan.ir.graph import Graph
-from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.mesh import CP_AXIS, MeshSpec
 from meshplan.ir.precision import MixedPrecision
 from meshplan.ir.units import POST, PRE, unit_names
 from meshplan.planner.planner import UNBOUNDED, MemoryBudgetError, PlanOptions, make_plan, with_walked_memory
 from meshplan.planner.recompute import with_stage_recompute
 from meshplan.planner.solver import SolveTimeout
 from meshplan.planner.constraints import Constraint
+from meshplan.planner.context_parallel_search import ATTENTION, uses_context_parallel
 from meshplan.planner.stage_layouts import arranged_layouts, carried_layouts
 from meshplan.planner.stage_profile import (Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, stretched_stage_memory,
                                             tied_grad_bytes)
@@ -68,6 +69,10 @@ class PipelineOptions:
     """Pipeline degrees to consider; None: every divisor of the device count up to the number of units."""
     tensor_degrees: tuple[int, ...] | None = None
     """Inner sub-mesh widths t to consider; None: every divisor of the device count up to devices_per_node."""
+    context_degrees: tuple[int, ...] | None = None
+    """Sizes c of a `cp` axis outside t on the stage sub-mesh (attention split along the sequence) to consider, 1 for
+    none; None: 1, and for a model with attention, with the widest t, every divisor of N / t from 2 up to
+    devices_per_node."""
     virtual: int = 2
     """Chunks per device for the interleaved schedules."""
     stage_config: dict[str, int] = field(default_factory=dict)
@@ -94,17 +99,40 @@ class Candidate:
     micro: int
     """b: samples per microbatch per data-parallel rank."""
     pipe: PipelinePlan
+    context: int = 1
+    """c: the `cp` axis of the stage sub-mesh (d, c, t); 1: none."""
 
     @property
     def step_s(self) -> float:
         return self.pipe.step_s
+
+    @property
+    def inner(self) -> MeshSpec:
+        """The mesh its stage profile was solved on (one data-parallel replica's stage)."""
+        return inner_mesh(self.context, self.tensor)
+
+    @property
+    def stage_mesh(self) -> MeshSpec:
+        """The stage sub-mesh its runtime plan runs on: (d, c, t), without the axes of size 1."""
+        return sub_mesh(self.data, self.context, self.tensor)
+
+
+def sub_mesh(data: int, context: int, tensor: int) -> MeshSpec:
+    """Axes dp, cp, tp (torchtitan's order) of sizes `data`, `context`, `tensor`, the ones of size 1 left out."""
+    axes = [(n, a) for n, a in ((data, "dp"), (context, CP_AXIS), (tensor, "tp")) if n > 1] or [(1, "dp")]
+    return MeshSpec(tuple(n for n, _ in axes), tuple(a for _, a in axes))
+
+
+def inner_mesh(context: int, tensor: int) -> MeshSpec:
+    """The stage profile's mesh: (t,) as it always was, or (c, t) with the `cp` axis named where c > 1."""
+    return MeshSpec((tensor,)) if context == 1 else sub_mesh(1, context, tensor)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineResult:
     best: Candidate
     plan: Plan | None
-    """The stage sub-mesh's intra-op plan (mesh (d, t)) with `pipeline` set; None with `stage_plan=False`."""
+    """The stage sub-mesh's intra-op plan (mesh (d, c, t)) with `pipeline` set; None with `stage_plan=False`."""
     considered: int
     seconds: float
     solves: int
@@ -297,7 +325,8 @@ def _returned_plan(ranked: list[Candidate], estimate: Callable[[Candidate], Pipe
     each other configuration was not returned (in `plan.solver.skipped`)."""
 
     def what(c: Candidate) -> str:
-        return f"pipeline tp {c.tensor} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}"
+        cp = f" x cp {c.context}" if c.context > 1 else ""
+        return f"pipeline tp {c.tensor}{cp} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}"
 
     fits, dropped = [], []
     for c in ranked[:MOST_TRIED]:
@@ -355,15 +384,15 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
     plans: dict[tuple, Plan] = cache.setdefault("plans", {})  # the plan each profile was read off
     stand_ins: dict[tuple, str | None] = cache.setdefault("stand_ins", {})  # the block a cut model's profile stretches
 
-    def solve_at(graph: Graph, mesh: tuple[int, ...], explain: bool) -> Plan:
+    def solve_at(graph: Graph, mesh: MeshSpec, explain: bool) -> Plan:
         nonlocal solves
         solves += 1
         # a pipelined step hands out the loss alone: the stage profiles price no gather of the model's other outputs
         plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, alternatives=explain,
                                    time_limit_s=options.time_limit_s, loss_only=True)
-        return make_plan(graph, MeshSpec(mesh), cluster, plan_options, model_name=model_name)
+        return make_plan(graph, mesh, cluster, plan_options, model_name=model_name)
 
-    def short_profile(mesh: tuple[int, ...], n: int) -> tuple[list[Unit], Plan, str] | None:
+    def short_profile(mesh: MeshSpec, n: int) -> tuple[list[Unit], Plan, str] | None:
         """The stage profile from the cut model (with its plan and the block standing for every block), or None when
         its units are not its blocks (then the whole model's)."""
         short_at, stack, layers = short
@@ -374,7 +403,9 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             return None
         return repeat_layers(units, layers), plan, units[-2].name
 
-    def profile(mesh: tuple[int, ...], n: int) -> list[Unit]:
+    def profile(mesh: MeshSpec, n: int) -> list[Unit] | None:
+        """The stage profile on `mesh` at microbatch `n`; None for a mesh with a `cp` axis whose plan runs no attention
+        context-parallel (the axis would only repeat a data-parallel configuration)."""
         key = (mesh, n, options.layers, options.optimizer)
         if key not in profiles:
             found = short_profile(mesh, n) if short is not None else None
@@ -385,6 +416,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
                     units = repeat_layers(units, options.layers)
                 found = units, plan, None
             profiles[key], plans[key], stand_ins[key] = found
+        if CP_AXIS in mesh.axis_names and not uses_context_parallel(plans[key]):
+            return None
         return profiles[key]
 
     def solve(c: Candidate, graph: Graph, preferred: tuple[Constraint, ...], explain: bool = False) -> Plan:
@@ -394,24 +427,22 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         ranking needs none)."""
         nonlocal solves
         solves += 1
-        mesh = tuple(x for x in (c.data, c.tensor) if x > 1) or (1,)
-        names = ("dp", "tp") if len(mesh) == 2 else (("tp",) if c.tensor > 1 else ("dp",))
-        profiled = ((c.tensor,), c.micro, options.layers, options.optimizer)
+        profiled = (c.inner, c.micro, options.layers, options.optimizer)
         params, inputs = arranged_layouts(graph, plans[profiled], data=c.data, stand_in=stand_ins[profiled], stack=short[1] if short else None)
         plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, time_limit_s=options.time_limit_s,
                                    param_layouts=params, input_layouts=inputs, preferred=preferred, alternatives=explain,
                                    loss_only=c.pipeline > 1, microbatches=c.pipe.microbatches)
-        return make_plan(graph, MeshSpec(mesh, names), cluster, plan_options, model_name=model_name)
+        return make_plan(graph, c.stage_mesh, cluster, plan_options, model_name=model_name)
 
     def arranged(c: Candidate, graph: Graph) -> Plan:
         """`c`'s stage plan for `graph`, solved one mesh axis at a time (`stage_layouts.py`): the data-parallel axis with
         every layer op's tensor-parallel layout as priced, then the tensor-parallel axis with the data-parallel layouts
         found (never slower than the first)."""
-        if c.tensor == 1 or c.data == 1:  # a mesh of one axis: one solve places everything
+        if c.inner.size == 1 or c.data == 1:  # the profile's mesh or the data-parallel axis alone: one solve places everything
             return solve(c, graph, ())
-        profiled = ((c.tensor,), c.micro, options.layers, options.optimizer)
+        profiled = (c.inner, c.micro, options.layers, options.optimizer)
         stand_in = stand_ins[profiled]
-        ops = carried_layouts(graph, (short[0] if stand_in else graph_at)(c.micro), plans[profiled], axes=(None, 0),
+        ops = carried_layouts(graph, (short[0] if stand_in else graph_at)(c.micro), plans[profiled], axes=(None, *range(c.inner.ndim)),
                               why="the pipeline configuration's tensor-parallel layout (its stage profile on (t,))", stand_in=stand_in,
                               stack=short[1] if short else None, layers_only=True)
         return solve(c, graph, data_parallel(graph, graph, solve(c, graph, ops), c))
@@ -419,10 +450,10 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
     def data_parallel(graph: Graph, source_graph: Graph, source: Plan, c: Candidate) -> tuple[Constraint, ...]:
         """Every op of `graph` keeping the data-parallel layouts of its counterpart in `source`, none on a mesh of one
         axis."""
-        if c.tensor == 1 or c.data == 1:
+        if c.inner.size == 1 or c.data == 1:
             return ()
         stand_in = unit_names(source_graph)[-2] if source_graph is not graph and short else None
-        return carried_layouts(graph, source_graph, source, axes=(0, None), why="the stage plan's data-parallel layout, solved first",
+        return carried_layouts(graph, source_graph, source, axes=(0, *(None,) * c.inner.ndim), why="the stage plan's data-parallel layout, solved first",
                                stand_in=stand_in, stack=short[1] if stand_in else None)
 
     def priced(c: Candidate, graph: Graph, plan: Plan) -> Plan:
@@ -432,18 +463,18 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         plan = with_walked_memory(with_stage_recompute(replace(plan, pipeline=c.pipe), graph), graph, options.optimizer)
         if plan.memory.total > budget:
             raise MemoryBudgetError(budget, plan.memory.total, plan.mesh, cluster, of="its stage plan")
-        pipe = reprice(profile_units(graph, plan, options.optimizer), plan.pipeline, d=c.data, t=c.tensor, cluster=cluster,
+        pipe = reprice(profile_units(graph, plan, options.optimizer), plan.pipeline, d=c.data, t=c.inner.size, cluster=cluster,
                        dp_in_profile=True)
         return replace(plan, pipeline=replace(pipe, searched_step_s=c.step_s),
                        model_flops=plan.model_flops * pipe.microbatches)  # the graph is one microbatch
 
-    ranking: dict[tuple[int, int, int], tuple[Graph, Plan]] = {}  # (t, d, b) -> the stage plan ranking prices
+    ranking: dict[tuple[MeshSpec, int, int], tuple[Graph, Plan]] = {}  # (profile mesh, d, b) -> the stage plan ranking prices
 
     def estimate(c: Candidate) -> PipelinePlan:
         """`c` priced by its stage plan, for ranking: solved once per (t, d, b), whatever the schedule, on the model
         cut to a few blocks (when the profiles were), its units and stage peaks stretched to the whole stack."""
-        key = (c.tensor, c.data, c.micro)
-        cut = short is not None and stand_ins[((c.tensor,), c.micro, options.layers, options.optimizer)] is not None
+        key = (c.inner, c.data, c.micro)
+        cut = short is not None and stand_ins[(c.inner, c.micro, options.layers, options.optimizer)] is not None
         if key not in ranking:
             graph = (short[0] if cut else graph_at)(c.data * c.micro)
             ranking[key] = graph, arranged(c, graph)
@@ -456,52 +487,70 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             raise MemoryBudgetError(budget, pipe.peak_memory, plan.mesh, cluster,
                                     of=f"its stage plan, stretched from the model cut to {len(unit_names(graph)) - 2} blocks")
         units = repeat_layers(profile_units(graph, plan, options.optimizer), short[2])
-        return reprice(units, pipe, d=c.data, t=c.tensor, cluster=cluster, dp_in_profile=True)
+        return reprice(units, pipe, d=c.data, t=c.inner.size, cluster=cluster, dp_in_profile=True)
 
     def returned(c: Candidate) -> Plan:
         """`c`'s stage plan of the whole model, priced: the data-parallel layouts of the plan ranking priced it by, the
         tensor-parallel axis solved again (on the whole model when ranking had its cut), alternatives recorded."""
         graph = graph_at(c.data * c.micro)
-        ranked_graph, ranked = ranking[(c.tensor, c.data, c.micro)]
+        ranked_graph, ranked = ranking[(c.inner, c.data, c.micro)]
         return priced(c, graph, solve(c, graph, data_parallel(graph, ranked_graph, ranked, c), explain=True))
 
     tensors = options.tensor_degrees or tuple(x for x in divisors(devices) if x <= cluster.devices_per_node)
     if fixed is not None:
         tensors = (fixed[0],)
+
+    def contexts(t: int) -> tuple[int, ...]:
+        """The `cp` sizes searched with tensor width t: given, or for a model with attention, with the widest t (the
+        node's, as torchtitan and Megatron arrange long sequences: tp inside a node, cp outside it), every divisor of
+        N / t from 2 up to devices_per_node. Each is one more stage profile, a solve on a 2-D mesh at the whole sequence
+        (Llama-3-8B at 131k tokens on 64 H100s: about 1.1 s each), and the stage plans of those ranked first."""
+        if options.context_degrees is not None:
+            return options.context_degrees
+        if fixed is not None or t != max(tensors) or not any(n.target == ATTENTION for n in (short[0] if short else graph_at)(1).nodes):
+            return (1,)
+        return (1, *(c for c in divisors(devices // t) if 1 < c <= cluster.devices_per_node))
     pins_cache: dict[int, dict[int, int]] = {}
     cands: list[Candidate] = []
     considered = 0
+    configurations = []  # (t, c, b)
     for t in tensors:
         if devices % t:
             raise ValueError(f"tensor degree {t} does not divide {devices} devices")
-        for b in options.microbatch_sizes:
-            for p in options.degrees or divisors(devices // t):
-                if (fixed is not None and p != fixed[1]) or (devices // t) % p:
-                    continue
-                d = devices // (t * p)
-                if batch % (d * b):
-                    continue
-                m = batch // (d * b)
-                units = profile((t,), b)
-                if p > len(units):
-                    continue
-                pins = pins_cache.setdefault(len(units), _pins(units, options.stage_config))
-                if pins and max(pins.values()) >= p:
-                    continue
-                for sched in options.schedules if p > 1 else ("1f1b",):
-                    if sched in ("interleaved_1f1b", "interleaved_zb") and m % p:
-                        continue  # Megatron's and torch's interleaved schedules want whole rounds of p microbatches
-                    if sched == "1f1b" and m < p:
-                        continue  # torch's Schedule1F1B refuses fewer microbatches than stages
-                    if sched == "zbv" and m < 2 * p - 1:
-                        continue  # torch's ZB-V fills its V with at least 2p - 1 microbatches
-                    if pins and sched != "gpipe" and sched != "1f1b" and p > 1:
-                        continue  # pins name stage indices, which interleaving would renumber
-                    considered += 1
-                    pipe = evaluate(units, p=p, d=d, t=t, m=m, schedule=sched, cluster=cluster, budget=budget, virtual=options.virtual,
-                                    pins=pins, dp_in_profile=False, recompute=options.recompute)
-                    if pipe is not None:
-                        cands.append(Candidate(tensor=t, pipeline=p, data=d, micro=b, pipe=pipe))
+        for c in contexts(t):
+            if (devices // t) % c:
+                raise ValueError(f"context degree {c} does not divide the {devices // t} devices outside tensor degree {t}")
+            # a cp axis splits one sequence: a microbatch of several would split over data parallelism as well, without
+            # attention's collectives
+            configurations += [(t, c, b) for b in options.microbatch_sizes if c == 1 or b == 1]
+    for t, ctx, b in configurations:
+        for p in options.degrees or divisors(devices // (t * ctx)):
+            if (fixed is not None and p != fixed[1]) or (devices // (t * ctx)) % p:
+                continue
+            d = devices // (t * ctx * p)
+            if batch % (d * b):
+                continue
+            m = batch // (d * b)
+            units = profile(inner_mesh(ctx, t), b)
+            if units is None or p > len(units):
+                continue
+            pins = pins_cache.setdefault(len(units), _pins(units, options.stage_config))
+            if pins and max(pins.values()) >= p:
+                continue
+            for sched in options.schedules if p > 1 else ("1f1b",):
+                if sched in ("interleaved_1f1b", "interleaved_zb") and m % p:
+                    continue  # Megatron's and torch's interleaved schedules want whole rounds of p microbatches
+                if sched == "1f1b" and m < p:
+                    continue  # torch's Schedule1F1B refuses fewer microbatches than stages
+                if sched == "zbv" and m < 2 * p - 1:
+                    continue  # torch's ZB-V fills its V with at least 2p - 1 microbatches
+                if pins and sched != "gpipe" and sched != "1f1b" and p > 1:
+                    continue  # pins name stage indices, which interleaving would renumber
+                considered += 1
+                pipe = evaluate(units, p=p, d=d, t=t * ctx, m=m, schedule=sched, cluster=cluster, budget=budget,
+                                virtual=options.virtual, pins=pins, dp_in_profile=False, recompute=options.recompute)
+                if pipe is not None:
+                    cands.append(Candidate(tensor=t, pipeline=p, data=d, micro=b, pipe=pipe, context=ctx))
     if not cands:
         raise ValueError(
             f"no pipeline configuration of {devices} devices fits the memory budget of {format_bytes(budget)} per device "

@@ -69,10 +69,10 @@ def op_workload(graph: Graph, meshes: Iterable[MeshSpec]) -> dict[str, tuple[str
 
 def profile_graph(
     graph: Graph, meshes: Iterable[MeshSpec], *, cluster: str = "cpu", device: str | torch.device | None = None,
-    threads: int | None = 1, budget_s: float = 0.05,
+    threads: int | None = 1, budget_s: float = 0.05, queued: int | None = None,
 ) -> Profile:
     """Time every op of `graph` on every local shape its candidates on `meshes` produce, and the
-    optimizer step on the graph's parameter sizes."""
+    optimizer step on the graph's parameter sizes. `queued`: see `op_profiler.time_op`."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fx_nodes = {n.name: n for n in graph.fx.gm.graph.nodes}
     work = op_workload(graph, meshes)
@@ -88,7 +88,8 @@ def profile_graph(
                 phase(f"timing op {i + 1}/{len(work)}")
             out_shape = outs[0].shape if outs and outs[0] is not None else None
             try:
-                timings[key] = time_op(fx_nodes[name], ins, needs, out_shape, device=dev, budget_s=budget_s, grad_call_s=grad_call)
+                timings[key] = time_op(fx_nodes[name], ins, needs, out_shape, device=dev, budget_s=budget_s, grad_call_s=grad_call,
+                                       queued=queued)
             except (RuntimeError, ValueError, TypeError, IndexError) as e:  # an op that rejects made-up values
                 failed.append(f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         if failed:
