@@ -146,7 +146,7 @@ def test_search_is_exact_over_its_space():
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=4, hidden=32, vocab_size=64))
     x = torch.randint(0, 64, (8, 16))
-    opts = PipelineOptions(tensor_degrees=(1, 2), microbatch_sizes=(1, 2), stage_plan=False)
+    opts = PipelineOptions(tensor_degrees=(1, 2), context_degrees=(1,), microbatch_sizes=(1, 2), stage_plan=False)  # the (t, p, d) space
     cache: dict = {}
     graph_at = lambda n: trace(model, (x[:n],))  # noqa: E731
     with warnings.catch_warnings():

@@ -15,6 +15,12 @@ stack; the cheapest of those that fit is solved on the whole model, walked and r
 
 Stage cuts pay the point-to-point send of the activation crossing them (forward) and of its
 gradient (backward), on the link between stages (the pipeline axis is outermost).
+
+Context parallelism: for a model with attention, a stage may also have a `cp` axis of size c outside its
+tensor-parallel one (torchtitan's order dp, cp, tp). Its profile is solved on `(c, t)` with the axis named `cp`,
+where attention can run split along the sequence (regions/context_parallel.py); everything else is priced as above
+with an inner width of c t, and the runtime plan runs on `(d, c, t)`. A profile that runs no attention
+context-parallel is dropped: its `cp` axis would only repeat a data-parallel configuration.
 """
 
 from __future__ import annotations
