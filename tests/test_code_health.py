@@ -56,6 +56,10 @@ PRIVATE_TORCH = {
     ".._schema": "an op's schema (argument names, mutation)",
     ".._scaled_dot_product_flash_attention_for_cpu": "context-parallel attention's blocks with their log-sum-exp",
     ".._scaled_dot_product_flash_attention_for_cpu_backward": "context-parallel attention's blocks in backward",
+    ".._scaled_dot_product_flash_attention": "context-parallel attention's blocks on CUDA (fp16/bf16)",
+    ".._scaled_dot_product_flash_attention_backward": "context-parallel attention's blocks on CUDA in backward",
+    ".._scaled_dot_product_efficient_attention": "context-parallel attention's blocks on CUDA (fp32, or before sm80)",
+    ".._scaled_dot_product_efficient_attention_backward": "context-parallel attention's blocks on CUDA in backward",
 }
 """Every private torch name meshplan touches -> why; `.._name` entries are private attributes of torch objects."""
 

@@ -7,8 +7,9 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
 - `cp_attention(allgather)`: k and v are all-gathered over the axis (backward: their gradients
   reduce-scattered home); each rank attends its own query rows to the keys it needs, placed by the true
   token positions: rank r holds rows r*L .. r*L+L-1, so keys before r*L are whole to it, the next L a causal
-  diagonal, and later ones unused. `BlockAttention` runs the CPU flash kernel per block and merges the blocks
-  by their log-sum-exp, so no mask tensor or score matrix exists.
+  diagonal, and later ones unused. `BlockAttention` (`regions/attention_blocks.py`: the flash kernel on the CPU,
+  flash or memory-efficient on CUDA) runs each block and merges them by their log-sum-exp, so no mask tensor or
+  score matrix exists.
 - `cp_attention(balanced)`: the same with head-tail load balancing for causal masks. Rank r computes
   query chunks r and 2P-1-r of 2P (the same work on every rank, against the rank-r-heavy split above).
   Outside the op the sequence stays split contiguously: q is all-gathered and each rank picks its two
@@ -51,11 +52,10 @@ from meshplan.ir.placement import Replicate, Shard, local_shape
 from meshplan.ir.regions import KernelRow, RegionOp, Row
 from meshplan.planner.rules.attention import sdpa_rule
 from meshplan.planner.strategies import clear_strategy_cache
+from meshplan.regions.attention_blocks import SEQ, BlockAttention, block_backward, block_forward, check_device, merge_blocks
 from meshplan.runtime.collectives import MeshComm, StepFunction, collective, forward_phase, wait
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
-SEQ = 2
-"""q, k, v and the output are [batch, heads, seq, head_dim]."""
 VARIANTS = ("allgather", "balanced", "ring", "ulysses")
 
 
@@ -107,41 +107,8 @@ def is_causal(node) -> bool:
 
 # ---------------------------------------------------------------- this rank's part
 
-FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-
-
 def _step(x: torch.Tensor, step: CommStep, comm: MeshComm) -> torch.Tensor:
     return StepFunction.apply(x, step, comm)
-
-
-class BlockAttention(torch.autograd.Function):
-    """q against key/value blocks, each whole or causal (a diagonal block: query i sees keys <= i), by the CPU flash
-    kernel per block and merged by log-sum-exp; so no mask tensor and no score matrix exists. Backward runs the
-    flash backward per block with the merged output and log-sum-exp (ring attention's backward)."""
-
-    @staticmethod
-    def forward(ctx, q, scale, causal: tuple[bool, ...], *kv):
-        outs, lses = [], []
-        for i, is_causal in enumerate(causal):
-            o, lse = FLASH(q, kv[2 * i], kv[2 * i + 1], 0.0, is_causal, scale=scale)
-            outs.append(o)
-            lses.append(lse)
-        lse = torch.logsumexp(torch.stack(lses), dim=0)
-        out = sum(o.float() * (part - lse).exp().unsqueeze(-1) for o, part in zip(outs, lses)).to(q.dtype)
-        ctx.scale, ctx.causal = scale, causal
-        ctx.save_for_backward(q, out, lse, *kv)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, out, lse, *kv = ctx.saved_tensors
-        grad_q, grad_kv = torch.zeros_like(q), []
-        for i, is_causal in enumerate(ctx.causal):
-            dq, dk, dv = FLASH_BACKWARD(grad.contiguous(), q, kv[2 * i], kv[2 * i + 1], out, lse, 0.0, is_causal, scale=ctx.scale)
-            grad_q += dq
-            grad_kv += [dk, dv]
-        return (grad_q, None, None, *grad_kv)
 
 
 def _attend(q, k, v, first: int, causal: bool, scale) -> torch.Tensor:
@@ -195,20 +162,19 @@ class RingAttention(torch.autograd.Function):
         n, me = comm.mesh.shape[axis], comm.coord[axis]
         ctx.scale, ctx.causal, ctx.axis, ctx.comm = scale, causal, axis, comm
         phase = forward_phase()
-        packed, outs, lses = torch.stack([k, v]), [], []
+        packed, outs, lses, ctx.blocks = torch.stack([k, v]), [], [], {}
         for t in range(n):
             # the next block travels while this one is computed (gloo and NCCL progress on their own threads/streams)
             pending = _start_rotate(packed, comm, axis, phase) if t < n - 1 else None
             block = _ring_block(me, (me - t) % n, causal)
             if block is not None:
                 kb, vb = (_repeat_heads(x, q.shape[1]) for x in packed.unbind(0))
-                o, lse = FLASH(q, kb, vb, 0.0, block, scale=scale)
+                o, lse, ctx.blocks[t] = block_forward(q, kb, vb, block, scale)
                 outs.append(o)
                 lses.append(lse)
             if pending is not None:
                 packed = _finish_rotate(pending, packed, comm, axis, phase)
-        lse = torch.logsumexp(torch.stack(lses), dim=0)
-        out = sum(o.float() * (part - lse).exp().unsqueeze(-1) for o, part in zip(outs, lses)).to(q.dtype)
+        out, lse = merge_blocks(outs, lses, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -217,19 +183,19 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         comm, axis = ctx.comm, ctx.axis
         n, me = comm.mesh.shape[axis], comm.coord[axis]
-        grad, grad_q = grad.contiguous(), torch.zeros_like(q)
+        grad, grad_q = grad.contiguous(), torch.zeros_like(q, dtype=torch.float32)
         travelling = torch.cat([torch.stack([k, v]), torch.zeros_like(torch.stack([k, v]))])  # K, V, dK, dV of one block
         for t in range(n):
             block = _ring_block(me, (me - t) % n, ctx.causal)
             if block is not None:
                 kb, vb = (_repeat_heads(x, q.shape[1]) for x in travelling[:2].unbind(0))
-                dq, dk, dv = FLASH_BACKWARD(grad, q, kb, vb, out, lse, 0.0, block, scale=ctx.scale)
+                dq, dk, dv = block_backward(grad, q, kb, vb, out, lse, ctx.blocks[t], block, ctx.scale)
                 grad_q += dq
                 travelling = torch.cat([travelling[:2], travelling[2:] + torch.stack([_sum_heads(dk, k.shape[1]), _sum_heads(dv, v.shape[1])])])
             if t < n - 1:
                 travelling = _rotate(travelling, comm, axis, "backward")
         home = _rotate(travelling[2:], comm, axis, "backward")  # rank r holds block r+1's finished dK, dV
-        return grad_q, home[0], home[1], None, None, None, None
+        return grad_q.to(q.dtype), home[0], home[1], None, None, None, None
 
 
 def _ring_block(me: int, src: int, causal: bool) -> bool | None:
@@ -260,9 +226,9 @@ class ContextParallelAttention(nn.Module):
         if a["attn_mask"] is not None or a["dropout_p"] != 0.0:
             raise AssertionError("context-parallel attention was planned for an op with a mask tensor or dropout")
         q, k, v, scale, gqa = a["q"], a["k"], a["v"], a["scale"], a["enable_gqa"]
-        if q.device.type != "cpu" and self.variant != "ulysses":
-            raise ValueError(f"{kernel_name(self.variant, self.causal)} runs on the CPU flash kernel; got tensors on {q.device}. "
-                             "Plan with force_context_parallel('ulysses') there, or without a cp axis")
+        if self.variant != "ulysses":  # before any collective, so every rank stops at the same point
+            check_device(q.device, kernel_name(self.variant, self.causal),
+                         ". Plan with force_context_parallel('ulysses') there, or without a cp axis")
         if self.variant == "ulysses":
             to_heads = CommStep("all_to_all", self.axis, SEQ, 1)
             q, k, v = (_step(t, to_heads, self.comm) for t in (q, k, v))
