@@ -131,14 +131,21 @@ def time_op(
     if not grad_in:
         return OpTiming(forward_s=statistics.median(fwd), backward_s=None, runs=len(fwd))
 
+    # `queued` forwards on inputs of their own (shared ones would add every copy's gradient into one), their
+    # backwards in one call (one engine start-up)
+    copies = [(run, grad_in)]
+    for _ in range(queued - 1):
+        mine = [make_tensor(m, device, g) for m, g in zip(inputs, needs_grad)]
+        copies.append((_call(node, mine, out_shape), [t for t, g in zip(mine, needs_grad) if g and t.requires_grad]))
+    leaves = [t for _, ins in copies for t in ins]
     bwd: list[float] = []
     for i in range(warmup + len(fwd)):
-        with torch.enable_grad():  # `queued` forwards, their backwards in one call (one engine start-up)
-            outs = [o for _ in range(queued) for o in _float_outputs(run())]
+        with torch.enable_grad():
+            outs = [o for fn, _ in copies for o in _float_outputs(fn())]
         if not outs:  # integer outputs (argmax, comparisons): nothing flows back
             return OpTiming(forward_s=statistics.median(fwd), backward_s=0.0, runs=len(fwd))
         grads = [torch.ones_like(o) for o in outs]
-        t = timer(lambda: torch.autograd.grad(outs, grad_in, grads, allow_unused=True))
+        t = timer(lambda: torch.autograd.grad(outs, leaves, grads, allow_unused=True))
         if i >= warmup:
             bwd.append(max(t - grad_call_s, 0.0) / queued)
     return OpTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd), runs=len(fwd))
