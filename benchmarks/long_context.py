@@ -1,6 +1,15 @@
 """Long sequences (issue 29): context-parallel attention against the best plan without sequence sharding.
 
     python benchmarks/long_context.py [--seq 2048 4096] [--world 4] [--steps 4] [--profile benchmarks/data/fidelity_profile.json]
+    python benchmarks/long_context.py --big [--seq 131072 2048]
+
+`--big` plans only (no run): Hugging Face Llama-3-8B on 64 H100s and Llama-3-70B on 256, built in fp32 on the meta
+device as benchmarks/big_models.py builds them, with the default call (`meshplan.plan(model, devices=N, (tokens,),
+example_kwargs={"labels": tokens}, cluster="h100")`: bf16, the pipeline search beyond one node, which offers a `cp`
+axis on its stage sub-meshes). Each sequence length keeps the tokens per step of the 131,072-token batch (8 sequences
+for 8B, 16 for 70B: 1M and 2M tokens). The table gives each chosen plan (stage sub-mesh, pipeline degree, cp size,
+attention kernel or layout), its predicted step, MFU (`Plan.mfu`: model FLOPs with attention) and peak per device,
+and the seconds the call took. These are predictions of the H100 presets, not measurements.
 
 For each sequence length, a small-width meshplan Llama (2 layers, width 64, 4 query / 2 key-value heads, batch 1) with
 its next-token loss inside (the whole step is in the plan, as in benchmarks/memory_truth.py)
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -29,6 +39,7 @@ import torch.distributed as dist  # noqa: E402
 import meshplan  # noqa: E402
 from meshplan.cost_model.presets import get_cluster  # noqa: E402
 from meshplan.cost_model.profile import resolve_profile  # noqa: E402
+from meshplan.ir.mesh import CP_AXIS  # noqa: E402
 from meshplan.models import Llama, LlamaConfig  # noqa: E402
 from meshplan.plans.plan import Plan  # noqa: E402
 from meshplan.profiling.fidelity import peak_during, resident_bytes, slowest_rank_seconds, solver_memory  # noqa: E402
@@ -90,14 +101,55 @@ def measure(rank: int, world: int, plans_json: list[str], seq: int, warmup: int,
     return out
 
 
+BIG = {"Llama-3-8B": ("llama8b", 64, 8), "Llama-3-70B": ("llama70b", 256, 16)}
+"""Title -> (benchmarks/big_models.py's case, H100s, sequences per step at 131,072 tokens)."""
+LONGEST = 131_072
+
+
+def plan_big(case: str, devices: int, batch: int, seq: int) -> tuple[Plan, float]:
+    """The default call's plan for a Hugging Face Llama of big_models.py's `case` at `seq` tokens, and its seconds."""
+    import transformers as tf
+    from big_models import CASES
+
+    cfg = CASES[case][1]()
+    cfg.max_position_embeddings, cfg.use_cache = seq, False
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg)
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, devices=devices, example_inputs=(tokens,), example_kwargs={"labels": tokens}, cluster="h100")
+    return plan, time.perf_counter() - t0
+
+
+def big(seqs: list[int]) -> None:
+    print("| model | H100s | seq | sequences per step | stage sub-mesh | pp | cp | attention | predicted step s | MFU | peak GiB | planned in s |")
+    print("|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|")
+    for title, (case, devices, long_batch) in BIG.items():
+        for seq in seqs:
+            batch = long_batch * LONGEST // seq
+            plan, seconds = plan_big(case, devices, batch, seq)
+            pipe = plan.pipeline
+            cp = plan.mesh.shape[plan.mesh.axis_names.index(CP_AXIS)] if CP_AXIS in plan.mesh.axis_names else 1
+            attn = {n.strategy.kernel or str(n.strategy) for n in plan.nodes if n.target == "aten.scaled_dot_product_attention.default"}
+            print(f"| {title} | {devices} | {seq} | {batch} | {plan.mesh} | {pipe.degree if pipe else 1} | {cp} | {', '.join(sorted(attn))} | "
+                  f"{plan.step_time_s:.2f} | {plan.mfu:.1%} | {plan.memory.total / 2**30:.1f} | {seconds:.1f} |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--seq", type=int, nargs="+", default=None, help="default: 2048 4096; with --big, 131072 2048")
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE))
+    ap.add_argument("--big", action="store_true", help="plan Llama-3-8B and 70B on 64 and 256 H100s only (module doc)")
     args = ap.parse_args()
+    if args.big:
+        big(args.seq or [LONGEST, 2048])
+        return 0
+    args.seq = args.seq or [2048, 4096]
     profile = resolve_profile(args.profile, None)
     cluster = get_cluster(profile.cluster if profile else "cpu").with_profile(profile)
     print(f"world {args.world} gloo ranks, planned from {args.profile}")

@@ -85,6 +85,22 @@ def test_the_pipeline_search_offers_a_cp_axis_on_its_stage_sub_mesh():
     assert listed["forward:send_recv"] and listed["backward:send_recv"]  # the ring's exchanges, per layer
 
 
+@pytest.mark.parametrize("seq,cp", [(131072, True), (256, False)])
+def test_the_default_call_beyond_one_node_chooses_cp_by_price(seq, cp):
+    """16 H100s (two nodes: the pipeline search): a width-1024 Llama gets a cp axis on its stage sub-mesh at 131,072
+    tokens (cp=2 x tp=8 with Ulysses, priced 88 ms against 92 ms for tp 8 x pp 2 without) and none at 256 tokens."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(seq_len=seq, hidden=1024, heads=16, kv_heads=8, intermediate=2048, layers=4, vocab_size=1024))
+    tokens = torch.zeros(2, seq, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, 16, (tokens,), cluster="h100")
+    assert plan.pipeline is not None  # the default beyond one node
+    kernels = {n.strategy.kernel for n in plan.nodes if n.target == SDPA}
+    assert ("cp" in plan.mesh.axis_names) == cp
+    assert any(kernels) == cp, kernels  # a cp axis is chosen only with attention split along the sequence
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", ["ring", "balanced"])
 def test_pp2_cp2_parity(variant):
