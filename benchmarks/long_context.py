@@ -8,8 +8,10 @@ device as benchmarks/big_models.py builds them, with the default call (`meshplan
 example_kwargs={"labels": tokens}, cluster="h100")`: bf16, the pipeline search beyond one node, which offers a `cp`
 axis on its stage sub-meshes). Each sequence length keeps the tokens per step of the 131,072-token batch (8 sequences
 for 8B, 16 for 70B: 1M and 2M tokens). The table gives each chosen plan (stage sub-mesh, pipeline degree, cp size,
-attention kernel or layout), its predicted step, MFU (`Plan.mfu`: model FLOPs with attention) and peak per device,
-and the seconds the call took. These are predictions of the H100 presets, not measurements.
+attention kernel or layout), its predicted step, MFU (`Plan.mfu`: model FLOPs with attention's whole S x S score
+rectangle, while the step prices causal attention at the pairs its mask keeps; and 6 N T, attention left out, as
+big_models.py prints it) and peak per device, and the seconds the call took. These are predictions of the H100
+presets, not measurements.
 
 For each sequence length, a small-width meshplan Llama (2 layers, width 64, 4 query / 2 key-value heads, batch 1) with
 its next-token loss inside (the whole step is in the plan, as in benchmarks/memory_truth.py)
@@ -106,8 +108,9 @@ BIG = {"Llama-3-8B": ("llama8b", 64, 8), "Llama-3-70B": ("llama70b", 256, 16)}
 LONGEST = 131_072
 
 
-def plan_big(case: str, devices: int, batch: int, seq: int) -> tuple[Plan, float]:
-    """The default call's plan for a Hugging Face Llama of big_models.py's `case` at `seq` tokens, and its seconds."""
+def plan_big(case: str, devices: int, batch: int, seq: int) -> tuple[Plan, float, int]:
+    """The default call's plan for a Hugging Face Llama of big_models.py's `case` at `seq` tokens, its seconds and the
+    model's parameters."""
     import transformers as tf
     from big_models import CASES
 
@@ -120,21 +123,25 @@ def plan_big(case: str, devices: int, batch: int, seq: int) -> tuple[Plan, float
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = meshplan.plan(model, devices=devices, example_inputs=(tokens,), example_kwargs={"labels": tokens}, cluster="h100")
-    return plan, time.perf_counter() - t0
+    return plan, time.perf_counter() - t0, sum(p.numel() for p in model.parameters())
 
 
 def big(seqs: list[int]) -> None:
-    print("| model | H100s | seq | sequences per step | stage sub-mesh | pp | cp | attention | predicted step s | MFU | peak GiB | planned in s |")
-    print("|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|")
+    from big_models import H100_BF16_PEAK
+
+    print("| model | H100s | seq | sequences per step | stage sub-mesh | pp | cp | attention | predicted step s | MFU | MFU (6 N T) "
+          "| peak GiB | planned in s |")
+    print("|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for title, (case, devices, long_batch) in BIG.items():
         for seq in seqs:
             batch = long_batch * LONGEST // seq
-            plan, seconds = plan_big(case, devices, batch, seq)
+            plan, seconds, params = plan_big(case, devices, batch, seq)
             pipe = plan.pipeline
             cp = plan.mesh.shape[plan.mesh.axis_names.index(CP_AXIS)] if CP_AXIS in plan.mesh.axis_names else 1
             attn = {n.strategy.kernel or str(n.strategy) for n in plan.nodes if n.target == "aten.scaled_dot_product_attention.default"}
             print(f"| {title} | {devices} | {seq} | {batch} | {plan.mesh} | {pipe.degree if pipe else 1} | {cp} | {', '.join(sorted(attn))} | "
-                  f"{plan.step_time_s:.2f} | {plan.mfu:.1%} | {plan.memory.total / 2**30:.1f} | {seconds:.1f} |", flush=True)
+                  f"{plan.step_time_s:.2f} | {plan.mfu:.1%} | {6 * params * batch * seq / (devices * H100_BF16_PEAK * plan.step_time_s):.1%} | "
+                  f"{plan.memory.total / 2**30:.1f} | {seconds:.1f} |", flush=True)
 
 
 def main() -> int:
