@@ -99,6 +99,8 @@ def test_the_default_call_beyond_one_node_chooses_cp_by_price(seq, cp):
     kernels = {n.strategy.kernel for n in plan.nodes if n.target == SDPA}
     assert ("cp" in plan.mesh.axis_names) == cp
     assert any(kernels) == cp, kernels  # a cp axis is chosen only with attention split along the sequence
+    if not cp:  # the plan says why not
+        assert any("cp" in note and ("context parallel" in note or "cp axis" in note) for note in plan.solver.skipped), plan.solver.skipped
 
 
 @pytest.mark.multiprocess

@@ -323,16 +323,18 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
                         step_s=step, bubble_s=sched.bubble_s, bubble_fraction=sched.bubble_fraction, p2p_s=p2p)
 
 
+def _what(c: Candidate) -> str:
+    """A configuration, as the plan's notes name it."""
+    cp = f" x cp {c.context}" if c.context > 1 else ""
+    return f"pipeline tp {c.tensor}{cp} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}"
+
+
 def _returned_plan(ranked: list[Candidate], estimate: Callable[[Candidate], PipelinePlan], returned: Callable[[Candidate], Plan],
                    budget: float) -> tuple[Candidate, Plan]:
     """Price the cheapest searched configurations by their stage plans (`estimate`), in the search's order, until
     `TOP_PRICED` fit (at most `MOST_TRIED` tried); solve the cheapest of those on the whole model (`returned`) and
     return it as priced (its step and memory are its own stage plan's), or the next when it does not fit, with why
     each other configuration was not returned (in `plan.solver.skipped`)."""
-
-    def what(c: Candidate) -> str:
-        cp = f" x cp {c.context}" if c.context > 1 else ""
-        return f"pipeline tp {c.tensor}{cp} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}"
 
     fits, dropped = [], []
     for c in ranked[:MOST_TRIED]:
@@ -341,20 +343,20 @@ def _returned_plan(ranked: list[Candidate], estimate: Callable[[Candidate], Pipe
         try:
             fits.append((c, estimate(c)))
         except MemoryBudgetError as e:
-            dropped.append(f"{what(c)}: its stage plan does not fit: {e}")
+            dropped.append(f"{_what(c)}: its stage plan does not fit: {e}")
         except SolveTimeout as e:
-            dropped.append(f"{what(c)}: its stage plan was not solved in time: {e}")
+            dropped.append(f"{_what(c)}: its stage plan was not solved in time: {e}")
     fits.sort(key=lambda cp: (cp[1].step_s, cp[1].peak_memory))
     for i, (c, pipe) in enumerate(fits):
         try:
             plan = returned(c)
         except MemoryBudgetError as e:
-            dropped.append(f"{what(c)}: its stage plan of the whole model does not fit: {e}")
+            dropped.append(f"{_what(c)}: its stage plan of the whole model does not fit: {e}")
             continue
         except SolveTimeout as e:
-            dropped.append(f"{what(c)}: its stage plan of the whole model was not solved in time: {e}")
+            dropped.append(f"{_what(c)}: its stage plan of the whole model was not solved in time: {e}")
             continue
-        others = tuple(f"{what(o)}: ranked at {p.step_s:.4g} s per step by its stage plan, slower than the returned one's {pipe.step_s:.4g} s"
+        others = tuple(f"{_what(o)}: ranked at {p.step_s:.4g} s per step by its stage plan, slower than the returned one's {pipe.step_s:.4g} s"
                        for o, p in fits[i + 1:])
         plan = replace(plan, solver=replace(plan.solver, skipped=plan.solver.skipped + tuple(dropped) + others))
         return replace(c, pipe=plan.pipeline), plan
@@ -409,6 +411,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             return None
         return repeat_layers(units, layers), plan, units[-2].name
 
+    cp_notes: dict[str, None] = {}  # why a cp configuration is not the answer, where nothing else says it
+
     def profile(mesh: MeshSpec, n: int) -> list[Unit] | None:
         """The stage profile on `mesh` at microbatch `n`; None for a mesh with a `cp` axis whose plan runs no attention
         context-parallel (the axis would only repeat a data-parallel configuration)."""
@@ -423,6 +427,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
                 found = units, plan, None
             profiles[key], plans[key], stand_ins[key] = found
         if CP_AXIS in mesh.axis_names and not uses_context_parallel(plans[key]):
+            cp_notes[f"stage sub-mesh {mesh} (context parallel), microbatch {n}: its stage profile priced no attention op "
+                     "cheaper split along the sequence"] = None
             return None
         return profiles[key]
 
@@ -572,6 +578,12 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             raise ValueError(f"PipelineOptions(layers={options.layers}) stretches a profile the model does not have: the stage plan "
                              "cannot be solved on it; give stage_plan=False (pricing only) or trace the model at its depth")
         best, plan = _returned_plan(ranked, estimate, returned, budget)
+        if best.context == 1:
+            cheapest = next((c for c in ranked if c.context > 1), None)
+            if cheapest is not None and not any(n.startswith(_what(cheapest)) for n in plan.solver.skipped):
+                cp_notes[f"{_what(cheapest)}: the cheapest configuration with a cp axis, ranked at {cheapest.step_s:.4g} s per step "
+                         f"by its stage profiles, behind the returned configuration's {plan.pipeline.searched_step_s:.4g} s"] = None
+        plan = replace(plan, solver=replace(plan.solver, skipped=plan.solver.skipped + tuple(cp_notes)))
     log.info("pipeline search: %d candidates, %d solves, %.1f s", considered, solves, time.perf_counter() - t0)
     return PipelineResult(best=best, plan=plan, considered=considered, seconds=time.perf_counter() - t0, solves=solves)
 
