@@ -13,6 +13,7 @@ PRIVATE_TORCH = {
     "torch._C": "autograd's current graph task, dispatch-key checks",
     "torch._C._current_graph_task_id": "a collective knows whether it runs inside backward",
     "torch._C._dispatch_has_kernel_for_dispatch_key": "tracing tells a composite op from a kernel",
+    "torch._C._profiler._EventType": "measured peaks pair the allocator's events by address (profiling/fidelity.py)",
     "torch._ops": "OpOverload, the type of traced targets",
     "torch._ops.OpOverload": "the type of traced targets",
     "torch._subclasses.fake_tensor.FakeTensorMode": "shapes without memory when tracing",

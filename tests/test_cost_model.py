@@ -249,6 +249,22 @@ def test_memory_breakdown():
         MemoryBreakdown.from_dict({"params": 1})
     with pytest.raises(ValueError, match="grads"):
         MemoryBreakdown(params=0, grads=-1, optimizer=0, activations=0)
+    w = MemoryBreakdown(params=mib, grads=0, optimizer=0, activations=0, workspace=64 * mib)
+    assert w.total == 65 * mib and str(w).endswith("workspace 64.0 MiB = 65.0 MiB")
+    saved_before = {k: v for k, v in m.to_dict().items() if k != "workspace"}  # a plan saved before workspaces counted
+    assert MemoryBreakdown.from_dict(saved_before) == m
+
+
+def test_a_gpu_plan_holds_the_math_libraries_workspace():
+    """cuBLAS/cuBLASLt workspaces: measured 64.0 MiB on an H200 (benchmarks/gpu_check.py), in no tensor of a plan."""
+    import meshplan
+    from meshplan.models import mlp_small
+
+    model, inputs = mlp_small()
+    gpu, cpu = (meshplan.plan(model, 2, inputs, cluster=c) for c in ("h100", "cpu"))
+    assert gpu.memory.workspace == get_cluster("h100").device.library_workspace_bytes == 64 * 2**20
+    assert cpu.memory.workspace == 0
+    assert gpu.memory.total - cpu.memory.total >= 64 * 2**20 - 2**20  # the same tiny model's tensors, give or take dtypes
 
 
 def test_format_bytes():

@@ -117,22 +117,27 @@ class MemoryBreakdown:
     """Bytes of optimizer state (see `optimizer_state_bytes`)."""
     activations: int
     """Bytes of activations saved for backward at the peak (after recomputation)."""
+    workspace: int = 0
+    """Bytes the device's math libraries hold throughout (`DevicePreset.library_workspace_bytes`)."""
 
     def __post_init__(self) -> None:
-        for name, value in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer), ("activations", self.activations)):
+        for name, value in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer), ("activations", self.activations),
+                            ("workspace", self.workspace)):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"MemoryBreakdown.{name} must be a non-negative number of bytes; got {value!r}")
 
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
         return MemoryBreakdown(params=self.params + other.params, grads=self.grads + other.grads,
-                               optimizer=self.optimizer + other.optimizer, activations=self.activations + other.activations)
+                               optimizer=self.optimizer + other.optimizer, activations=self.activations + other.activations,
+                               workspace=self.workspace + other.workspace)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.activations + self.workspace
 
     def __str__(self) -> str:
-        parts = " + ".join(f"{f.name} {format_bytes(getattr(self, f.name))}" for f in fields(self))
+        parts = " + ".join(f"{f.name} {format_bytes(getattr(self, f.name))}" for f in fields(self)
+                           if f.name != "workspace" or self.workspace)
         return f"{parts} = {format_bytes(self.total)}"
 
     def to_dict(self) -> dict[str, int]:
@@ -141,8 +146,8 @@ class MemoryBreakdown:
     @staticmethod
     def from_dict(data: dict[str, Any]) -> MemoryBreakdown:
         expected = {f.name for f in fields(MemoryBreakdown)}
-        if set(data) != expected:
+        if not expected - {"workspace"} <= set(data) <= expected:  # plans saved before the workspace was counted lack it
             raise ValueError(
-                f"MemoryBreakdown needs exactly the keys {sorted(expected)}; got {sorted(data)}"
+                f"MemoryBreakdown needs the keys {sorted(expected - {'workspace'})} (and optionally 'workspace'); got {sorted(data)}"
             )
         return MemoryBreakdown(**data)

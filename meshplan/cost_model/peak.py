@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from meshplan.cost_model.compute import is_view
 from meshplan.cost_model.memory import MemoryBreakdown, OPTIMIZER_STATES, format_bytes
+from meshplan.cost_model.presets import get_cluster
 from meshplan.ir.graph import Graph, TensorRef
 from meshplan.ir.placement import local_shape
 from meshplan.ir.regions import region_op
@@ -131,7 +132,8 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     # a stage's rank packs only its own parameters of a bucket (runtime/stage_grads.py)
     mine = {p.node: nbytes(graph[p.node].out, p.layout) for p in params}
     buckets = sum(b.nbytes if nodes is None else sum(mine.get(name, 0) for name in b.params) for b in plan.buckets)
-    resident = MemoryBreakdown(params=param_bytes, grads=buckets, optimizer=state, activations=0)
+    resident = MemoryBreakdown(params=param_bytes, grads=buckets, optimizer=state, activations=0,
+                               workspace=get_cluster(plan.cluster).device.library_workspace_bytes)
 
     # tensors: a producer's output ("ref") or a resharded copy ("move"); views alias their input's root
     size: dict[object, int] = {}
@@ -294,6 +296,6 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     if at_step > peak:
         peak, where, grads_at_peak, copies_at_peak = at_step, "optimizer", param_grads, 0
     grads_held, params_held = resident.grads + grads_at_peak, param_bytes + copies_at_peak
-    at_peak = MemoryBreakdown(params=params_held, grads=grads_held, optimizer=state,
-                              activations=int(peak) - params_held - grads_held - state)
+    at_peak = MemoryBreakdown(params=params_held, grads=grads_held, optimizer=state, workspace=resident.workspace,
+                              activations=int(peak) - params_held - grads_held - state - resident.workspace)
     return PeakMemory(peak=int(peak), resident=resident, phase=where, at_peak=at_peak, saved=saved_bytes)

@@ -36,6 +36,10 @@ class DevicePreset:
     memory (a CPU rank), so there is nowhere to offload to."""
     host_memory_bandwidth: float | None = None
     """Host memory bytes/s available to this device's share of the host CPUs (runs offloaded optimizer steps)."""
+    library_workspace_bytes: int = 0
+    """Bytes the math libraries keep allocated in each process once a matrix product has run (cuBLAS's and
+    cuBLASLt's workspaces come from torch's allocator): held through every step, in no tensor of a plan. 0 where
+    not measured."""
 
     def peak(self, dtype: str) -> float:
         """FLOP/s for `dtype`. Other real torch dtypes (int64 indices, bool masks, float64) use the
@@ -127,6 +131,9 @@ class ClusterPreset:
 # bf16/fp16 are the dense (no sparsity) tensor-core peaks. float32 uses the non-tensor-core 67
 # TFLOP/s rather than TF32's 494: torch defaults to allow_tf32=False for matmuls, and a cost
 # model that is too optimistic about compute over-favours sharding that saves memory traffic.
+HOPPER_WORKSPACE_BYTES = 64 * 2**20
+"""Measured on an H200 by benchmarks/gpu_check.py (runs 7 and 8, torch 2.11: 64.0 MiB held after one bf16 matrix
+product and its backward, in a fresh process). The H100 is the same chip to the libraries."""
 H100_SXM = DevicePreset(
     name="H100-SXM5-80GB",
     peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
@@ -136,6 +143,7 @@ H100_SXM = DevicePreset(
     # 8480C, 8 channels of DDR5-4800 each (2 x 307 GB/s) shared by 8 GPUs: ~77 GB/s per GPU.
     host_link_bandwidth=64e9,
     host_memory_bandwidth=77e9,
+    library_workspace_bytes=HOPPER_WORKSPACE_BYTES,
 )
 # NVLink 4 / NVSwitch: 900 GB/s bidirectional per GPU = 450 GB/s each way; a few us per hop.
 # Every NCCL collective is at least one CUDA kernel launch (~5 us, CUDA C programming guide's
@@ -158,6 +166,7 @@ H200_SXM = DevicePreset(
     memory_bytes=141 * 10**9,
     host_link_bandwidth=64e9,  # PCIe Gen5 x16 and the DGX H200's host, as for the DGX H100
     host_memory_bandwidth=77e9,
+    library_workspace_bytes=HOPPER_WORKSPACE_BYTES,
 )
 DGX_H200 = ClusterPreset(name="h200", device=H200_SXM, devices_per_node=8, intra_node=NVLINK4, inter_node=IB_NDR)
 

@@ -447,12 +447,14 @@ def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: Mes
     the budget, walk the plan, and while its peak is over, solve again with the row tightened by the overshoot (by
     ratio, and at least by the bytes). When no row tried gives a plan within the budget, the plan of the smallest row
     is the last resort: a budget below its walked peak is a `MemoryBudgetError` naming that peak, so a budget of that
-    size always gives a plan."""
+    size always gives a plan. The math libraries' workspace (`DevicePreset.library_workspace_bytes`), which every plan
+    holds alike, is outside the row: the row starts at the budget less it."""
 
     def walked(bound: float) -> Plan:
         return with_walked_memory(attempt(bound), graph, optimizer)
 
-    bound, smallest = budget, None
+    workspace = cluster.device.library_workspace_bytes
+    bound, smallest = budget - workspace, None
     for _ in range(MAX_TIGHTENINGS + 1):
         try:
             plan = walked(bound)
@@ -462,7 +464,7 @@ def _keep_budget(attempt, graph: Graph, budget: float, optimizer: str, mesh: Mes
         if plan.memory.total <= budget:
             return plan
         summed = plan.solver.memory_bound
-        bound = min(summed * budget / plan.memory.total, summed - (plan.memory.total - budget))
+        bound = min(summed * (budget - workspace) / max(plan.memory.total - workspace, 1), summed - (plan.memory.total - budget))
         log.info("mesh %s: walked peak %s breaks the budget %s; solving again with the memory row at %s", mesh,
                  format_bytes(plan.memory.total), format_bytes(budget), format_bytes(bound))
     if smallest is None:
