@@ -328,3 +328,22 @@ def test_profiles_measured_before_per_schedule_figures_still_load():
     old.pop("pipeline_step_s")
     q = Profile.from_json(old)
     assert q.pipeline_action(2, "1f1b") == 3e-4 and q.pipeline_action(2, "zbv") == 3e-4 and q.pipeline_step(2, "1f1b") == 0.0
+
+
+def test_a_nodes_saved_tensors_go_before_the_dual_of_its_moved_inputs():
+    """Autograd frees a node's saved tensors once its backward has run, before the next node (a move's dual
+    collective) runs. The fidelity benchmark's FSDP plan on 8 ranks gathers fc2's input along dim 1 (1 MiB) and
+    keeps it for the weight's gradient; the input's gradient then goes home by a reduce-scatter with two 1 MiB copies
+    (the runtime's chunks, gloo's). The profiler's allocation trace of that step on 8 gloo ranks (2026-11-26, rank 0)
+    peaked there at 7.85 MiB, the gathered input already freed; the walk that held it until after the reduce-scatter
+    said 8.84 MiB."""
+    from pathlib import Path
+
+    from meshplan.profiling import fidelity
+
+    profile = resolve_profile(str(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "fidelity_profile.json"), None)
+    case = next(c for c in fidelity.out_of_sample_cases() if c.world == 8 and c.name == "FSDP")
+    model, tokens = fidelity.build(fidelity.SIZES[case.size], fidelity.BATCH)
+    plan = meshplan.plan(model, 8, (tokens,), cluster=get_cluster("cpu").with_profile(profile), **dict(case.options))
+    assert any(t.consumer == "addmm_11" and t.forward[0].kind == "all_gather" and t.forward[0].dim == 1 for t in plan.transfers)
+    assert plan.memory.total == pytest.approx(7.85 * 2**20, rel=0.01)

@@ -11,8 +11,9 @@ every gradient resident at once, this walks the step as the runtime runs it:
 - what an op saves follows autograd (`SAVED`; a product keeps a factor only for the other's gradient), and a
   region op's kernel keeps what it declares (`RegionOp.kept_bytes`: a context-parallel kernel's gathered K/V);
 - backward, in reverse: each op allocates the gradients of its inputs, then frees its output
-  gradients and the tensors only it saved; a move into it then runs its backward collective (its scratch
-  while it runs) and frees the moved copy's gradient; parameter gradients stay until the optimizer step;
+  gradients and the tensors only it saved (autograd releases them before the next node runs); a move into it then
+  runs its backward collective (its scratch while it runs) and frees the moved copy's gradient; parameter gradients
+  stay until the optimizer step;
 - the optimizer step adds its per-parameter temporaries (`STEP_TEMPORARIES`);
 - a recomputed layer (`plan.recompute`, run under `torch.utils.checkpoint`) keeps only its inputs
   through forward; its backward starts by running its forward again, which brings back what its
@@ -276,6 +277,8 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
         for key in [("ref", node.name, j) for j in range(len(node.outputs))]:
             if key in grads:  # consumed by this op's backward
                 level -= grads.pop(key)
+        for key in released_at.pop(i, ()):  # autograd frees a node's saved tensors once its backward has run
+            hold(key, -1)
         # then each move's dual step (the next node autograd runs) brings its gradient back to the producer's layout,
         # with the collective's scratch while it runs, and frees the moved copy's gradient
         for key in sent_back:
@@ -286,8 +289,6 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
                 peak, where, grads_at_peak, copies_at_peak = held, "backward", param_grads, copies
             if key in grads:
                 level -= grads.pop(key)
-        for key in released_at.pop(i, ()):
-            hold(key, -1)
         if timeline is not None:
             timeline.append(("backward", node.name, base + level + param_grads))
 
