@@ -12,8 +12,8 @@ Steps, on one device:
    that reference and fp32 training), as in tests/test_mixed_precision.py.
 3. **Predicted against measured**: the one-device plan of the same model with its loss inside its
    forward (so the whole step is in the plan, as benchmarks/memory_truth.py does), priced with the
-   presets and with the profile of step 1 (and with one timing each op's runs one at a time, synchronised,
-   as profiles did before run 7), against the median measured step (forward, backward, Adam
+   presets and with the profile of step 1 (and with one timing each op's runs queued back to back,
+   `op_profiler.QUEUED`), against the median measured step (forward, backward, Adam
    step; `torch.cuda.synchronize` around each) and the measured peak (`max_memory_allocated`) against
    the plan's memory figure.
 
@@ -45,6 +45,7 @@ from meshplan.ir.precision import resolve_precision
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig
 from meshplan.profiling.calibrate import profile_graph
+from meshplan.profiling.op_profiler import QUEUED
 from meshplan.runtime.launch import run_local
 
 MODELS = {
@@ -210,12 +211,12 @@ def run(*, device_type: str, quick: bool, out: Path, steps: int) -> dict:
     graph = trace(model, (tokens,), precision=precision)
     profile = profile_graph(graph, [MeshSpec((1,))], cluster=cluster, device=device)
     profile_seconds = time.perf_counter() - started
-    synchronised = profile_graph(graph, [MeshSpec((1,))], cluster=cluster, device=device, queued=1)  # each run alone, as before
+    queued = profile_graph(graph, [MeshSpec((1,))], cluster=cluster, device=device, queued=QUEUED)  # op_profiler's module doc
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         presets = meshplan.plan(model, 1, (tokens,), cluster=cluster)
         profiled = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=profile)
-        one_by_one = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=synchronised)
+        back_to_back = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=queued)
     backend = "nccl" if device_type == "cuda" else "gloo"
     [(parity, measured, workspace)] = run_local(1, _worker, size, device_type, {"profiled": profiled.to_json()}, steps,
                                      backend=backend, timeout=540)
@@ -229,7 +230,7 @@ def run(*, device_type: str, quick: bool, out: Path, steps: int) -> dict:
         "step": {
             "measured_s": m["median_step_s"], "predicted_presets_s": presets.step_time_s, "predicted_profile_s": profiled.step_time_s,
             "error_presets": presets.step_time_s / m["median_step_s"] - 1, "error_profile": profiled.step_time_s / m["median_step_s"] - 1,
-            "predicted_synchronised_profile_s": one_by_one.step_time_s,
+            "predicted_queued_profile_s": back_to_back.step_time_s,
             "mfu_measured": profiled.model_flops / (profiled.peak_flops * m["median_step_s"]), "kernel_s": m["kernel_s"],
         },
         "memory": {"measured_peak_bytes": m["peak_bytes"], "plan_bytes": profiled.memory.total, "library_workspace_bytes": workspace},
@@ -257,8 +258,8 @@ def markdown(r: dict) -> str:
         f"- bf16 parity ({'passed' if p['passed'] else 'FAILED'}): worst gradient error {p['worst_grad_error_over_bf16_noise']:.2f} x its "
         f"bf16 noise ({p['worst_grad']}), losses within {p['max_loss_rel_error']:.1e}",
         f"- step: measured {s['measured_s'] * 1e3:.2f} ms; predicted {s['predicted_profile_s'] * 1e3:.2f} ms with the profile "
-        f"({s['error_profile']:+.0%}; each op timed alone: {s['predicted_synchronised_profile_s'] * 1e3:.2f} ms, "
-        f"{s['predicted_synchronised_profile_s'] / s['measured_s'] - 1:+.0%}), {s['predicted_presets_s'] * 1e3:.2f} ms with the presets "
+        f"({s['error_profile']:+.0%}; each op's runs queued back to back: {s['predicted_queued_profile_s'] * 1e3:.2f} ms, "
+        f"{s['predicted_queued_profile_s'] / s['measured_s'] - 1:+.0%}), {s['predicted_presets_s'] * 1e3:.2f} ms with the presets "
         f"({s['error_presets']:+.0%}); "
         f"measured MFU {s['mfu_measured']:.1%}; GPU kernels {kernels} per step",
         f"- memory: measured peak {peak}, plan {mem['plan_bytes'] / 2**20:.1f} MiB; the math libraries' workspaces {workspace}", "",

@@ -7,10 +7,11 @@ events (kernels are asynchronous, so wall-clock time would measure the launch); 
 `time.perf_counter`. The backward of one op is timed with `torch.autograd.grad` on a fresh forward,
 so it includes autograd's per-node work, as a real backward pass does.
 
-On CUDA each sample times `QUEUED` runs queued back to back: in a step the CPU queues kernels ahead
-of the GPU, so an op costs the larger of its kernel and its dispatch, not the launch latency and the
-kernel in turn that one synchronised run measures (run 6 on an H200: the synchronised op timings
-summed to 19.1 ms for a step measured at 14.7 ms).
+With `queued=n` each sample times n runs queued back to back (their backwards in one autograd call): in a
+step the CPU queues kernels ahead of the GPU, so an op could cost the larger of its kernel and its dispatch rather
+than the launch latency and the kernel in turn that one synchronised run measures. On an H200 it predicted no
+better (benchmarks/results/README.md, runs 8-9: a GPT step priced +76 % and +27 % queued, +88 % and -19 % one
+run at a time), so profiles time one run at a time; benchmarks/gpu_check.py prices with both.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _call(node: fx.Node, tensors: Sequence[torch.Tensor], out_shape: tuple[int, 
 
 
 QUEUED = 8
-"""CUDA: runs per timing sample, queued back to back (see the module doc)."""
+"""Runs per timing sample when queued back to back (see the module doc)."""
 
 
 def _float_outputs(out: object) -> list[torch.Tensor]:
@@ -103,8 +104,8 @@ def time_op(
     Runs at least `min_runs` timed repetitions after `warmup`, and more (up to `max_runs`) while the
     total stays under `budget_s`: tiny ops get many samples, big ones few. `grad_call_s` (see
     `grad_call_overhead`) is subtracted from each backward sample: a real backward pass starts
-    autograd's engine once per step, not once per op. `queued`: runs per sample, queued back to back
-    (default `QUEUED` on CUDA, 1 elsewhere: a CPU runs each op when it is called).
+    autograd's engine once per step, not once per op. `queued`: runs per sample, queued back to back (see the
+    module doc; default 1).
     """
     if len(inputs) != len(needs_grad):
         raise AssertionError((node, inputs, needs_grad))
@@ -114,7 +115,7 @@ def time_op(
     grad_in = [t for t, g in zip(tensors, needs_grad) if g and t.requires_grad]
     run = _call(node, tensors, out_shape)
 
-    queued = queued or (QUEUED if device.type == "cuda" else 1)
+    queued = queued or 1
 
     def run_queued() -> None:
         for _ in range(queued):
