@@ -69,7 +69,7 @@ def op_workload(graph: Graph, meshes: Iterable[MeshSpec]) -> dict[str, tuple[str
 
 def profile_graph(
     graph: Graph, meshes: Iterable[MeshSpec], *, cluster: str = "cpu", device: str | torch.device | None = None,
-    threads: int | None = 1, budget_s: float = 0.05, queued: int | None = None,
+    threads: int | None = 1, budget_s: float = 0.05, queued: int = 1,
 ) -> Profile:
     """Time every op of `graph` on every local shape its candidates on `meshes` produce, and the
     optimizer step on the graph's parameter sizes. `queued`: see `op_profiler.time_op`."""

@@ -96,7 +96,7 @@ def time_op(
     max_runs: int = 25,
     budget_s: float = 0.05,
     grad_call_s: float = 0.0,
-    queued: int | None = None,
+    queued: int = 1,
 ) -> OpTiming:
     """Median forward (and, when any input in `needs_grad` is set, backward) seconds of `node` on
     tensors shaped `inputs` (local shapes); `out_shape` is the local shape of output 0.
@@ -105,7 +105,7 @@ def time_op(
     total stays under `budget_s`: tiny ops get many samples, big ones few. `grad_call_s` (see
     `grad_call_overhead`) is subtracted from each backward sample: a real backward pass starts
     autograd's engine once per step, not once per op. `queued`: runs per sample, queued back to back (see the
-    module doc; default 1).
+    module doc).
     """
     if len(inputs) != len(needs_grad):
         raise AssertionError((node, inputs, needs_grad))
@@ -114,8 +114,6 @@ def time_op(
     tensors = [make_tensor(m, device, g) for m, g in zip(inputs, needs_grad)]
     grad_in = [t for t, g in zip(tensors, needs_grad) if g and t.requires_grad]
     run = _call(node, tensors, out_shape)
-
-    queued = queued or 1
 
     def run_queued() -> None:
         for _ in range(queued):
