@@ -270,7 +270,8 @@ def test_profile_cli_bad_input(capsys, tmp_path):
 def _collective_scratch(rank: int, world: int) -> dict[str, float]:
     """Peak bytes allocated inside each gloo collective call, in full-tensor sizes."""
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
+
+    from meshplan.profiling.fidelity import peak_during
 
     n = 1 << 14
     full, shard, out_full, out_shard = torch.randn(n), torch.randn(n // world), torch.empty(n), torch.empty(n // world)
@@ -280,13 +281,7 @@ def _collective_scratch(rank: int, world: int) -> dict[str, float]:
     out = {}
     for kind, call in calls.items():
         call()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            call()
-        level = peak = 0
-        for _, b in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"):
-            level += b
-            peak = max(peak, level)
-        out[kind] = peak / (4 * n)
+        out[kind] = peak_during(call) / (4 * n)
     return out
 
 

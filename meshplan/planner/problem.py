@@ -159,7 +159,6 @@ class Tables:
 _UNKNOWN = object()
 
 
-@timed("tables")
 def weigh_per_step(problem: Problem, graph: Graph, weight: float) -> None:
     """Scale the costs paid once per step in `problem`'s objective (each parameter's gradient sync and optimizer step,
     the plan-wide switches) by `weight`, against those paid per microbatch (`PlanOptions.microbatches`)."""
@@ -169,6 +168,7 @@ def weigh_per_step(problem: Problem, graph: Graph, weight: float) -> None:
     problem.switches = [replace(sw, cost=sw.cost * weight) for sw in problem.switches]
 
 
+@timed("tables")
 def build_tables(
     graph: Graph,
     mesh: MeshSpec,
