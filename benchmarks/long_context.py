@@ -27,10 +27,12 @@ profiler's allocation peak during a step, as `profiling/fidelity.py` measures it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, not an installed meshplan
@@ -42,6 +44,8 @@ import meshplan  # noqa: E402
 from meshplan.cost_model.presets import get_cluster  # noqa: E402
 from meshplan.cost_model.profile import resolve_profile  # noqa: E402
 from meshplan.ir.mesh import CP_AXIS  # noqa: E402
+from meshplan.ir.placement import Shard, fmt  # noqa: E402
+from meshplan.ir.trace import trace  # noqa: E402
 from meshplan.models import Llama, LlamaConfig  # noqa: E402
 from meshplan.plans.plan import Plan  # noqa: E402
 from meshplan.profiling.fidelity import peak_during, resident_bytes, slowest_rank_seconds, solver_memory  # noqa: E402
@@ -49,6 +53,8 @@ from meshplan.regions.context_parallel import force_context_parallel  # noqa: E4
 from meshplan.runtime.launch import run_local  # noqa: E402
 
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "data" / "fidelity_profile.json"
+DEFAULT_BUDGET_MIB = 48.0
+"""`--longest`'s per-rank budget: TBD."""
 PLANS = ("cp allgather", "cp balanced", "cp ring", "cp ulysses", "best without cp")
 
 
@@ -80,9 +86,11 @@ def make_plan(kind: str, seq: int, world: int, cluster) -> Plan:
                                  input_layouts={"tokens": "S(1)"})
 
 
-def measure(rank: int, world: int, plans_json: list[str], seq: int, warmup: int, steps: int) -> list[dict]:
+def measure(rank: int, world: int, plans_json: list[str], seqs: list[int], warmup: int, steps: int) -> list[dict]:
+    """Train each plan (its own sequence length) a few AdamW steps: median step of the slowest rank, and each rank's
+    peak (resident state plus the profiler's allocation peak during one more step, `profiling/fidelity.py`)."""
     out = []
-    for text in plans_json:
+    for text, seq in zip(plans_json, seqs):
         plan = Plan.from_json(text)
         model, tokens = build(seq)
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
@@ -97,10 +105,170 @@ def measure(rank: int, world: int, plans_json: list[str], seq: int, warmup: int,
             step()
         times = [slowest_rank_seconds(step) for _ in range(steps)]
         peak = torch.tensor(float(resident_bytes(pmodel, opt) + peak_during(step)), dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        out.append({"time_s": statistics.median(times), "peak_bytes": float(peak)})
+        peaks = [torch.zeros_like(peak) for _ in range(world)]
+        dist.all_gather(peaks, peak)
+        out.append({"time_s": statistics.median(times), "peak_bytes": max(map(float, peaks)), "rank_peaks": [float(p) for p in peaks]})
         del pmodel, opt
     return out
+
+
+LONGEST_KINDS = ("cp ring", "cp ulysses", "no sequence sharding")
+"""`--longest`'s strategies: CP (the ring kernel), Ulysses, and the best plan that splits no tensor along the sequence."""
+
+
+def _metas(graph, node) -> list:
+    return [*(graph.meta(r) for r in node.inputs), *node.outputs]
+
+
+def _splits_sequence(strategy, metas: list, seq: int) -> str | None:
+    """'shape placements' of the first tensor `strategy` splits along a dimension that holds the sequence (a multiple
+    of `seq` long: [1, S, h], [1, heads, S, d], the flattened [S, h]), None when it splits none."""
+    for meta, layout in zip(metas, [*strategy.inputs, *strategy.outputs]):
+        if meta is not None and layout is not None and any(isinstance(p, Shard) and meta.shape[p.dim] % seq == 0 for p in layout):
+            return f"{tuple(meta.shape)} {fmt(layout)}"
+    return None
+
+
+def sequence_splits(plan: Plan, graph, seq: int) -> list[str]:
+    """'node: shape placements' of every tensor the plan splits along the sequence (`_splits_sequence`), as inputs or
+    outputs of its ops; empty when none is."""
+    nodes = {n.name: n for n in graph.nodes}
+    found = []
+    for choice in plan.nodes:
+        if choice.name not in nodes:
+            raise ValueError(f"plan node {choice.name!r} is not in the traced graph: plan and graph are of different models")
+        if what := _splits_sequence(choice.strategy, _metas(graph, nodes[choice.name]), seq):
+            found.append(f"{choice.name}: {what}")
+    return found
+
+
+@contextlib.contextmanager
+def without_sequence_splits(seq: int) -> Iterator[None]:
+    """While planning, every node's candidates less those that split a tensor along the sequence (`_splits_sequence`).
+
+    The planner has no option for this: the call's candidate generator (`planner.planner.generate`) is wrapped for
+    the call. Forbidding only the input's split is not enough: from 2,048 tokens the solver slices a whole input
+    along the sequence at the first op."""
+    import meshplan.planner.planner as planner
+
+    original = planner.generate
+
+    def generate(graph, mesh, **kwargs):
+        cands = original(graph, mesh, **kwargs)
+        nodes = {n.name: n for n in graph.nodes}
+        for name, strategies in cands.by_node.items():
+            kept = [s for s in strategies if not _splits_sequence(s, _metas(graph, nodes[name]), seq)]
+            if not kept:
+                raise ValueError(f"every candidate of {name} splits the sequence; e.g. {strategies[0]}")
+            cands.by_node[name] = kept
+        return cands
+
+    planner.generate = generate
+    try:
+        yield
+    finally:
+        planner.generate = original
+
+
+def plan_longest(kind: str, seq: int, world: int, cluster) -> Plan:
+    """CP and Ulysses forced on a `cp` mesh (`make_plan`). Without sequence sharding: the default call, its search
+    restricted to candidates that split no tensor along the sequence (`without_sequence_splits`; so no `cp` axis
+    either), and the plan checked for it."""
+    if kind != "no sequence sharding":
+        return make_plan(kind, seq, world, cluster)
+    model, tokens = build(seq)
+    with warnings.catch_warnings(), without_sequence_splits(seq):
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, world, (tokens,), cluster=cluster)
+    split = sequence_splits(plan, trace(model, (tokens,)), seq)
+    if split:
+        raise ValueError(f"the plan without sequence sharding splits {len(split)} tensors along the sequence at {seq} "
+                         f"tokens, e.g. {split[:3]}")
+    return plan
+
+
+def longest_fitting(fits, kinds: tuple[str, ...], start: int, granule: int, limit: int) -> dict[str, tuple[int, int | None]]:
+    """The longest length (a multiple of `granule`) each kind fits at, by doubling from `start` and then bisection.
+
+    `fits({kind: length})` answers {kind: bool} for one round, every kind still searching at once (one launch of
+    processes per round). Returns kind -> (longest length that fit, 0 if none; shortest that did not, None if every
+    length up to `limit` fit). Assumes fitting is monotone in the length."""
+    if start % granule or start <= 0 or limit < start:
+        raise ValueError(f"start must be a positive multiple of granule ({granule}) at most limit ({limit}); got {start}")
+    bounds: dict[str, list] = {k: [0, None] for k in kinds}  # [longest that fit, shortest that did not]
+
+    def probe(lo: int, hi: int | None) -> int | None:
+        if hi is None:
+            nxt = 2 * lo if lo else start
+            return nxt if nxt <= limit else None
+        mid = (lo + hi) // 2 // granule * granule
+        return mid if lo < mid < hi else None
+
+    while todo := {k: n for k, (lo, hi) in bounds.items() if (n := probe(lo, hi)) is not None}:
+        for kind, ok in fits(todo).items():
+            bounds[kind][0 if ok else 1] = todo[kind]
+    return {k: (lo, hi) for k, (lo, hi) in bounds.items()}
+
+
+def longest(world: int, cluster, budget: int, start: int, granule: int, limit: int, warmup: int, steps: int) -> None:
+    """`--longest`: the longest sequence each of `LONGEST_KINDS` trains at within `budget` bytes per rank (measured
+    peak, the largest over ranks), then every kind's peak at the unsharded plan's longest length."""
+    seen: dict[tuple[str, int], tuple[Plan, dict]] = {}  # (kind, seq) -> plan, measurement
+
+    def run(todo: dict[str, int]) -> None:
+        todo = {k: n for k, n in todo.items() if (k, n) not in seen}
+        if not todo:
+            return
+        plans = {k: plan_longest(k, n, world, cluster) for k, n in todo.items()}
+        t0 = time.perf_counter()
+        got = run_local(world, measure, [p.to_json() for p in plans.values()], list(todo.values()), warmup, steps,
+                        timeout=3600)[0]
+        for (kind, seq), plan, m in zip(todo.items(), plans.values(), got):
+            seen[kind, seq] = plan, m
+            print(f"  {kind} at {seq}: measured {m['peak_bytes'] / 2**20:.1f} MiB (predicted "
+                  f"{solver_memory(plan) / 2**20:.1f}), step {m['time_s'] * 1e3:.0f} ms (predicted "
+                  f"{plan.step_time_s * 1e3:.0f}): {'fits' if m['peak_bytes'] <= budget else 'over'}", flush=True)
+        print(f"  (round of {len(todo)} measured in {time.perf_counter() - t0:.0f} s)", flush=True)
+
+    def fits(todo: dict[str, int]) -> dict[str, bool]:
+        run(todo)
+        return {k: seen[k, n][1]["peak_bytes"] <= budget for k, n in todo.items()}
+
+    found = longest_fitting(fits, LONGEST_KINDS, start, granule, limit)
+    mib = 2**20
+
+    def row(kind: str, seq: int) -> str:
+        plan, m = seen[kind, seq]
+        attn = {n.strategy.kernel or str(n.strategy) for n in plan.nodes if n.target == "aten.scaled_dot_product_attention.default"}
+        ranks = " / ".join(f"{b / mib:.1f}" for b in m["rank_peaks"])
+        return (f"| {kind} | {seq} | {plan.mesh} | {', '.join(sorted(attn))} | {m['peak_bytes'] / mib:.1f} | {ranks} | "
+                f"{solver_memory(plan) / mib:.1f} | {plan.step_time_s * 1e3:.0f} | {m['time_s'] * 1e3:.0f} | "
+                f"{plan.step_time_s / m['time_s'] - 1:+.0%} |")
+
+    head = ("| strategy | seq | mesh | attention | measured peak MiB (max) | per rank | predicted MiB | predicted ms | "
+            "measured ms | step error |\n|---|---:|---|---|---:|---|---:|---:|---:|---:|")
+    print(f"\nLongest sequence within {budget / mib:.0f} MiB per rank (measured), {world} gloo ranks, multiples of {granule}:")
+    print(head)
+    for kind, (lo, hi) in found.items():
+        if lo:
+            print(row(kind, lo))
+        print(f"|   {kind}: {'none fit' if not lo else 'fits'}; shortest over: {hi if hi else f'none up to {limit}'} | | | | | | | | | |")
+    common = found["no sequence sharding"][0]
+    if not common:
+        print("the plan without sequence sharding fits at no length searched: no common length")
+        return
+    run({k: common for k in LONGEST_KINDS})
+    print(f"\nAt {common} tokens (the unsharded plan's longest):")
+    print(head)
+    for kind in LONGEST_KINDS:
+        print(row(kind, common))
+    base = seen["no sequence sharding", common]
+    for kind in ("cp ring", "cp ulysses"):
+        ratio = seen[kind, common][1]["peak_bytes"] / base[1]["peak_bytes"]
+        print(f"{kind} peak / unsharded peak, measured: {ratio:.3f} (target at most 0.35: {'met' if ratio <= 0.35 else 'NOT met'}); "
+              f"predicted {solver_memory(seen[kind, common][0]) / solver_memory(base[0]):.3f}")
+    for kind in LONGEST_KINDS:
+        print(f"{kind} predicted memory: {seen[kind, common][0].memory}")
 
 
 BIG = {"Llama-3-8B": ("llama8b", 64, 8), "Llama-3-70B": ("llama70b", 256, 16)}
@@ -152,9 +320,24 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE))
     ap.add_argument("--big", action="store_true", help="plan Llama-3-8B and 70B on 64 and 256 H100s only (module doc)")
+    ap.add_argument("--longest", action="store_true", help="the longest sequence CP, Ulysses and the plan without sequence "
+                    "sharding train at within --budget-mib per rank, measured (module doc)")
+    ap.add_argument("--budget-mib", type=float, default=DEFAULT_BUDGET_MIB)
+    ap.add_argument("--start", type=int, default=1024, help="--longest: the first length tried (then doubled)")
+    ap.add_argument("--granule", type=int, default=256, help="--longest: lengths searched are its multiples")
+    ap.add_argument("--limit", type=int, default=1 << 17, help="--longest: the longest length tried")
     args = ap.parse_args()
     if args.big:
         big(args.seq or [LONGEST, 2048])
+        return 0
+    if args.longest:
+        if args.granule % (2 * args.world) or args.budget_mib <= 0:
+            raise ValueError(f"--granule must be a multiple of 2 x --world ({2 * args.world}) and --budget-mib positive; "
+                             f"got {args.granule} and {args.budget_mib}")
+        profile = resolve_profile(args.profile, None)
+        cluster = get_cluster(profile.cluster if profile else "cpu").with_profile(profile)
+        print(f"world {args.world} gloo ranks, planned from {args.profile}, budget {args.budget_mib:g} MiB per rank")
+        longest(args.world, cluster, int(args.budget_mib * 2**20), args.start, args.granule, args.limit, args.warmup, args.steps)
         return 0
     args.seq = args.seq or [2048, 4096]
     profile = resolve_profile(args.profile, None)
@@ -164,7 +347,8 @@ def main() -> int:
     print("|---:|---|---|---|---:|---:|---:|---:|---:|")
     for seq in args.seq:
         plans = [make_plan(kind, seq, args.world, cluster) for kind in PLANS]
-        got = run_local(args.world, measure, [p.to_json() for p in plans], seq, args.warmup, args.steps, timeout=3600)[0]
+        got = run_local(args.world, measure, [p.to_json() for p in plans], [seq] * len(plans), args.warmup, args.steps,
+                        timeout=3600)[0]
         for kind, plan, m in zip(PLANS, plans, got):
             attn = {n.strategy.kernel or str(n.strategy) for n in plan.nodes if n.target == "aten.scaled_dot_product_attention.default"}
             err = plan.step_time_s / m["time_s"] - 1
