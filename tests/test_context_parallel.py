@@ -18,12 +18,15 @@ import torch.nn.functional as F
 
 import meshplan
 from meshplan.cost_model.compute import attention_pairs
+from meshplan.cost_model.presets import get_cluster
+from meshplan.cost_model.profile import Profile, device_name, torch_version
 from meshplan.ir.causal_mask import is_causal_mask
 from meshplan.ir.placement import Shard
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
 from meshplan.models.hf import hf_model
-from meshplan.regions.context_parallel import balanced_chunks, causal_pairs, kernel_name, force_context_parallel, parse_kernel
+from meshplan.regions.context_parallel import (balanced_chunks, causal_pairs, force_context_parallel, kernel_name, parse_kernel,
+                                              shared_cores_seconds)
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
@@ -171,6 +174,27 @@ def test_priced_with_the_issue_formulas():
     assert [st.nbytes for st in nodes["ulysses"].forward_comm] == [b * s * h * e // p] * 4
     assert causal_pairs("allgather", p, s // p) == 100 and causal_pairs("balanced", p, s // p) == 68 == attention_pairs(s, s, True) // p
     assert nodes["balanced"].time_s == pytest.approx(gather.time_s * 68 / 100)  # the contiguous split's causal excess
+
+
+def test_shared_cores_run_the_busiest_rank_faster_but_never_faster_than_alone():
+    # works 1 and 3 on one core: both at 1/2 until the first ends at 2, then the second alone for 2 more
+    assert shared_cores_seconds([3.0, 1.0], 1.0) == pytest.approx(4.0)
+    assert shared_cores_seconds([3.0, 1.0], 2.0) == pytest.approx(3.0)  # a core each: the longest alone
+    assert shared_cores_seconds([2.0, 2.0], 1.0) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("contention", [1.0, 2.0])
+def test_ranks_sharing_cores_price_the_contiguous_split_by_processor_sharing(contention):
+    """The contiguous split of 2 ranks (P = 2, L = 8): rank 0 computes 36 causal pairs, rank 1 100 (the balanced
+    kernel: 68 each). With a profile whose 2 ranks slow each other down by `contention` (more ranks than cores),
+    they share 2 / contention cores; at contention 2 (one core) both run at half speed until rank 0 ends, then
+    rank 1 alone: 36 + 64 / 2 (in contended pair-times) against balanced's 68. At contention 1 rank 1's own 100."""
+    profile = Profile(device=device_name("cpu"), torch_version=torch_version(), cluster="cpu", contention={2: contention})
+    cluster = get_cluster("cpu").with_profile(profile)
+    times = {v: next(n for n in _plan("gpt", 2, kernel_name(v, True), cluster=cluster).nodes if n.target == SDPA).time_s
+             for v in ("allgather", "balanced")}
+    expected = 100 if contention == 1.0 else 36 + 64 / 2
+    assert times["allgather"] / times["balanced"] == pytest.approx(expected / 68)
 
 
 def test_the_default_search_chooses_context_parallelism_by_price():

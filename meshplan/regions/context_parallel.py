@@ -100,6 +100,17 @@ def causal_pairs(variant: str, n: int, rows: int) -> int:
     return (n - 1) * rows * rows + attention_pairs(rows, rows, True)
 
 
+def shared_cores_seconds(works: list[float], cores: float) -> float:
+    """When the last of `works` (seconds each of one rank's compute alone) ends if the ranks share `cores` cores
+    evenly, a rank never faster than alone: while k are busy each runs at min(1, cores / k). `cores` is the ranks
+    over the measured contention (`Profile.slowdown`: how much slower each computes when all compute at once)."""
+    elapsed = done = 0.0
+    for i, w in enumerate(sorted(works)):
+        elapsed += (w - done) / min(1.0, cores / (len(works) - i))
+        done = w
+    return elapsed
+
+
 def is_causal(node) -> bool:
     """Whether an SDPA node was traced with `is_causal=True` (`Node.attrs`)."""
     return dict(node.attrs).get("is_causal", False)
@@ -350,10 +361,18 @@ class ContextParallel(RegionOp):
         # busiest rank's blocks compute under a causal mask
         work = causal_pairs(variant, n, rows) / (rows * rows * n) if causal and variant != "ulysses" else 1.0
         plain = variant == "ulysses"
+        shared = 1.0
+        if work < 1.0 and variant != "balanced" and cluster.profile is not None:
+            # split contiguously, rank r computes r whole blocks and a diagonal. Ranks that share cores (a CPU with
+            # more ranks than cores: contention > 1) hand the busiest rank the time the others wait; one rank per
+            # core or GPU (contention 1) computes its own work alone
+            slowdown = cluster.profile.slowdown(math.prod(mesh_shape))
+            per_rank = [(r * rows * rows + attention_pairs(rows, rows, True)) / (rows * rows * n) for r in range(n)]
+            shared = shared_cores_seconds([w / slowdown for w in per_rank], n / slowdown) / work
 
         def priced(grad: bool) -> float:
-            return work * compute_time(node.target, metas, [out], whole, mesh_shape, cluster, backward=grad,
-                                       in_layouts=whole * 3 if plain else None, causal=causal and plain)
+            return shared * work * compute_time(node.target, metas, [out], whole, mesh_shape, cluster, backward=grad,
+                                                in_layouts=whole * 3 if plain else None, causal=causal and plain)
 
         compute = priced(backward)
         back = (back_steps if variant == "ring" else [s.dual() for s in forward]) if backward else []
