@@ -319,6 +319,34 @@ MEGATRON = {"gpt": ({"*.q_proj.*": "RS(0)", "*.k_proj.*": "RS(0)", "*.v_proj.*":
                        "*.down_proj.weight": "RS(1)"})}
 
 
+def _annotated(pattern: str | None, axes: tuple[str, ...] = ("dp", "cp")):
+    model, tokens = _build("gpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return meshplan.plan(model, devices=4, mesh_shape=(2, 2), axis_names=axes, example_inputs=(tokens,),
+                             parallelize_plan={pattern: "context_parallel"} if pattern else None)
+
+
+def test_an_annotation_splits_one_modules_attention_along_the_sequence():
+    """parallelize_plan={'layers.0.attn': 'context_parallel'}: that layer's attention runs as a context-parallel kernel
+    (the search picks which) and the other layer's does not, where without it neither does (dp x cp, batch 2)."""
+    assert _kernels(_annotated(None)) == {""}
+    by_module = {n.module_path: n.strategy.kernel for n in _annotated("layers.0.attn").nodes if n.target == SDPA}
+    assert by_module["layers.0.attn"].startswith("cp_attention(") and by_module["layers.1.attn"] == "", by_module
+    assert _kernels(_annotated("layers.*.attn")) != {""} and "" not in _kernels(_annotated("layers.*.attn"))
+    with pytest.raises(ValueError, match="mesh axis named 'cp', and mesh dp=2 x tp=2 has axes 'dp', 'tp'"):
+        _annotated("layers.*.attn", axes=("dp", "tp"))
+    with pytest.raises(ValueError, match=r"module layers.0.mlp runs no attention"):
+        _annotated("layers.*.mlp")
+
+
+@pytest.mark.multiprocess
+def test_parity_with_one_modules_attention_annotated():
+    plan = _annotated("layers.0.attn")
+    results = run_local(4, _worker, "gpt", plan, timeout=900)
+    _check_parity("gpt", plan, results)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", ["allgather", "balanced", "ring", "ulysses"])
 @pytest.mark.parametrize("name", ["gpt", "llama"])

@@ -17,7 +17,10 @@ Where annotations land:
   innermost one), other axes searched: "colwise" (Linear weight and bias Shard(0); Embedding
   weight Shard(1)), "rowwise" (Linear weight Shard(1), bias Replicate), "replicate" (every
   parameter of the module Replicate), "sequence_parallel" (parameters Replicate; every tensor of
-  rank >= 2 entering or leaving the module Shard(1), the sequence dim).
+  rank >= 2 entering or leaving the module Shard(1), the sequence dim). "context_parallel" is on
+  the axis named "cp" instead: every attention op of the module has its query, key and value split
+  along the sequence there (Shard(2)), which only the context-parallel kernels compute
+  (regions/context_parallel.py; the search picks which).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshplan.ir.graph import Graph, Node, TensorRef
-from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.mesh import CP_AXIS, MeshSpec
 from meshplan.ir.placement import Placement, Replicate, Shard, fmt, is_even, shard_factor
 from meshplan.planner.annotations import (
     AnnotationError,
@@ -42,7 +45,9 @@ from meshplan.planner.annotations import (
 )
 from meshplan.plans.strategy import Strategy
 
-STYLES = ("colwise", "rowwise", "replicate", "sequence_parallel")
+STYLES = ("colwise", "rowwise", "replicate", "sequence_parallel", "context_parallel")
+ATTENTION = "aten.scaled_dot_product_attention.default"
+"""How SDPA traces (every attention of meshplan's and Hugging Face's models): the op "context_parallel" splits."""
 MATMULS = {"aten.mm.default": 0, "aten.addmm.default": 1}
 """The ops an nn.Linear traces to, and the position of x among their tensor inputs (weight follows)."""
 TRANSPOSES = ("aten.permute.default", "aten.t.default", "aten.transpose.int")
@@ -70,7 +75,8 @@ class Annotations:
     parameter_plan: Mapping[str, Any] = field(default_factory=dict)
     """Parameter/buffer FQN glob -> layout (any annotation form)."""
     parallelize_plan: Mapping[str, Any] = field(default_factory=dict)
-    """Module FQN glob -> 'colwise' | 'rowwise' | 'replicate' | 'sequence_parallel' (or the torch ParallelStyle)."""
+    """Module FQN glob -> 'colwise' | 'rowwise' | 'replicate' | 'sequence_parallel' | 'context_parallel' (or the torch
+    ParallelStyle)."""
     modules: Mapping[str, ShardAnnotation] = field(default_factory=dict)
     """Module path -> what `meshplan.shard` recorded on it."""
 
@@ -504,6 +510,8 @@ def _from_style(idx: _Index, mesh: MeshSpec, pattern: str, style) -> list[Constr
         raise AnnotationError(f"parallelize_plan pattern {pattern!r} matches no module of the model; modules are: {sample}")
     tp = tp_axis(mesh)
     source = f"parallelize_plan[{pattern!r}]={name!r}"
+    if name == "context_parallel":
+        return [c for path in paths for c in _context_parallel(idx, mesh, path, source)]
 
     def on_tp(p: Placement) -> MaybePlacements:
         return tuple(p if a == tp else None for a in range(mesh.ndim))
@@ -538,6 +546,22 @@ def _from_style(idx: _Index, mesh: MeshSpec, pattern: str, style) -> list[Constr
         if bias is not None:
             out.append(Constraint(bias.name, "out", 0, on_tp(Shard(0) if name == "colwise" else Replicate()), f"{path}.bias", source))
     return out
+
+
+def _context_parallel(idx: _Index, mesh: MeshSpec, path: str, source: str) -> list[Constraint]:
+    """Query, key and value of every attention op under `path` split along the sequence on the `cp` axis."""
+    if CP_AXIS not in mesh.axis_names:
+        raise AnnotationError(
+            f"{source}: attention split along the sequence runs over a mesh axis named {CP_AXIS!r}, and mesh {mesh} has "
+            f"axes {', '.join(map(repr, mesh.axis_names))}: name one {CP_AXIS!r} (e.g. axis_names=('dp', 'cp'))"
+        )
+    ops = [n for n in idx.ops_in(path) if n.target == ATTENTION]
+    if not ops:
+        raise AnnotationError(f"{source}: module {path or '<top>'} runs no attention (torch's scaled_dot_product_attention)")
+    cp = mesh.axis_names.index(CP_AXIS)
+    layout = tuple(Shard(2) if a == cp else None for a in range(mesh.ndim))
+    return [Constraint(n.name, "in", i, layout, f"{role} of {path or '<top>'} ({n.name})", source)
+            for n in ops for i, role in enumerate(("query", "key", "value"))]
 
 
 __all__ = ["Annotations", "Constraint", "STYLES", "constrain", "style_name", "tp_axis"]
