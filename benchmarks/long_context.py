@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -251,7 +252,8 @@ def longest(world: int, cluster, budget: int, start: int, granule: int, limit: i
             print(f"  {kind} at {seq}: measured {m['peak_bytes'] / 2**20:.1f} MiB (predicted "
                   f"{solver_memory(plan) / 2**20:.1f}), step {m['time_s'] * 1e3:.0f} ms (predicted "
                   f"{plan.step_time_s * 1e3:.0f}): {'fits' if m['peak_bytes'] <= budget else 'over'}", flush=True)
-        print(f"  (round of {len(todo)} measured in {time.perf_counter() - t0:.0f} s)", flush=True)
+        print(f"  (round of {len(todo)} measured in {time.perf_counter() - t0:.0f} s; load average after it "
+              f"{os.getloadavg()[0]:.1f}, {world} of it this run's ranks)", flush=True)
 
     def fits(todo: dict[str, int]) -> dict[str, bool]:
         run(todo)
