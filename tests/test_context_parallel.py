@@ -25,8 +25,10 @@ from meshplan.ir.placement import Shard
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
 from meshplan.models.hf import hf_model
-from meshplan.regions.context_parallel import (balanced_chunks, causal_pairs, force_context_parallel, kernel_name, parse_kernel,
-                                              shared_cores_seconds)
+from meshplan.ir.mesh import MeshSpec
+from meshplan.regions.context_parallel import (MirrorSwap, balanced_chunks, causal_pairs, force_context_parallel, kernel_name,
+                                              parse_kernel, shared_cores_seconds)
+from meshplan.runtime.collectives import COUNTS, MeshComm, reset_counts
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
@@ -156,22 +158,24 @@ def test_forced_variant_lists_its_collectives(variant):
         assert kinds == ["all_to_all"] * 4 and back == ["all_to_all"] * 4
     elif variant == "ring":  # P-1 = 1 exchange of K, V; back: 1 of K, V, dK, dV and 1 of dK, dV home
         assert kinds == ["send_recv"] and back == ["send_recv"] * 2
-    else:
-        gathers = 4 if variant == "balanced" else 2
-        assert kinds == ["all_gather"] * gathers and back == ["reduce_scatter"] * gathers
+    else:  # balanced: half the queries to the mirrored rank and their output back; the gradients the same way
+        swaps = ["send_recv"] * 2 if variant == "balanced" else []
+        assert kinds == ["all_gather"] * 2 + swaps and back == ["reduce_scatter"] * 2 + swaps
 
 
 def test_priced_with_the_issue_formulas():
     """GPT b=2, S=16, h=h_kv=32, fp32, P=2: the gathered K and V are b*S*h_kv*e bytes each (an all-gather moves
-    (P-1)/P of them per rank), Ulysses moves 4 all-to-alls of b*S*h*e/P, and compute is the pairs the busiest rank's
-    causal blocks keep: L = 8 rows against 8 whole keys and an 8 x 8 causal diagonal (64 + 36 = 100) split
-    contiguously, chunks 0 and 3 of 4 rows (0 + 10 and 48 + 10 = 68) balanced, half of the causal op's 136 pairs."""
+    (P-1)/P of them per rank), Ulysses moves 4 all-to-alls of b*S*h*e/P, balancing swaps half a rank's queries and
+    their output (b*S*h*e/(2P) each), and compute is the pairs the busiest rank's causal blocks keep: L = 8 rows
+    against 8 whole keys and an 8 x 8 causal diagonal (64 + 36 = 100) split contiguously, chunks 0 and 3 of 4 rows
+    (0 + 10 and 48 + 10 = 68) balanced, half of the causal op's 136 pairs."""
     b, s, h, e, p = 2, 16, 32, 4, 2
     nodes = {v: next(n for n in _plan("gpt", p, kernel_name(v, True)).nodes if n.target == SDPA) for v in ("allgather", "balanced", "ulysses")}
     gather = nodes["allgather"]
     assert [st.nbytes for st in gather.forward_comm] == [b * s * h * e] * 2
     assert [st.nbytes for st in gather.backward_comm] == [b * s * h * e] * 2  # dK, dV reduce-scattered home, same bytes
     assert [st.nbytes for st in nodes["ulysses"].forward_comm] == [b * s * h * e // p] * 4
+    assert [st.nbytes for st in nodes["balanced"].forward_comm] == [b * s * h * e] * 2 + [b * s * h * e // (2 * p)] * 2
     assert causal_pairs("allgather", p, s // p) == 100 and causal_pairs("balanced", p, s // p) == 68 == attention_pairs(s, s, True) // p
     assert nodes["balanced"].time_s == pytest.approx(gather.time_s * 68 / 100)  # the contiguous split's causal excess
 
@@ -369,6 +373,26 @@ def test_parity_dp_by_cp_with_fsdp_storage(variant):
     _check_parity("gpt", plan, results)
 
 
+def _mirrored(rank: int, world: int):
+    comm = MeshComm(MeshSpec((world,), ("cp",)), rank)
+    comm.create_groups([(0,)])
+    reset_counts()
+    x = torch.full((2, 3), float(rank), requires_grad=True)
+    MirrorSwap.apply(x, comm, 0).mul(torch.arange(3.0)).sum().backward()
+    return MirrorSwap.apply(x, comm, 0).detach(), x.grad, dict(COUNTS)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_balanced_swap_pairs_mirrored_ranks(world):
+    """Place r gets place P-1-r's tensor (the middle place of an odd P its own) and the gradient goes back the same way,
+    each exchange counted as one send_recv."""
+    for rank, (got, grad, counts) in enumerate(run_local(world, _mirrored, timeout=300)):
+        assert torch.equal(got, torch.full((2, 3), float(world - 1 - rank)))
+        assert torch.equal(grad, torch.arange(3.0).expand(2, 3))
+        assert counts == {"forward:send_recv": 2, "backward:send_recv": 1}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", ["allgather", "balanced", "ring"])
 def test_parity_on_four_ranks(variant):
@@ -465,8 +489,8 @@ def _saved_bytes(rank: int, world: int, name: str, plan) -> int:
 
 @pytest.mark.multiprocess
 def test_the_peak_walk_holds_what_each_kernel_keeps_for_backward():
-    """The all-gather kernels keep the gathered keys and values for their backward (the balanced one the gathered
-    queries too), where the ring keeps only the rank's own: measured with saved-tensor hooks on 2 gloo ranks, what
+    """The all-gather kernels keep the gathered keys and values for their backward (the balanced one the queries it
+    borrowed too), where the ring keeps only the rank's own: measured with saved-tensor hooks on 2 gloo ranks, what
     each keeps beyond the ring is what the peak walk adds for it (`kept_bytes`)."""
     from meshplan.cost_model.peak import predict_peak
 

@@ -10,12 +10,12 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
   diagonal, and later ones unused. `BlockAttention` (`regions/attention_blocks.py`: the flash kernel on the CPU,
   flash or memory-efficient on CUDA) runs each block and merges them by their log-sum-exp, so no mask tensor or
   score matrix exists.
-- `cp_attention(balanced)`: the same with head-tail load balancing for causal masks. Rank r computes
-  query chunks r and 2P-1-r of 2P (the same work on every rank, against the rank-r-heavy split above).
-  Outside the op the sequence stays split contiguously: q is all-gathered and each rank picks its two
-  chunks, and the output chunks go back by a second all-gather. So positions, RoPE tables, labels and
-  the loss are untouched by the balancing (nothing else has to follow a token order), at the price of two
-  more all-gathers (and two reduce-scatters in backward) of q-sized tensors.
+- `cp_attention(balanced)`: the same with load balancing for causal masks. Of 2P query chunks rank r holds
+  2r and 2r+1; it swaps the second with rank P-1-r's (one point-to-point exchange of half its queries), computes
+  chunks 2r and 2P-1-2r (the same work on every rank: the chunk indices of every rank sum to 2P-1, against the
+  rank-r-heavy split above), and swaps the borrowed chunk's output back. Outside the op the sequence stays split
+  contiguously, so positions, RoPE tables, labels and the loss are untouched by the balancing (nothing else has
+  to follow a token order), at the price of two exchanges of half a rank's queries (and two in backward).
 - `cp_attention(ring)`: the same split and blocks, but K and V travel P-1 times to the next rank (point to
   point) instead of being gathered, so a rank holds one other block at a time and saves only its own K and V;
   backward sends them round again while the dK/dV of each block accumulate on the way home (`RingAttention`).
@@ -85,15 +85,16 @@ def cp_axis(strategy) -> int:
 
 
 def balanced_chunks(rank: int, n: int) -> tuple[int, int]:
-    """The two of 2n sequence chunks rank `rank` computes under head-tail balancing."""
-    return rank, 2 * n - 1 - rank
+    """The two of 2n sequence chunks rank `rank` computes when balanced: its own first (2 rank) and the second of the
+    rank at the mirrored place (2 (n - 1 - rank) + 1), whose indices sum to 2n - 1 on every rank."""
+    return 2 * rank, 2 * n - 1 - 2 * rank
 
 
 def causal_pairs(variant: str, n: int, rows: int) -> int:
     """Query-key pairs the busiest rank computes under a causal mask, the sequence split over `n` ranks of `rows`
     query rows. A chunk of c rows starting at position f sees f whole keys and a c x c causal diagonal. Split
-    contiguously (allgather, ring) rank n-1 has f = (n-1)L: (n - 1/2)L^2, (2n-1)/n of the average; head-tail
-    balancing gives every rank chunks r and 2n-1-r of c = L/2: n L^2 / 2, the average."""
+    contiguously (allgather, ring) rank n-1 has f = (n-1)L: (n - 1/2)L^2, (2n-1)/n of the average; balancing gives
+    every rank two chunks of c = L/2 whose indices sum to 2n-1 (`balanced_chunks`): n L^2 / 2, the average."""
     if variant == "balanced":
         c = rows // 2
         return sum(j * c * c + attention_pairs(c, c, True) for j in balanced_chunks(0, n))
@@ -135,19 +136,25 @@ def _attend(q, k, v, first: int, causal: bool, scale) -> torch.Tensor:
 
 
 def _start_rotate(x: torch.Tensor, comm: MeshComm, axis: int, phase: str):
-    """Start sending `x` to the next rank along `axis` and receiving the previous rank's (one point-to-point exchange,
-    as an all-to-all with one non-empty piece each way); `_finish_rotate` waits for it. Counted when started."""
+    """Start sending `x` to the next rank along `axis` and receiving the previous rank's; `_finish_rotate` waits."""
     n, me = comm.mesh.shape[axis], comm.coord[axis]
+    return _start_exchange(x, comm, axis, phase, (me + 1) % n, (me - 1) % n, "ring attention")
+
+
+def _start_exchange(x: torch.Tensor, comm: MeshComm, axis: int, phase: str, to: int, source: int, what: str):
+    """Start sending `x` to place `to` on `axis` and receiving as much from place `source` (one point-to-point
+    exchange, as an all-to-all with one non-empty piece each way). Counted as a send_recv when started."""
+    n = comm.mesh.shape[axis]
     send, recv = [0] * n, [0] * n
-    send[(me + 1) % n] = recv[(me - 1) % n] = x.numel()
-    return collective(comm, phase, "send_recv", lambda: _what(comm, axis, phase),
+    send[to] = recv[source] = x.numel()
+    return collective(comm, phase, "send_recv", lambda: _what(comm, axis, phase, what),
                       lambda: funcol.all_to_all_single(x.contiguous().view(-1), recv, send, comm.group_name(axis)))
 
 
-def _finish_rotate(pending, like: torch.Tensor, comm: MeshComm, axis: int, phase: str) -> torch.Tensor:
+def _finish_rotate(pending, like: torch.Tensor, comm: MeshComm, axis: int, phase: str, what: str = "ring attention") -> torch.Tensor:
     if torch.compiler.is_compiling():
         return wait(pending).view(like.shape)
-    with comm.guard(_what(comm, axis, phase)):
+    with comm.guard(_what(comm, axis, phase, what)):
         return wait(pending).view(like.shape)
 
 
@@ -155,8 +162,28 @@ def _rotate(x: torch.Tensor, comm: MeshComm, axis: int, phase: str) -> torch.Ten
     return _finish_rotate(_start_rotate(x, comm, axis, phase), x, comm, axis, phase)
 
 
-def _what(comm: MeshComm, axis: int, phase: str) -> str:
-    return f"{phase} ring attention send/recv over mesh axis {comm.mesh.axis_names[axis]}"
+def _what(comm: MeshComm, axis: int, phase: str, what: str) -> str:
+    return f"{phase} {what} send/recv over mesh axis {comm.mesh.axis_names[axis]}"
+
+
+class MirrorSwap(torch.autograd.Function):
+    """`x` exchanged with the rank at the mirrored place on `axis` (place r with place P-1-r; the middle place of an odd
+    P with itself), for balanced attention; its backward is the same exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm: MeshComm, axis: int):
+        ctx.comm, ctx.axis = comm, axis
+        return _mirror(x, comm, axis, forward_phase())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _mirror(grad, ctx.comm, ctx.axis, "backward"), None, None
+
+
+def _mirror(x: torch.Tensor, comm: MeshComm, axis: int, phase: str) -> torch.Tensor:
+    partner = comm.mesh.shape[axis] - 1 - comm.coord[axis]
+    what = "balanced attention"
+    return _finish_rotate(_start_exchange(x, comm, axis, phase, partner, partner, what), x, comm, axis, phase, what)
 
 
 class RingAttention(torch.autograd.Function):
@@ -255,12 +282,11 @@ class ContextParallelAttention(nn.Module):
         if self.variant == "allgather":
             return _attend(q, keys, values, me * rows, self.causal, scale)
         c = rows // 2
-        whole_q = _step(q, gather, self.comm)
-        mine = [_attend(whole_q.narrow(SEQ, j * c, c), keys, values, j * c, True, scale) for j in balanced_chunks(me, n)]
-        # gathered rank after rank, each rank's two chunks in `balanced_chunks` order: pick this rank's contiguous two
-        everyone = _step(torch.cat(mine, dim=SEQ), gather, self.comm)
-        slot = {j: 2 * r + s for r in range(n) for s, j in enumerate(balanced_chunks(r, n))}
-        return torch.cat([everyone.narrow(SEQ, slot[j] * c, c) for j in (2 * me, 2 * me + 1)], dim=SEQ)
+        own, borrowed = balanced_chunks(me, n)
+        lent = MirrorSwap.apply(q.narrow(SEQ, c, c), self.comm, self.axis)  # the partner's second chunk
+        out_own = _attend(q.narrow(SEQ, 0, c), keys, values, own * c, True, scale)
+        out_lent = _attend(lent, keys, values, borrowed * c, True, scale)
+        return torch.cat([out_own, MirrorSwap.apply(out_lent, self.comm, self.axis)], dim=SEQ)
 
     def extra_repr(self) -> str:
         return f"{kernel_name(self.variant, self.causal)} over mesh axis {self.comm.mesh.axis_names[self.axis]}"
@@ -348,8 +374,8 @@ class ContextParallel(RegionOp):
                 shape[SEQ] *= n
         else:
             forward = [CommStep("all_gather", axis, SEQ, nbytes=kb * n), CommStep("all_gather", axis, SEQ, nbytes=vb * n)]
-            if variant == "balanced":
-                forward += [CommStep("all_gather", axis, SEQ, nbytes=qb * n), CommStep("all_gather", axis, SEQ, nbytes=ob * n)]
+            if variant == "balanced":  # half the queries to the mirrored rank, their output back
+                forward += [CommStep("send_recv", axis, nbytes=qb // 2), CommStep("send_recv", axis, nbytes=ob // 2)]
             for shape in local[1:]:  # the gathered keys and values
                 shape[SEQ] *= n
         metas = [TensorMeta(tuple(s), m.dtype) for s, m in zip(local, (q, k, v))]
@@ -384,8 +410,8 @@ class ContextParallel(RegionOp):
 
     def kept_bytes(self, node, in_metas, strategy, mesh_shape) -> int:
         """The all-gather kernels keep the gathered keys and values (as many heads as the queries: grouped-query
-        heads are repeated first) where the plain op keeps the local ones; the balanced one also keeps the gathered
-        queries its chunks are views of (its two chunks' outputs, kept in place of its output, weigh the same)."""
+        heads are repeated first) where the plain op keeps the local ones; the balanced one also keeps the half of
+        the queries it borrowed (its two chunks' outputs, kept in place of its output, weigh the same)."""
         if not strategy.kernel:
             return 0
         variant, _ = parse_kernel(strategy.kernel)
@@ -397,7 +423,7 @@ class ContextParallel(RegionOp):
         repeat = q.shape[1] // k.shape[1]
         kept = (kb + vb) * (n * repeat - 1)
         if variant == "balanced":
-            kept += qb * (n - 1)
+            kept += qb // 2
         return kept
 
     def local_module(self, strategy, comm: MeshComm, args) -> ContextParallelAttention | None:
