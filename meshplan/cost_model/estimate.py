@@ -22,7 +22,7 @@ from meshplan.cost_model.collectives import collective_time
 from meshplan.cost_model.compute import BACKWARD_FACTOR, op_bytes, op_flops, roofline_time
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.profile import OpTiming, axis_label
-from meshplan.cost_model.redistribution import CommStep, backward_steps, redistribution_steps
+from meshplan.cost_model.redistribution import COMMUNICATING, DUAL_KIND, CommStep, backward_steps, redistribution_steps, step_cuts
 from meshplan.ir.graph import TensorMeta
 from meshplan.ir.placement import Partial, Placements, Replicate, Shard, local_shape
 
@@ -143,9 +143,31 @@ def steps_time(steps: Sequence[CommStep], mesh_shape: tuple[int, ...], cluster: 
 
 
 def transfer_times(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> tuple[float, float]:
-    """(Seconds of the forward move, seconds of its gradient's move back): one redistribution plan for both."""
-    fwd = redistribution_steps(meta, src, dst, mesh_shape)
-    return steps_time(fwd, mesh_shape, cluster), steps_time(backward_steps(fwd), mesh_shape, cluster)
+    """(Seconds of the forward move, seconds of its gradient's move back): one redistribution plan for both.
+
+    `steps_time` of `redistribution_steps` and of their `backward_steps`, the same sums in the same order, read off
+    the move's `step_cuts` (the planner asks this for every layout pair of every edge, mostly for tensors it has not
+    priced that pair for: building the steps themselves was most of it)."""
+    rate = cluster.profile.copy_seconds_per_byte if cluster.profile is not None else None
+    if rate:  # the copies around each step are priced by the steps themselves
+        fwd = redistribution_steps(meta, src, dst, mesh_shape)
+        return steps_time(fwd, mesh_shape, cluster), steps_time(backward_steps(fwd), mesh_shape, cluster)
+    found = step_cuts(src, dst, mesh_shape)
+    if isinstance(found, Exception):
+        raise type(found)(*found.args)
+    forward, backward = [], []
+    itemsize = meta.itemsize if found else 0
+    for kind, axis, _, _, cuts in found:
+        if kind in COMMUNICATING:  # so is its dual: the local kinds are each other's duals
+            local = list(meta.shape)
+            for d, n in cuts:
+                local[d] //= n
+            nbytes = itemsize
+            for size in local:
+                nbytes *= size
+            forward.append(group_collective_time(kind, nbytes, (axis,), mesh_shape, cluster))
+            backward.append(group_collective_time(DUAL_KIND[kind], nbytes, (axis,), mesh_shape, cluster))
+    return sum(forward), sum(reversed(backward))
 
 
 def grad_sync_axes(layout: Placements) -> tuple[int, ...]:

@@ -88,6 +88,18 @@ def _steps(meta: TensorMeta, src: Placements, dst: Placements, mesh_shape: tuple
 
 
 @functools.lru_cache(maxsize=1 << 17)
+def step_cuts(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> tuple[tuple, ...] | Exception:
+    """`_moves`' steps as (kind, axis, dim, reduce, cuts), `cuts` the (tensor dim, axis size) pairs the layout that
+    sizes the step divides a tensor's shape by, in `local_shape`'s order: what pricing a move needs of its steps,
+    without a `CommStep` per step per tensor (the planner prices hundreds of thousands of moves)."""
+    found = _moves(src, dst, mesh_shape)
+    if isinstance(found, Exception):
+        return found
+    return tuple((kind, a, dim, reduce, tuple((p.dim, n) for p, n in zip(sized, mesh_shape) if isinstance(p, Shard)))
+                 for kind, a, dim, _, reduce, sized in found)
+
+
+@functools.lru_cache(maxsize=1 << 17)
 def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]) -> tuple[tuple, ...] | Exception:
     """The steps taking any tensor from layout `src` to `dst`, as (kind, axis, dim, dim2, reduce, the layout whose
     local size is the step's bytes), or the error saying why none do. They do not depend on the tensor (its shape

@@ -137,6 +137,7 @@ def is_causal_mask(mask: torch.Tensor | Keys, q_len: int, kv_len: int) -> bool:
 def causal_masks_to_flags(gm: fx.GraphModule) -> int:
     """Rewrite every SDPA node whose mask is a causal mask made from shapes alone (module doc); returns how many."""
     rewritten = 0
+    causal: dict[tuple[fx.Node, int, int], bool] = {}  # a model's layers share one mask: each is evaluated once
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not SDPA:
             continue
@@ -144,12 +145,13 @@ def causal_masks_to_flags(gm: fx.GraphModule) -> int:
         mask = named.get("attn_mask")
         if not isinstance(mask, fx.Node) or named.get("is_causal") or mask.meta.get("val") is None:
             continue
-        nodes = _inputs_only_made_here(mask)
-        if nodes is None:
-            continue
         q, k = named["query"].meta["val"], named["key"].meta["val"]
-        value = _evaluate(nodes)
-        if value is None or not is_causal_mask(value, q.shape[-2], k.shape[-2]):
+        key = (mask, q.shape[-2], k.shape[-2])
+        if key not in causal:
+            nodes = _inputs_only_made_here(mask)
+            value = None if nodes is None else _evaluate(nodes)
+            causal[key] = value is not None and is_causal_mask(value, q.shape[-2], k.shape[-2])
+        if not causal[key]:
             continue
         q_node, k_node, v_node = named.pop("query"), named.pop("key"), named.pop("value")
         named.pop("attn_mask")

@@ -14,15 +14,16 @@ from meshplan.plans.strategy import Strategy
 
 
 def record_alternatives(
-    graph: Graph, cands, before_constraints: dict[str, list[Strategy]], choice: dict[str, int],
+    graph: Graph, cands, before_constraints: dict[str, list[Strategy]], annotated: dict[str, list[Strategy]], choice: dict[str, int],
     constraints: list, *, own_cost: Callable[[str, int], float],
     move_cost: Callable[[TensorRef, Node, Placements, Placements], float | None],
     memory: Callable[[Node, Strategy], float], memory_budget: float | None,
 ) -> tuple[NodeAlternatives, ...]:
     """What `explain` needs, for the nodes worth explaining (see the module docstring).
 
-    `choice[node]` indexes `cands.by_node[node]` (the candidates left after `constraints`, the
-    annotations bound to the graph; `before_constraints` holds them all). The planner passes its
+    `choice[node]` indexes `cands.by_node[node]` (the candidates the solve saw: `annotated[node]`, the candidates left
+    after `constraints`, the annotations bound to the graph, or a neighbourhood's part of them; `before_constraints`
+    holds them all, and those not in `annotated` are listed as ruled out by the annotations). The planner passes its
     own pricing, so deltas are priced exactly as the search priced them: `own_cost(node, i)` is the
     node's own seconds under candidate `i` (compute, or gradient sync), `move_cost(ref, consumer,
     src, dst)` the seconds to move tensor `ref` to `consumer` (None when impossible) and
@@ -46,6 +47,17 @@ def record_alternatives(
     sources: dict[str, list[str]] = {}
     for c in constraints:
         sources.setdefault(c.node, []).append(c.source)
+    # repeated layers' nodes hold the same candidate objects: what depends only on those is worked out once (a
+    # whole-model stage plan of Llama-3-70B explains 2,577 nodes; hashing and printing their candidates was most of it)
+    by_annotations: dict[tuple, tuple[list[Strategy], list[Strategy]]] = {}  # ids -> (the lists, held; the ruled out)
+    names: dict[int, str] = {}  # id -> str of a candidate, every one held by the lists above or the graph's
+
+    def name(s: Strategy) -> str:
+        found = names.get(id(s))
+        if found is None:
+            found = names[id(s)] = str(s)
+        return found
+
     out: list[NodeAlternatives] = []
     for node in graph.nodes:
         if node.kind not in ("op", "param", "buffer", "input"):
@@ -57,8 +69,12 @@ def record_alternatives(
         chosen_cost = local_cost(node, kept[mine], mine)
         alts: list[Alternative] = []
         why = "annotation: " + "; ".join(dict.fromkeys(sources.get(node.name, ["a constraint on a neighbouring op"])))
-        held = set(kept)  # a list's `in` made this quadratic: 20 s for Llama-3-70B's stage plan on (4, 4, 8)
-        ruled: list[RuledOut] = [RuledOut(s, why) for s in before_constraints[node.name] if s not in held]
+        before, left = before_constraints[node.name], annotated[node.name]
+        key = (tuple(map(id, before)), tuple(map(id, left)))
+        if key not in by_annotations:
+            held = set(left)  # a list's `in` made this quadratic: 20 s for Llama-3-70B's stage plan on (4, 4, 8)
+            by_annotations[key] = (before, left), [s for s in before if s not in held]
+        ruled: list[RuledOut] = [RuledOut(s, why) for s in by_annotations[key][1]]
         for i, s in enumerate(kept):
             if i == mine:
                 continue
@@ -68,12 +84,14 @@ def record_alternatives(
                 continue
             c = local_cost(node, s, i)
             alts.append(Alternative(s, None if math.isinf(c) else c - chosen_cost))
-        seen = {str(r.strategy) for r in ruled}
-        for s, reason in cands.rejected.get(node.name, []):
-            if str(s) not in seen:
-                seen.add(str(s))
-                ruled.append(RuledOut(s, reason))
-        alts.sort(key=lambda a: (a.delta_s is None, a.delta_s or 0.0, str(a.strategy)))
+        rejected = cands.rejected.get(node.name)
+        if rejected:
+            seen = {name(r.strategy) for r in ruled}
+            for s, reason in rejected:
+                if name(s) not in seen:
+                    seen.add(name(s))
+                    ruled.append(RuledOut(s, reason))
+        alts.sort(key=lambda a: (a.delta_s is None, a.delta_s or 0.0, name(a.strategy)))
         what = " = ".join(node.fqns) if node.fqns else node.target
         out.append(
             NodeAlternatives(

@@ -421,9 +421,7 @@ class _Planning:
             recompute=tuple(layer for g in groups if g.name in solution.recompute for layer in g.layers),
             alternatives=() if not options.alternatives else record_alternatives(
                 # a neighbourhood search prices the candidates of its last neighbourhood; those the annotations removed stay listed
-                graph, dataclasses.replace(cands, by_node=by_node),
-                {n: by_node[n] + [s for s in ss if s not in kept] for n, ss in self.before_constraints.items() for kept in [set(cands.by_node[n])]},
-                choice, self.constraints,
+                graph, dataclasses.replace(cands, by_node=by_node), self.before_constraints, cands.by_node, choice, self.constraints,
                 own_cost=lambda name, i: tables.unit_costs[rep[name]][i],
                 move_cost=lambda ref, consumer, a, b: tables.move_time(graph.meta(ref), a, b, grad_flows(graph, ref, consumer)),
                 memory=lambda node, s: node_memory(node, s, shape, options.optimizer, weight_cast=node.name in graph.weight_casts).total,

@@ -134,7 +134,11 @@ class Tables:
 
     def move_time(self, meta: TensorMeta, src: Placements, dst: Placements, backward: bool) -> float | None:
         """Seconds to reshard (None if impossible), with the gradient's move back when `backward`."""
-        times = self.mover(meta)(src, dst)
+        cache = self._moves.setdefault(meta, {})  # `mover` inlined: explaining a plan asks this for every alternative
+        key = (layout_id(src), layout_id(dst))
+        times = cache.get(key, _UNKNOWN)
+        if times is _UNKNOWN:
+            times = priced(cache, key, meta, src, dst, self.mesh_shape, self.cluster)
         return None if times is None else times[0] + times[1] if backward else times[0]
 
     def mover(self, meta: TensorMeta) -> Callable[[Placements, Placements], tuple[float, float] | None]:

@@ -108,19 +108,29 @@ def _leaf_strategies(node: Node, mesh: MeshSpec) -> list[Strategy]:
     meta = node.outputs[0]
     if node.kind == "constant" or meta is None:
         return [Strategy((), ((Replicate(),) * mesh.ndim,), "leaf")]
-    return [Strategy((), (p,), "leaf") for p in layouts(meta, mesh)]
+    return list(_leaf_layouts(meta, mesh)[0])
 
 
 def _leaf_rejected(node: Node, mesh: MeshSpec) -> list[tuple[Strategy, str]]:
     meta = node.outputs[0]
     if node.kind == "constant" or meta is None:
         return []
+    return list(_leaf_layouts(meta, mesh)[1])
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _leaf_layouts(meta: TensorMeta, mesh: MeshSpec) -> tuple[tuple[Strategy, ...], tuple[tuple[Strategy, str], ...]]:
+    """A leaf's even strategies and its uneven ones with their reason. One tuple of objects per shape and mesh: the
+    parameters of repeated layers share it, as their ops share `_CACHE`'s, so that what is keyed on candidate
+    objects (`constraints.prefer`) and compared list to list (`tying`) sees equal lists at once."""
     options: list = [Replicate()] + [Shard(d) for d in range(len(meta.shape))]
-    return [
-        (Strategy((), (p,), "leaf"), uneven_reason(meta.shape, p, mesh.shape, "output"))
-        for p in itertools.product(options, repeat=mesh.ndim)
-        if not is_even(meta.shape, p, mesh.shape)
-    ]
+    even, uneven = [], []
+    for p in itertools.product(options, repeat=mesh.ndim):
+        if is_even(meta.shape, p, mesh.shape):
+            even.append(Strategy((), (p,), "leaf"))
+        else:
+            uneven.append((Strategy((), (p,), "leaf"), uneven_reason(meta.shape, p, mesh.shape, "output")))
+    return tuple(even), tuple(uneven)
 
 
 def uneven_reason(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...], what: str) -> str:
