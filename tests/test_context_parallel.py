@@ -147,7 +147,7 @@ def test_kernel_names_and_balanced_chunks():
         assert sorted(c for r in range(n) for c in balanced_chunks(r, n)) == list(range(2 * n))
 
 
-@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring", "ulysses"])
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring", "ring_balanced", "ulysses"])
 def test_forced_variant_lists_its_collectives(variant):
     plan = _plan("gpt", 2, kernel_name(variant, True))
     assert _kernels(plan) == {kernel_name(variant, True)}
@@ -156,10 +156,12 @@ def test_forced_variant_lists_its_collectives(variant):
     back = [s.kind for s in node.backward_comm]
     if variant == "ulysses":
         assert kinds == ["all_to_all"] * 4 and back == ["all_to_all"] * 4
-    elif variant == "ring":  # P-1 = 1 exchange of K, V; back: 1 of K, V, dK, dV and 1 of dK, dV home
-        assert kinds == ["send_recv"] and back == ["send_recv"] * 2
-    else:  # balanced: half the queries to the mirrored rank and their output back; the gradients the same way
-        swaps = ["send_recv"] * 2 if variant == "balanced" else []
+        return
+    # balanced: half the queries to the mirrored rank and their output back; the gradients the same way
+    swaps = ["send_recv"] * 2 if variant.endswith("balanced") else []
+    if variant.startswith("ring"):  # P-1 = 1 exchange of K, V; back: 1 of K, V, dK, dV and 1 of dK, dV home
+        assert kinds == ["send_recv"] + swaps and back == ["send_recv"] * 2 + swaps
+    else:
         assert kinds == ["all_gather"] * 2 + swaps and back == ["reduce_scatter"] * 2 + swaps
 
 
@@ -228,7 +230,7 @@ def test_a_named_mesh_is_not_searched_for_context_parallelism():
 
 
 def test_forcing_names_the_allowed_variants():
-    with pytest.raises(ValueError, match="force_context_parallel takes one or more of allgather, balanced, ring, ulysses; got \\('zigzag',\\)"):
+    with pytest.raises(ValueError, match="force_context_parallel takes one or more of allgather, balanced, ring, ring_balanced, ulysses; got \\('zigzag',\\)"):
         with force_context_parallel("zigzag"):
             pass
     plan = _plan("gpt", 2, kernel_name("ulysses", True))
@@ -265,7 +267,7 @@ def test_not_offered_cases_say_why():
 # ---------------------------------------------------------------- parity on 2 gloo ranks
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring", "ulysses"])
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring", "ring_balanced", "ulysses"])
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_parity_on_two_ranks(name, variant):
     plan = _plan(name, 2, kernel_name(variant, True))
@@ -303,7 +305,7 @@ def test_balancing_needs_a_causal_mask():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = meshplan.plan(model, 2, (tokens,), mesh_shape=(2,), axis_names=("cp",))
-    assert "head-tail balancing is for causal masks" in str(plan.explain("scaled_dot_product_attention"))
+    assert "load balancing is for causal masks" in str(plan.explain("scaled_dot_product_attention"))
 
 
 @pytest.mark.multiprocess
@@ -394,7 +396,7 @@ def test_the_balanced_swap_pairs_mirrored_ranks(world):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring"])
+@pytest.mark.parametrize("variant", ["allgather", "balanced", "ring", "ring_balanced"])
 def test_parity_on_four_ranks(variant):
     plan = _plan("llama", 4, kernel_name(variant, True))
     results = run_local(4, _worker, "llama", plan, timeout=900)
@@ -459,6 +461,7 @@ def test_a_mask_made_from_data_stays_a_mask():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name,world,variant", [("llama", 2, "allgather"), ("llama", 2, "balanced"), ("llama", 2, "ring"),
                                                 ("llama", 2, "ulysses"), ("llama", 4, "ring"), ("llama", 4, "balanced"),
+                                                ("llama", 4, "ring_balanced"),
                                                 ("gpt2", 2, "allgather"), ("gpt2", 2, "ring")])
 def test_hf_parity(name, world, variant):
     plan = _hf_plan(kernel_name(variant, True), world, name)
@@ -497,13 +500,14 @@ def test_the_peak_walk_holds_what_each_kernel_keeps_for_backward():
     model, tokens = _build("llama")
     graph = trace(model, (tokens,))
     measured, walked = {}, {}
-    for variant in ("ring", "allgather", "balanced"):
+    for variant in ("ring", "ring_balanced", "allgather", "balanced"):
         plan = _plan("llama", 2, kernel_name(variant, True))
         assert _kernels(plan) == {kernel_name(variant, True)}
         measured[variant] = set(run_local(2, _saved_bytes, "llama", plan, timeout=600))
         walked[variant] = predict_peak(graph, plan).saved
     assert all(len(m) == 1 for m in measured.values())  # both ranks keep the same
     ring = measured["ring"].pop()
+    assert measured["ring_balanced"] == {ring} and walked["ring_balanced"] == walked["ring"]
     for variant in ("allgather", "balanced"):
         extra = measured[variant].pop() - ring
         assert extra > 0 and walked[variant] - walked["ring"] == extra, (variant, extra, walked)

@@ -56,7 +56,10 @@ from meshplan.regions.attention_blocks import SEQ, BlockAttention, block_backwar
 from meshplan.runtime.collectives import MeshComm, StepFunction, collective, forward_phase, wait
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
-VARIANTS = ("allgather", "balanced", "ring", "ulysses")
+VARIANTS = ("allgather", "balanced", "ring", "ring_balanced", "ulysses")
+BALANCED = ("balanced", "ring_balanced")
+RINGS = ("ring", "ring_balanced")
+"""The kernels that swap half the queries with the mirrored rank (`MirrorSwap`): causal masks only."""
 
 
 def kernel_name(variant: str, causal: bool) -> str:
@@ -95,7 +98,7 @@ def causal_pairs(variant: str, n: int, rows: int) -> int:
     query rows. A chunk of c rows starting at position f sees f whole keys and a c x c causal diagonal. Split
     contiguously (allgather, ring) rank n-1 has f = (n-1)L: (n - 1/2)L^2, (2n-1)/n of the average; balancing gives
     every rank two chunks of c = L/2 whose indices sum to 2n-1 (`balanced_chunks`): n L^2 / 2, the average."""
-    if variant == "balanced":
+    if variant in BALANCED:
         c = rows // 2
         return sum(j * c * c + attention_pairs(c, c, True) for j in balanced_chunks(0, n))
     return (n - 1) * rows * rows + attention_pairs(rows, rows, True)
@@ -187,60 +190,83 @@ def _mirror(x: torch.Tensor, comm: MeshComm, axis: int, phase: str) -> torch.Ten
 
 
 class RingAttention(torch.autograd.Function):
-    """Ring attention over mesh axis `axis` (sequence split contiguously): K and V (packed) travel P-1 times to the
-    next rank, each exchange overlapping the current block's compute; at step t a rank holds the block of rank
-    (r - t) mod P, whole to it when earlier in the sequence, a causal diagonal when its own, unused when later
-    (causal). Blocks merge by log-sum-exp. Only the rank's own K and V are saved: backward sends them round again
-    with the dK/dV of the block they belong to accumulating on the way (an exchange that must wait for the block's
-    gradients, so not overlapped), and one last exchange brings each dK/dV home. Grouped-query heads are repeated per block (and their
-    gradients summed back), so K and V travel with their own heads."""
+    """Ring attention over mesh axis `axis`: K and V (packed) travel P-1 times to the next rank, each exchange
+    overlapping the current block's compute. The rank's queries are `len(starts)` equal chunks, chunk i at sequence
+    positions starts[i] onwards (one chunk, r L, split contiguously; two when balanced); rank s holds keys s L ..
+    s L + L - 1. At step t a rank holds the block of rank (r - t) mod P, and each chunk attends to the part of it
+    that `_segments` says (under a causal mask: keys before the chunk whole, its own positions a causal diagonal,
+    later keys unused). Blocks merge by log-sum-exp per chunk. Only the rank's own K and V are saved: backward
+    sends them round again with the dK/dV of the block they belong to accumulating on the way (an exchange that
+    must wait for the block's gradients, so not overlapped), and one last exchange brings each dK/dV home.
+    Grouped-query heads are repeated per block (and their gradients summed back), so K and V travel with their own
+    heads."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal: bool, axis: int, comm: MeshComm):
+    def forward(ctx, q, k, v, scale, causal: bool, axis: int, comm: MeshComm, starts: tuple[int, ...]):
         n, me = comm.mesh.shape[axis], comm.coord[axis]
-        ctx.scale, ctx.causal, ctx.axis, ctx.comm = scale, causal, axis, comm
+        ctx.scale, ctx.causal, ctx.axis, ctx.comm, ctx.starts = scale, causal, axis, comm, starts
         phase = forward_phase()
-        packed, outs, lses, ctx.blocks = torch.stack([k, v]), [], [], {}
+        rows, keys = q.shape[SEQ] // len(starts), k.shape[SEQ]
+        packed, ctx.blocks = torch.stack([k, v]), {}
+        outs: list[list[torch.Tensor]] = [[] for _ in starts]
+        lses: list[list[torch.Tensor]] = [[] for _ in starts]
         for t in range(n):
             # the next block travels while this one is computed (gloo and NCCL progress on their own threads/streams)
             pending = _start_rotate(packed, comm, axis, phase) if t < n - 1 else None
-            block = _ring_block(me, (me - t) % n, causal)
-            if block is not None:
-                kb, vb = (_repeat_heads(x, q.shape[1]) for x in packed.unbind(0))
-                o, lse, ctx.blocks[t] = block_forward(q, kb, vb, block, scale)
-                outs.append(o)
-                lses.append(lse)
+            kb, vb = (_repeat_heads(x, q.shape[1]) for x in packed.unbind(0))
+            for i, start in enumerate(starts):
+                for j, (first, count, diagonal) in enumerate(_segments(start, rows, (me - t) % n * keys, keys, causal)):
+                    o, lse, ctx.blocks[t, i, j] = block_forward(q.narrow(SEQ, i * rows, rows), kb.narrow(SEQ, first, count),
+                                                               vb.narrow(SEQ, first, count), diagonal, scale)
+                    outs[i].append(o)
+                    lses[i].append(lse)
             if pending is not None:
                 packed = _finish_rotate(pending, packed, comm, axis, phase)
-        out, lse = merge_blocks(outs, lses, q.dtype)
+        merged = [merge_blocks(o, l, q.dtype) for o, l in zip(outs, lses)]
+        out, lse = torch.cat([o for o, _ in merged], dim=SEQ), torch.cat([l for _, l in merged], dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, axis = ctx.comm, ctx.axis
+        comm, axis, starts = ctx.comm, ctx.axis, ctx.starts
         n, me = comm.mesh.shape[axis], comm.coord[axis]
+        rows, keys = q.shape[SEQ] // len(starts), k.shape[SEQ]
         grad, grad_q = grad.contiguous(), torch.zeros_like(q, dtype=torch.float32)
-        travelling = torch.cat([torch.stack([k, v]), torch.zeros_like(torch.stack([k, v]))])  # K, V, dK, dV of one block
+        held, held_grad = torch.stack([k, v]), torch.zeros_like(torch.stack([k, v]))  # the block held, and its dK, dV so far
         for t in range(n):
-            block = _ring_block(me, (me - t) % n, ctx.causal)
-            if block is not None:
-                kb, vb = (_repeat_heads(x, q.shape[1]) for x in travelling[:2].unbind(0))
-                dq, dk, dv = block_backward(grad, q, kb, vb, out, lse, ctx.blocks[t], block, ctx.scale)
-                grad_q += dq
-                travelling = torch.cat([travelling[:2], travelling[2:] + torch.stack([_sum_heads(dk, k.shape[1]), _sum_heads(dv, v.shape[1])])])
+            kb, vb = (_repeat_heads(x, q.shape[1]) for x in held.unbind(0))
+            for i, start in enumerate(starts):
+                mine = slice(i * rows, (i + 1) * rows)
+                for j, (first, count, diagonal) in enumerate(_segments(start, rows, (me - t) % n * keys, keys, ctx.causal)):
+                    dq, dk, dv = block_backward(grad[:, :, mine], q[:, :, mine], kb.narrow(SEQ, first, count),
+                                                vb.narrow(SEQ, first, count), out[:, :, mine], lse[..., mine],
+                                                ctx.blocks[t, i, j], diagonal, ctx.scale)
+                    grad_q[:, :, mine] += dq
+                    held_grad[0].narrow(SEQ, first, count).add_(_sum_heads(dk, k.shape[1]))
+                    held_grad[1].narrow(SEQ, first, count).add_(_sum_heads(dv, v.shape[1]))
             if t < n - 1:
-                travelling = _rotate(travelling, comm, axis, "backward")
-        home = _rotate(travelling[2:], comm, axis, "backward")  # rank r holds block r+1's finished dK, dV
-        return grad_q.to(q.dtype), home[0], home[1], None, None, None, None
+                both = _rotate(torch.cat([held, held_grad]), comm, axis, "backward")
+                held, held_grad = both[:2], both[2:]
+        home = _rotate(held_grad, comm, axis, "backward")  # rank r holds block r+1's finished dK, dV
+        return grad_q.to(q.dtype), home[0], home[1], None, None, None, None, None
 
 
-def _ring_block(me: int, src: int, causal: bool) -> bool | None:
-    """Rank `me` against rank `src`'s keys: None when unused, else whether the block is a causal diagonal."""
+def _segments(start: int, rows: int, first_key: int, keys: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """(offset, count, diagonal) of the parts of a block of `keys` keys at positions first_key.. that query rows at
+    positions start .. start + rows - 1 attend to: without a causal mask the whole block; with one, the keys before
+    `start` whole and those from `start` on a causal diagonal (query i sees keys up to start + i), later keys none.
+    A diagonal must begin at `start` itself: the chunks and blocks of the kernels here always align so."""
     if not causal:
-        return False
-    return None if src > me else src == me
+        return [(0, keys, False)]
+    before, end = start - first_key, min(keys, start + rows - first_key)
+    if end <= 0:
+        return []
+    if before < 0:
+        raise AssertionError(f"query rows from {start} start inside the key block at {first_key}: not a causal diagonal")
+    whole = [(0, min(before, keys), False)] if before > 0 else []
+    return whole + ([(before, end - before, True)] if end > before else [])
 
 
 def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -272,13 +298,19 @@ class ContextParallelAttention(nn.Module):
             q, k, v = (_step(t, to_heads, self.comm) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=scale, enable_gqa=gqa)
             return _step(out, to_heads.dual(), self.comm)
+        n, me, rows = self.comm.mesh.shape[self.axis], self.comm.coord[self.axis], q.shape[SEQ]
         if self.variant == "ring":
-            return RingAttention.apply(q, k, v, scale, self.causal, self.axis, self.comm)
+            return RingAttention.apply(q, k, v, scale, self.causal, self.axis, self.comm, (me * rows,))
+        if self.variant == "ring_balanced":
+            c = rows // 2
+            own, borrowed = balanced_chunks(me, n)
+            mine = torch.cat([q.narrow(SEQ, 0, c), MirrorSwap.apply(q.narrow(SEQ, c, c), self.comm, self.axis)], dim=SEQ)
+            out = RingAttention.apply(mine, k, v, scale, True, self.axis, self.comm, (own * c, borrowed * c))
+            return torch.cat([out.narrow(SEQ, 0, c), MirrorSwap.apply(out.narrow(SEQ, c, c), self.comm, self.axis)], dim=SEQ)
         gather = CommStep("all_gather", self.axis, SEQ)
         keys, values = _step(k, gather, self.comm), _step(v, gather, self.comm)
         if gqa and keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group of query heads
             keys, values = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
-        n, me, rows = self.comm.mesh.shape[self.axis], self.comm.coord[self.axis], q.shape[SEQ]
         if self.variant == "allgather":
             return _attend(q, keys, values, me * rows, self.causal, scale)
         c = rows // 2
@@ -337,9 +369,9 @@ class ContextParallel(RegionOp):
         if a["dropout_p"]:
             return f"{what}: dropout_p={a['dropout_p']} inside attention is not supported (its mask would differ per split)"
         seq = a["q"].shape[SEQ]
-        if variant == "balanced":
+        if variant in BALANCED:
             if not causal:
-                return f"{what}: head-tail balancing is for causal masks; without one every rank already does the same work"
+                return f"{what}: load balancing is for causal masks; without one every rank already does the same work"
             if seq % (2 * n):
                 return f"{what}: sequence length {seq} does not split into 2 x {n} = {2 * n} equal chunks"
         if variant == "ulysses":
@@ -366,7 +398,7 @@ class ContextParallel(RegionOp):
             forward = steps + [CommStep("all_to_all", axis, 1, SEQ, nbytes=ob)]
             for shape in local:  # whole sequence, heads / n
                 shape[1], shape[SEQ] = shape[1] // n, shape[SEQ] * n
-        elif variant == "ring":
+        elif variant in RINGS:
             # n-1 exchanges of the packed K, V; backward n-1 of K, V, dK, dV and one of dK, dV home
             forward = [CommStep("send_recv", axis, nbytes=kb + vb)] * (n - 1)
             back_steps = [CommStep("send_recv", axis, nbytes=2 * (kb + vb))] * (n - 1) + [CommStep("send_recv", axis, nbytes=kb + vb)]
@@ -374,10 +406,12 @@ class ContextParallel(RegionOp):
                 shape[SEQ] *= n
         else:
             forward = [CommStep("all_gather", axis, SEQ, nbytes=kb * n), CommStep("all_gather", axis, SEQ, nbytes=vb * n)]
-            if variant == "balanced":  # half the queries to the mirrored rank, their output back
-                forward += [CommStep("send_recv", axis, nbytes=qb // 2), CommStep("send_recv", axis, nbytes=ob // 2)]
             for shape in local[1:]:  # the gathered keys and values
                 shape[SEQ] *= n
+        # balanced: half the queries to the mirrored rank, their output back (and the same in backward)
+        swaps = [CommStep("send_recv", axis, nbytes=qb // 2), CommStep("send_recv", axis, nbytes=ob // 2)] if variant in BALANCED else []
+        ring_steps = len(forward) if variant in RINGS else 0
+        forward += swaps
         metas = [TensorMeta(tuple(s), m.dtype) for s, m in zip(local, (q, k, v))]
         out = TensorMeta(tuple(local[0][:3]) + (local[2][3],), node.outputs[0].dtype)
         whole = ((Replicate(),) * len(mesh_shape),)
@@ -388,7 +422,7 @@ class ContextParallel(RegionOp):
         work = causal_pairs(variant, n, rows) / (rows * rows * n) if causal and variant != "ulysses" else 1.0
         plain = variant == "ulysses"
         shared = 1.0
-        if work < 1.0 and variant != "balanced" and cluster.profile is not None:
+        if work < 1.0 and variant not in BALANCED and cluster.profile is not None:
             # split contiguously, rank r computes r whole blocks and a diagonal. Ranks that share cores (a CPU with
             # more ranks than cores: contention > 1) hand the busiest rank the time the others wait; one rank per
             # core or GPU (contention 1) computes its own work alone
@@ -401,17 +435,19 @@ class ContextParallel(RegionOp):
                                                 in_layouts=whole * 3 if plain else None, causal=causal and plain)
 
         compute = priced(backward)
-        back = (back_steps if variant == "ring" else [s.dual() for s in forward]) if backward else []
-        forward_comm = steps_time(forward, mesh_shape, cluster)
-        if variant == "ring":  # each forward exchange hides behind one of the n blocks the busiest rank computes
-            forward_comm = len(forward) * max(0.0, forward_comm / max(len(forward), 1) - priced(False) / n)
+        back = (back_steps + swaps if variant in RINGS else [s.dual() for s in forward]) if backward else []
+        forward_comm = steps_time(forward[ring_steps:], mesh_shape, cluster)
+        if ring_steps:  # each forward exchange hides behind one of the n blocks the busiest rank computes
+            per_exchange = steps_time(forward[:1], mesh_shape, cluster)
+            forward_comm += ring_steps * max(0.0, per_exchange - priced(False) / n)
         return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back),
                           comm_s=forward_comm + steps_time(back, mesh_shape, cluster))
 
     def kept_bytes(self, node, in_metas, strategy, mesh_shape) -> int:
         """The all-gather kernels keep the gathered keys and values (as many heads as the queries: grouped-query
         heads are repeated first) where the plain op keeps the local ones; the balanced one also keeps the half of
-        the queries it borrowed (its two chunks' outputs, kept in place of its output, weigh the same)."""
+        the queries it borrowed (its two chunks' outputs, kept in place of its output, weigh the same). The rings keep
+        what the plain op does (the balanced ring its own and the borrowed queries, in one tensor, in place of q)."""
         if not strategy.kernel:
             return 0
         variant, _ = parse_kernel(strategy.kernel)
