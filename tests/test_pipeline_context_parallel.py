@@ -104,7 +104,7 @@ def test_the_default_call_beyond_one_node_chooses_cp_by_price(seq, cp):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["ring", "balanced"])
+@pytest.mark.parametrize("variant", ["ring", "balanced", "ring_balanced"])
 def test_pp2_cp2_parity(variant):
     plan = _plan(variant)
     assert plan.pipeline.degree == 2 and plan.mesh.axis_names == ("cp",)
