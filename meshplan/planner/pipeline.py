@@ -45,6 +45,7 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import CP_AXIS, MeshSpec
 from meshplan.ir.precision import MixedPrecision
 from meshplan.ir.units import POST, PRE, unit_names
+from meshplan.planner.collector import fewer_collections
 from meshplan.planner.planner import UNBOUNDED, MemoryBudgetError, PlanOptions, make_plan, with_walked_memory
 from meshplan.planner.recompute import with_stage_recompute
 from meshplan.planner.solver import SolveTimeout
@@ -368,6 +369,7 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+@fewer_collections
 def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: ClusterPreset, options: PipelineOptions,
            *, model_name: str = "model", fixed: tuple[int, int, int] | None = None, cache: dict | None = None,
            short: tuple[Callable[[int], Graph], str, int] | None = None) -> PipelineResult:
@@ -604,6 +606,7 @@ def pipeline_options(pipeline: int | str | PipelineOptions, stage_config: dict |
                    time_limit_s=time_limit_s)
 
 
+@fewer_collections
 def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: ClusterPreset, options: PipelineOptions | None = None,
                   example_kwargs: dict | None = None, fixed: tuple[int, int, int] | None = None,
                   precision: MixedPrecision | None = None) -> PipelineResult:

@@ -39,6 +39,7 @@ from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Placements
 from meshplan.planner.alternatives import record_alternatives
+from meshplan.planner.collector import fewer_collections
 from meshplan.planner.constraints import Annotations, Constraint, constrain
 from meshplan.planner.neighbourhood import PAIR_LIMIT, Solved, Subset, coarsening, embedded, layout_pairs, merged
 from meshplan.planner.neighbourhood import search as neighbourhood_search
@@ -136,6 +137,7 @@ class PlanOptions:
     parameter) or 'always'. Needs the optimizer from `ParallelModule.make_optimizer` (see planner/offload.py)."""
 
 
+@fewer_collections
 def make_plan(
     graph: Graph, mesh: MeshSpec, cluster: ClusterPreset, options: PlanOptions, *, model_name: str = "model",
     earlier: Sequence[Plan] = (),
