@@ -252,6 +252,16 @@ def build_tables(
         for pos, ref in enumerate(node.inputs):
             key = (rep[ref.node], ref.index, rep[node.name], pos, graph.meta(ref), grad_flows(graph, ref, node))
             occurrences.setdefault(key, []).append(node.layer)
+    # the problem's edges name layouts by `layout_id`: the solver keys a dict by layout pairs for every pair of every
+    # edge, and a layout's hash is a Python call per placement (DTensor's `__hash__`), a small int's is not
+    ids: dict[tuple[str, str, int], list[int]] = {}
+
+    def ids_of(name: str, slot: str, k: int, layouts: list[Placements]) -> list[int]:
+        found = ids.get((name, slot, k))
+        if found is None:
+            found = ids[name, slot, k] = [layout_id(x) for x in layouts]
+        return found
+
     for (src, index, dst, pos, meta, backward), layers in occurrences.items():
         times = len(layers)
         consumer = graph[dst]  # stands for its class: tied members agree on kind and requires_grad
@@ -271,23 +281,24 @@ def build_tables(
             if unit is not None:
                 terms.add_self_edge(dst, f"{index}/{pos}", fwds, helds, layers)
             continue
-        edge = Edge(src, dst, src_layouts, dst_layouts, {}, {}, unit=unit, name=f"e{len(tables.problem.edges)}")
-        # ordered de-duplication: set order varies between processes, and every rank must build the same model
-        needed = list(dict.fromkeys(dst_layouts))
-        copy_bytes = {b: float(local_bytes(meta, b, shape)) if keeps_copy(consumer) else 0.0 for b in needed}  # transfer_memory when a != b
+        src_ids, dst_ids = ids_of(src, "out", index, src_layouts), ids_of(dst, "in", pos, dst_layouts)
+        edge = Edge(src, dst, src_ids, dst_ids, {}, {}, unit=unit, name=f"e{len(tables.problem.edges)}")
+        # ordered de-duplication (id -> its layout): set order varies between processes, and every rank must build the
+        # same model
+        needed = dict(zip(dst_ids, dst_layouts))
+        keeps = keeps_copy(consumer)
         # the loop below runs once per layout pair (hundreds of thousands on a 3-axis mesh): `moves` inlined, the
         # priced moves looked up by layout ids
         cache, cost, memory = tables.moves_of(meta), edge.cost, edge.memory
-        needed_ids = [(b, layout_id(b), copy_bytes[b]) for b in needed]
-        for a in dict.fromkeys(src_layouts):
-            ia = layout_id(a)
+        needed_ids = [(b, ib, float(local_bytes(meta, b, shape)) if keeps else 0.0) for ib, b in needed.items()]  # transfer_memory when a != b
+        for ia, a in dict(zip(src_ids, src_layouts)).items():
             for b, ib, copied in needed_ids:
-                t = cache.get((ia, ib), _UNKNOWN)
+                key = (ia, ib)
+                t = cache.get(key, _UNKNOWN)
                 if t is _UNKNOWN:
-                    t = priced(cache, (ia, ib), meta, a, b, shape, cluster)
+                    t = priced(cache, key, meta, a, b, shape, cluster)
                 if t is None:
                     continue
-                key = (a, b)
                 cost[key] = (t[0] + t[1] if backward else t[0]) * times
                 m = 0.0 if ia == ib else copied
                 if m:
