@@ -5,11 +5,11 @@
     python benchmarks/long_context.py --big [--seq 131072 2048]
 
 `--longest` finds, for a per-rank budget, the longest sequence (a multiple of `--granule`, 256) the small-width Llama
-below trains at under each of three plans: CP (the ring kernel forced on a `cp` mesh), Ulysses (likewise), and the
-best plan without sequence sharding: the default call (`meshplan.plan(model, world, (tokens,))`) with every candidate
-that splits a tensor along the sequence removed from its search (`without_sequence_splits`: no `cp` axis, no
-sequence split outside attention either; heads, hidden and weights may still split), checked on the plan. A
-length fits when the MEASURED peak (every rank's, as `profiling/fidelity.py` measures it, the lower of two profiled
+below trains at under each of four plans: CP (the ring kernel forced on a `cp` mesh, plain and head-tail balanced),
+Ulysses (likewise), and the best plan without sequence sharding: the default call (`meshplan.plan(model, world,
+(tokens,))`) with every candidate that splits a tensor along the sequence removed from its search
+(`without_sequence_splits`: no `cp` axis, no sequence split outside attention either; heads, hidden and weights may
+still split), checked on the plan. A length fits when the MEASURED peak (every rank's, as `profiling/fidelity.py` measures it, the lower of two profiled
 steps) is within the budget. The search doubles from `--start` until a length does not fit, then bisects, each round
 training every strategy still searching on one launch of `world` gloo processes. Then, at the unsharded plan's longest length, it prints every
 plan's peak, CP's and Ulysses' peak over the unsharded plan's (issue 29's target: at most 0.35) and, as a reference,
@@ -128,8 +128,9 @@ def measure(rank: int, world: int, plans_json: list[str], seqs: list[int], warmu
     return out
 
 
-LONGEST_KINDS = ("cp ring", "cp ulysses", "no sequence sharding")
-"""`--longest`'s strategies: CP (the ring kernel), Ulysses, and the best plan that splits no tensor along the sequence."""
+LONGEST_KINDS = ("cp ring", "cp ring_balanced", "cp ulysses", "no sequence sharding")
+"""`--longest`'s strategies: CP (the ring kernel, plain and head-tail balanced), Ulysses, and the best plan that splits no
+tensor along the sequence."""
 ONE_RANK = "one rank (reference)"
 
 
@@ -297,7 +298,7 @@ def longest(world: int, cluster, budget: int, start: int, granule: int, limit: i
     for kind in (*LONGEST_KINDS, ONE_RANK):
         print(row(kind, common))
     for base in ("no sequence sharding", ONE_RANK):
-        for kind in ("cp ring", "cp ulysses"):
+        for kind in (k for k in LONGEST_KINDS if k.startswith("cp")):
             ratio = seen[kind, common][1]["peak_bytes"] / seen[base, common][1]["peak_bytes"]
             target = f" (issue 29's target, at most 0.35: {'met' if ratio <= 0.35 else 'NOT met'})" if base != ONE_RANK else ""
             print(f"{kind} peak / {base} peak: measured {ratio:.3f}{target}, predicted "
