@@ -2,10 +2,11 @@
 
 The kernels' per-rank math without their collectives (`regions/context_parallel.py`): with the sequence split
 into P chunks of L rows, rank r's query rows go against
-- `ring`: every rank's key/value chunk in the order the ring brings them (`_ring_block`: its own first, a causal
-  diagonal under a causal mask; earlier ranks' whole; later ranks' skipped), merged by log-sum-exp;
+- `ring`: every rank's key/value chunk in the order the ring brings them, each attended to as `_segments` says (its
+  own a causal diagonal under a causal mask; earlier ranks' whole; later ranks' skipped), merged by log-sum-exp;
+- `ring_balanced`: the same for query chunks 2r and 2P-1-2r of 2P (`balanced_chunks`), each merged on its own;
 - `allgather`: the gathered keys, the r*L before its rows whole and the next L a causal diagonal (`_attend`);
-- `balanced`: query chunks r and 2P-1-r of 2P against the gathered keys (`balanced_chunks`, `_attend`).
+- `balanced`: query chunks 2r and 2P-1-2r of 2P against the gathered keys (`balanced_chunks`, `_attend`).
 The outputs of the P ranks, put back in sequence order, and the gradients of q, k and v through them must equal
 plain SDPA's. Grouped-query heads (4 query, 2 key/value heads) are repeated per block as the kernels do.
 """
@@ -16,27 +17,29 @@ import torch
 import torch.nn.functional as F
 
 from meshplan.regions.attention_blocks import SEQ, BlockAttention
-from meshplan.regions.context_parallel import _attend, _repeat_heads, _ring_block, balanced_chunks
+from meshplan.regions.context_parallel import _attend, _repeat_heads, _segments, balanced_chunks
 
-LAYOUTS = ("ring", "allgather", "balanced")
+LAYOUTS = ("ring", "ring_balanced", "allgather", "balanced")
 TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=3e-2)}
 """Against SDPA in fp32 on the same (rounded) inputs; a gradient's atol is scaled by its largest element. Measured
 on the CPU (2 x 4 heads x 256 x 64, 4 ranks): fp32 errors up to 1.4e-6; bf16 up to 8e-3 in the output and 0.8 % of
 the largest element in gradients, as plain bf16 SDPA's own errors there (a block left out errs by 0.1 to 1)."""
 
 
-def _ring(q, k, v, ranks: int, causal: bool, scale) -> torch.Tensor:
-    rows, outs = q.shape[SEQ] // ranks, []
+def _ring(q, k, v, ranks: int, causal: bool, scale, balanced: bool) -> torch.Tensor:
+    rows = q.shape[SEQ] // ranks
+    size = rows // 2 if balanced else rows
+    outs = {}  # chunk start -> its output
     for r in range(ranks):
-        flags, kv = [], []
-        for t in range(ranks):
-            src = (r - t) % ranks
-            block = _ring_block(r, src, causal)
-            if block is not None:
-                flags.append(block)
-                kv += [_repeat_heads(x.narrow(SEQ, src * rows, rows), q.shape[1]) for x in (k, v)]
-        outs.append(BlockAttention.apply(q.narrow(SEQ, r * rows, rows), scale, tuple(flags), *kv))
-    return torch.cat(outs, dim=SEQ)
+        for start in [j * size for j in balanced_chunks(r, ranks)] if balanced else [r * rows]:
+            flags, kv = [], []
+            for t in range(ranks):
+                src = (r - t) % ranks
+                for first, count, diagonal in _segments(start, size, src * rows, rows, causal):
+                    flags.append(diagonal)
+                    kv += [_repeat_heads(x.narrow(SEQ, src * rows + first, count), q.shape[1]) for x in (k, v)]
+            outs[start] = BlockAttention.apply(q.narrow(SEQ, start, size), scale, tuple(flags), *kv)
+    return torch.cat([outs[start] for start in sorted(outs)], dim=SEQ)
 
 
 def _gathered(q, k, v, ranks: int, causal: bool, scale, balanced: bool) -> torch.Tensor:
@@ -51,8 +54,8 @@ def _gathered(q, k, v, ranks: int, causal: bool, scale, balanced: bool) -> torch
 
 def simulate(layout: str, q, k, v, ranks: int, causal: bool, scale=None) -> torch.Tensor:
     """The whole attention output, each rank's rows computed as kernel `layout` computes them."""
-    if layout == "ring":
-        return _ring(q, k, v, ranks, causal, scale)
+    if layout.startswith("ring"):
+        return _ring(q, k, v, ranks, causal, scale, balanced=layout == "ring_balanced")
     return _gathered(q, k, v, ranks, causal, scale, balanced=layout == "balanced")
 
 
