@@ -266,22 +266,22 @@ def longest(world: int, cluster, budget: int, start: int, granule: int, limit: i
     found = longest_fitting(fits, LONGEST_KINDS, start, granule, limit)
     mib = 2**20
 
-    def row(kind: str, seq: int) -> str:
+    def row(kind: str, seq: int, over: str = "") -> str:
+        if not seq:
+            return f"| {kind} | none | {over} |" + " |" * 8
         plan, m = seen[kind, seq]
         attn = {n.strategy.kernel or str(n.strategy) for n in plan.nodes if n.target == "aten.scaled_dot_product_attention.default"}
         ranks = " / ".join(f"{b / mib:.1f}" for b in m["rank_peaks"])
-        return (f"| {kind} | {seq} | {plan.mesh} | {', '.join(sorted(attn))} | {m['peak_bytes'] / mib:.1f} | {ranks} | "
-                f"{solver_memory(plan) / mib:.1f} | {plan.step_time_s * 1e3:.0f} | {m['time_s'] * 1e3:.0f} | "
+        return (f"| {kind} | {seq} | {over}{' | ' if over else ''}{plan.mesh} | {', '.join(sorted(attn))} | {m['peak_bytes'] / mib:.1f} | "
+                f"{ranks} | {solver_memory(plan) / mib:.1f} | {plan.step_time_s * 1e3:.0f} | {m['time_s'] * 1e3:.0f} | "
                 f"{plan.step_time_s / m['time_s'] - 1:+.0%} |")
 
-    head = ("| strategy | seq | mesh | attention | measured peak MiB (max) | per rank | predicted MiB | predicted ms | "
-            "measured ms | step error |\n|---|---:|---|---|---:|---|---:|---:|---:|---:|")
-    print(f"\nLongest sequence within {budget / mib:.0f} MiB per rank (measured), {world} gloo ranks, multiples of {granule}:")
-    print(head)
+    head = ("| strategy | seq | {}mesh | attention | measured peak MiB (max) | per rank | predicted MiB | predicted ms | "
+            "measured ms | step error |\n|---|---:|{}---|---|---:|---|---:|---:|---:|---:|")
+    print(f"\nLongest sequence within {budget / mib:g} MiB per rank (measured), {world} gloo ranks, multiples of {granule}:")
+    print(head.format("shortest over | ", "---:|"))
     for kind, (lo, hi) in found.items():
-        if lo:
-            print(row(kind, lo))
-        print(f"|   {kind}: {'none fit' if not lo else 'fits'}; shortest over: {hi if hi else f'none up to {limit}'} | | | | | | | | | |")
+        print(row(kind, lo, str(hi) if hi else f"none up to {limit}"))
     common = found["no sequence sharding"][0]
     if not common:
         print("the plan without sequence sharding fits at no length searched: no common length")
@@ -294,7 +294,7 @@ def longest(world: int, cluster, budget: int, start: int, granule: int, limit: i
         one = meshplan.plan(model, 1, (tokens,), cluster=cluster)
     seen[ONE_RANK, common] = one, run_local(1, measure, [one.to_json()], [common], warmup, steps, timeout=3600)[0][0]
     print(f"\nAt {common} tokens (the unsharded plan's longest):")
-    print(head)
+    print(head.format("", ""))
     for kind in (*LONGEST_KINDS, ONE_RANK):
         print(row(kind, common))
     for base in ("no sequence sharding", ONE_RANK):
