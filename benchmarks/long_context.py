@@ -27,10 +27,10 @@ presets, not measurements.
 
 For each sequence length, a small-width meshplan Llama (2 layers, width 64, 4 query / 2 key-value heads, batch 1) with
 its next-token loss inside (the whole step is in the plan, as in benchmarks/memory_truth.py)
-is planned from the saved profile (out of sample: nothing re-measured or rescaled) five ways on `world` gloo
-ranks: a `cp` mesh with each context-parallel kernel forced (all-gathered K/V, head-tail balanced, ring, Ulysses),
-and the default search (labelled "best without cp", though that search now offers a `cp` mesh too: the mesh column
-says which it chose; with a batch of 1 it may split the sequence outside attention and the heads inside it). Each is then
+is planned from the saved profile (out of sample: nothing re-measured or rescaled) six ways on `world` gloo
+ranks: a `cp` mesh with each context-parallel kernel forced (all-gathered K/V, balanced, ring, balanced ring,
+Ulysses), and the default search without a `cp` axis (`context_parallel=False`: "best without cp"; with a batch of 1
+it may split the sequence outside attention and the heads inside it). Each is then
 trained with AdamW on local processes; the table gives predicted and measured step time (median over steps,
 slowest rank) and peak bytes per rank (predicted: the plan's memory; measured: resident state plus the
 profiler's allocation peak during a step, as `profiling/fidelity.py` measures it).
@@ -68,7 +68,7 @@ from meshplan.runtime.launch import run_local  # noqa: E402
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "data" / "fidelity_profile.json"
 DEFAULT_BUDGET_MIB = 32.0
 """`--longest`'s per-rank budget: CP reaches about 7k tokens, so a run takes a few minutes on 2 cores."""
-PLANS = ("cp allgather", "cp balanced", "cp ring", "cp ulysses", "best without cp")
+PLANS = ("cp allgather", "cp balanced", "cp ring", "cp ring_balanced", "cp ulysses", "best without cp")
 
 
 class WithLoss(torch.nn.Module):
@@ -93,7 +93,7 @@ def make_plan(kind: str, seq: int, world: int, cluster) -> Plan:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if kind == "best without cp":
-            return meshplan.plan(model, world, (tokens,), cluster=cluster)
+            return meshplan.plan(model, world, (tokens,), cluster=cluster, context_parallel=False)
         with force_context_parallel(kind.split()[1]):
             return meshplan.plan(model, world, (tokens,), cluster=cluster, mesh_shape=(world,), axis_names=("cp",),
                                  input_layouts={"tokens": "S(1)"})

@@ -67,6 +67,7 @@ def plan(
     stage_config: dict[str, int] | None = None,
     time_limit_s: float = 60.0,
     mixed_precision: str | MixedPrecision = "auto",
+    context_parallel: bool = True,
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
@@ -104,7 +105,13 @@ def plan(
     reduction; 'fp32' runs the model's own dtypes; or a `MixedPrecision` policy.
     'auto' (default): bf16 on clusters whose device has a bf16 peak above its fp32 peak (the GPU
     presets), else fp32. The plan records and prints which (ir/precision.py, docs/precision.md).
+
+    `context_parallel`: whether the default mesh search and the pipeline search may add a `cp` axis (attention split
+    along the sequence, docs/context_parallel.md) where it is priced cheaper; False plans without one unless you
+    name one (`axis_names`, `PipelineOptions(context_degrees=)`).
     """
+    if not isinstance(context_parallel, bool):
+        raise ValueError(f"context_parallel must be True or False; got {context_parallel!r}")
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be a positive number of seconds; got {time_limit_s!r}")
     example_inputs, example_kwargs = example_call(example_inputs, example_kwargs)
@@ -128,6 +135,8 @@ def plan(
                              f"{', layout annotations' if annotated else ''}; pass pipeline=None to plan without one")
         budget = None if memory_budget is None else float(parse_bytes(memory_budget))
         opts = pipeline_options("auto" if pipeline is None else pipeline, stage_config, optimizer, budget, float(time_limit_s))
+        if not context_parallel and opts.context_degrees is None:
+            opts = dataclasses.replace(opts, context_degrees=(1,))
         result = plan_pipeline(model, devices, example_inputs, cluster=cluster_preset, options=opts, example_kwargs=example_kwargs,
                                precision=precision).plan
         warn_wasted(result)
@@ -143,7 +152,8 @@ def plan(
     )
     phase(f"tracing {type(model).__name__}")
     graph = trace(model, example_inputs, example_kwargs, precision=precision)
-    searched = isinstance(devices, int) and mesh_shape is None and not axis_names  # the default search: cp is tried too
+    # the default search: a cp axis is tried too
+    searched = context_parallel and isinstance(devices, int) and mesh_shape is None and not axis_names
     result = search_meshes(graph, meshes, cluster_preset, options, model_name=type(model).__name__, context_parallel=searched)
     warn_wasted(result)
     return result

@@ -219,6 +219,13 @@ def test_the_default_search_chooses_context_parallelism_by_price():
     assert short.solver.skipped == (note,) and f"skipped {note}" in short.summary()
     assert str(long.mesh) == "cp=2 x tp=2" and all(k.startswith("cp_attention(") for k in _kernels(long)), _kernels(long)
     assert long.solver.skipped == ()
+    with warnings.catch_warnings():  # the user's opt-out: the same search without the cp mesh
+        warnings.simplefilter("ignore")
+        without = meshplan.plan(model, 4, (torch.randint(0, 1024, (1, 32768), device="meta"),), cluster="h100",
+                                context_parallel=False)
+        with pytest.raises(ValueError, match="context_parallel must be True or False; got 'no'"):
+            meshplan.plan(model, 4, (torch.randint(0, 1024, (1, 32768), device="meta"),), cluster="h100", context_parallel="no")
+    assert "cp" not in without.mesh.axis_names and _kernels(without) == {""} and without.step_time_s > long.step_time_s
 
 
 def test_a_named_mesh_is_not_searched_for_context_parallelism():
