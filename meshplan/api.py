@@ -107,7 +107,7 @@ def plan(
     presets), else fp32. The plan records and prints which (ir/precision.py, docs/precision.md).
 
     `context_parallel`: whether the default mesh search and the pipeline search may add a `cp` axis (attention split
-    along the sequence, docs/context_parallel.md) where it is priced cheaper; False plans without one unless you
+    along the sequence, docs/long_context.md) where it is priced cheaper; False plans without one unless you
     name one (`axis_names`, `PipelineOptions(context_degrees=)`).
     """
     if not isinstance(context_parallel, bool):
