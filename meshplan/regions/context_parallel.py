@@ -1,7 +1,7 @@
 """Context parallelism as a region op: scaled-dot-product attention with the sequence split over a `cp` mesh axis.
 
 `aten.scaled_dot_product_attention(q, k, v, ...)` takes q, k and v as [batch, heads, seq, head_dim]. Its rows
-are the plain op's (batch or heads split, `planner/rules/attention.py`) plus three kernels with q, k, v and the
+are the plain op's (batch or heads split, `planner/rules/attention.py`) plus five kernels with q, k, v and the
 output split on the sequence (dim 2), offered only on a mesh axis named `cp` (torchtitan's name):
 
 - `cp_attention(allgather)`: k and v are all-gathered over the axis (backward: their gradients
@@ -19,15 +19,17 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
 - `cp_attention(ring)`: the same split and blocks, but K and V travel P-1 times to the next rank (point to
   point) instead of being gathered, so a rank holds one other block at a time and saves only its own K and V;
   backward sends them round again while the dK/dV of each block accumulate on the way home (`RingAttention`).
+- `cp_attention(ring_balanced)`: the ring over the balanced kernel's two query chunks, with the same swap of half
+  the queries and their output with the mirrored rank around it (causal masks).
 - `cp_attention(ulysses)`: all-to-all from sequence-split to heads-split (q, k, v), the plain op over the whole
   sequence and the local heads, all-to-all back (DeepSpeed-Ulysses); needs the heads and the KV heads on
   this rank divisible by P.
 
 Each kernel's name carries `,causal` when the op is causal, so its cost knows the mask shape. Not offered, with
-the reason `explain` prints: an explicit mask tensor, dropout, a sequence not divisible by 2P (balanced),
-heads not divisible by P (ulysses). `force_context_parallel` makes a plan use them. Every collective goes through
-the runtime's `StepFunction` (counted, its backward the dual step): the steps priced here are the steps the plan
-lists and the runtime runs.
+the reason `explain` prints: an explicit mask tensor, dropout, a sequence not divisible by 2P or no causal mask
+(the balanced two), heads not divisible by P (ulysses). `force_context_parallel` makes a plan use them. Every
+collective is counted when issued (`StepFunction`, whose backward is the dual step, or `collective` for the
+exchanges): the steps priced here are the steps the plan lists and the runtime runs.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ from meshplan.runtime.collectives import MeshComm, StepFunction, collective, for
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 VARIANTS = ("allgather", "balanced", "ring", "ring_balanced", "ulysses")
 BALANCED = ("balanced", "ring_balanced")
-RINGS = ("ring", "ring_balanced")
 """The kernels that swap half the queries with the mirrored rank (`MirrorSwap`): causal masks only."""
+RINGS = ("ring", "ring_balanced")
+"""The kernels that pass K and V round the ring (`RingAttention`) instead of gathering them."""
 
 
 def kernel_name(variant: str, causal: bool) -> str:
