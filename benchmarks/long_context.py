@@ -5,7 +5,7 @@
     python benchmarks/long_context.py --big [--seq 131072 2048]
 
 `--longest` finds, for a per-rank budget, the longest sequence (a multiple of `--granule`, 256) the small-width Llama
-below trains at under each of four plans: CP (the ring kernel forced on a `cp` mesh, plain and head-tail balanced),
+below trains at under each of four plans: CP (the ring kernel forced on a `cp` mesh, plain and load-balanced),
 Ulysses (likewise), and the best plan without sequence sharding: the default call (`meshplan.plan(model, world,
 (tokens,))`) with every candidate that splits a tensor along the sequence removed from its search
 (`without_sequence_splits`: no `cp` axis, no sequence split outside attention either; heads, hidden and weights may
@@ -129,7 +129,7 @@ def measure(rank: int, world: int, plans_json: list[str], seqs: list[int], warmu
 
 
 LONGEST_KINDS = ("cp ring", "cp ring_balanced", "cp ulysses", "no sequence sharding")
-"""`--longest`'s strategies: CP (the ring kernel, plain and head-tail balanced), Ulysses, and the best plan that splits no
+"""`--longest`'s strategies: CP (the ring kernel, plain and load-balanced), Ulysses, and the best plan that splits no
 tensor along the sequence."""
 ONE_RANK = "one rank (reference)"
 
