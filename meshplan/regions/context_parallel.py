@@ -142,7 +142,7 @@ def _attend(q, k, v, first: int, causal: bool, scale) -> torch.Tensor:
 
 
 def _start_rotate(x: torch.Tensor, comm: MeshComm, axis: int, phase: str):
-    """Start sending `x` to the next rank along `axis` and receiving the previous rank's; `_finish_rotate` waits."""
+    """Start sending `x` to the next rank along `axis` and receiving the previous rank's; `_finish_exchange` waits."""
     n, me = comm.mesh.shape[axis], comm.coord[axis]
     return _start_exchange(x, comm, axis, phase, (me + 1) % n, (me - 1) % n, "ring attention")
 
@@ -157,7 +157,7 @@ def _start_exchange(x: torch.Tensor, comm: MeshComm, axis: int, phase: str, to: 
                       lambda: funcol.all_to_all_single(x.contiguous().view(-1), recv, send, comm.group_name(axis)))
 
 
-def _finish_rotate(pending, like: torch.Tensor, comm: MeshComm, axis: int, phase: str, what: str = "ring attention") -> torch.Tensor:
+def _finish_exchange(pending, like: torch.Tensor, comm: MeshComm, axis: int, phase: str, what: str = "ring attention") -> torch.Tensor:
     if torch.compiler.is_compiling():
         return wait(pending).view(like.shape)
     with comm.guard(_what(comm, axis, phase, what)):
@@ -165,7 +165,7 @@ def _finish_rotate(pending, like: torch.Tensor, comm: MeshComm, axis: int, phase
 
 
 def _rotate(x: torch.Tensor, comm: MeshComm, axis: int, phase: str) -> torch.Tensor:
-    return _finish_rotate(_start_rotate(x, comm, axis, phase), x, comm, axis, phase)
+    return _finish_exchange(_start_rotate(x, comm, axis, phase), x, comm, axis, phase)
 
 
 def _what(comm: MeshComm, axis: int, phase: str, what: str) -> str:
@@ -189,7 +189,18 @@ class MirrorSwap(torch.autograd.Function):
 def _mirror(x: torch.Tensor, comm: MeshComm, axis: int, phase: str) -> torch.Tensor:
     partner = comm.mesh.shape[axis] - 1 - comm.coord[axis]
     what = "balanced attention"
-    return _finish_rotate(_start_exchange(x, comm, axis, phase, partner, partner, what), x, comm, axis, phase, what)
+    return _finish_exchange(_start_exchange(x, comm, axis, phase, partner, partner, what), x, comm, axis, phase, what)
+
+
+def _balanced(q: torch.Tensor, comm: MeshComm, axis: int, attend) -> torch.Tensor:
+    """This rank's output of balanced causal attention: the second half of its queries swapped with the mirrored rank's
+    (`MirrorSwap`), `attend(own, lent, starts)` giving the outputs of its own first chunk and of the lent one (chunks
+    `balanced_chunks`, at sequence positions `starts`), and the lent chunk's output swapped back."""
+    c = q.shape[SEQ] // 2
+    own, borrowed = balanced_chunks(comm.coord[axis], comm.mesh.shape[axis])
+    lent = MirrorSwap.apply(q.narrow(SEQ, c, c), comm, axis)  # the partner's second chunk
+    out_own, out_lent = attend(q.narrow(SEQ, 0, c), lent, (own * c, borrowed * c))
+    return torch.cat([out_own, MirrorSwap.apply(out_lent, comm, axis)], dim=SEQ)
 
 
 class RingAttention(torch.autograd.Function):
@@ -224,7 +235,7 @@ class RingAttention(torch.autograd.Function):
                     outs[i].append(o)
                     lses[i].append(lse)
             if pending is not None:
-                packed = _finish_rotate(pending, packed, comm, axis, phase)
+                packed = _finish_exchange(pending, packed, comm, axis, phase)
         merged = [merge_blocks(o, l, q.dtype) for o, l in zip(outs, lses)]
         out, lse = torch.cat([o for o, _ in merged], dim=SEQ), torch.cat([l for _, l in merged], dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -301,27 +312,20 @@ class ContextParallelAttention(nn.Module):
             q, k, v = (_step(t, to_heads, self.comm) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=scale, enable_gqa=gqa)
             return _step(out, to_heads.dual(), self.comm)
-        n, me, rows = self.comm.mesh.shape[self.axis], self.comm.coord[self.axis], q.shape[SEQ]
+        me, rows = self.comm.coord[self.axis], q.shape[SEQ]
         if self.variant == "ring":
             return RingAttention.apply(q, k, v, scale, self.causal, self.axis, self.comm, (me * rows,))
         if self.variant == "ring_balanced":
-            c = rows // 2
-            own, borrowed = balanced_chunks(me, n)
-            mine = torch.cat([q.narrow(SEQ, 0, c), MirrorSwap.apply(q.narrow(SEQ, c, c), self.comm, self.axis)], dim=SEQ)
-            out = RingAttention.apply(mine, k, v, scale, True, self.axis, self.comm, (own * c, borrowed * c))
-            return torch.cat([out.narrow(SEQ, 0, c), MirrorSwap.apply(out.narrow(SEQ, c, c), self.comm, self.axis)], dim=SEQ)
+            return _balanced(q, self.comm, self.axis, lambda own, lent, starts: RingAttention.apply(
+                torch.cat([own, lent], dim=SEQ), k, v, scale, True, self.axis, self.comm, starts).chunk(2, dim=SEQ))
         gather = CommStep("all_gather", self.axis, SEQ)
         keys, values = _step(k, gather, self.comm), _step(v, gather, self.comm)
         if gqa and keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group of query heads
             keys, values = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
         if self.variant == "allgather":
             return _attend(q, keys, values, me * rows, self.causal, scale)
-        c = rows // 2
-        own, borrowed = balanced_chunks(me, n)
-        lent = MirrorSwap.apply(q.narrow(SEQ, c, c), self.comm, self.axis)  # the partner's second chunk
-        out_own = _attend(q.narrow(SEQ, 0, c), keys, values, own * c, True, scale)
-        out_lent = _attend(lent, keys, values, borrowed * c, True, scale)
-        return torch.cat([out_own, MirrorSwap.apply(out_lent, self.comm, self.axis)], dim=SEQ)
+        return _balanced(q, self.comm, self.axis, lambda own, lent, starts: (
+            _attend(own, keys, values, starts[0], True, scale), _attend(lent, keys, values, starts[1], True, scale)))
 
     def extra_repr(self) -> str:
         return f"{kernel_name(self.variant, self.causal)} over mesh axis {self.comm.mesh.axis_names[self.axis]}"
