@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a lent CUDA machine (docs/runtime.md, "Measured on a GPU"):
-# benchmarks/gpu_check.py, then tests/gpu. Run from the repository root (or a clean copy of it):
+# benchmarks/gpu_check.py, benchmarks/gpu_cp_blocks.py, then tests/gpu. Run from the repository root (or a clean copy of it):
 #
 #     bash benchmarks/gpu_run.sh            # logs and results go to $OUT (default /tmp/gpu_out)
 #
@@ -29,8 +29,10 @@ rc=0
 # the report and profile straight into $OUT: the lent machine hands back 8 files at most
 timeout "${GPU_CHECK_TIMEOUT:-240}" "$PY" benchmarks/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
 check_rc=${PIPESTATUS[0]}
+timeout "${GPU_CP_TIMEOUT:-120}" "$PY" benchmarks/gpu_cp_blocks.py --out "$OUT"
+cp_rc=$?
 timeout "${GPU_TESTS_TIMEOUT:-300}" "$PY" -m pytest tests/gpu -m cuda -x -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
-echo "gpu_check exit $check_rc, tests/gpu exit $tests_rc" | tee -a "$OUT/env.txt"
-[ "$check_rc" = 0 ] && [ "$tests_rc" = 0 ] || rc=1
+echo "gpu_check exit $check_rc, gpu_cp_blocks exit $cp_rc, tests/gpu exit $tests_rc" | tee -a "$OUT/env.txt"
+[ "$check_rc" = 0 ] && [ "$cp_rc" = 0 ] && [ "$tests_rc" = 0 ] || rc=1
 exit $rc

@@ -1,0 +1,143 @@
+"""Context-parallel attention's per-rank compute on one GPU: each rank's blocks against the pricing (issue 29).
+
+    python benchmarks/gpu_cp_blocks.py --out DIR      # on a CUDA machine (benchmarks/gpu_run.sh runs it)
+    python benchmarks/gpu_cp_blocks.py --device cpu --seq 1024 --heads 4 --kv-heads 2   # the same on this CPU, small
+
+The planner prices a context-parallel kernel's attention on its busiest rank as the fraction of the whole causal
+attention's query-key pairs that rank computes (`regions/context_parallel.causal_pairs`): (2P-1)/P of the average
+for the contiguous split (ring, allgather), the average (1/P) when balanced. Here every rank's blocks of a
+Llama-3-8B-shaped attention layer (32 query heads, 8 KV heads, head dim 128, bf16) run forward and backward on one
+device as that rank runs them (`BlockAttention` over the key blocks `_segments` gives, as tests/_attention_blocks.py
+simulates, no collectives), timed alone, against one SDPA over the whole sequence. The ratio measured / priced says
+how much splitting one fused kernel into per-block calls and merging them by log-sum-exp costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this checkout, not an installed meshplan
+
+import torch
+import torch.nn.functional as F
+
+from meshplan.regions.attention_blocks import SEQ, BlockAttention
+from meshplan.regions.context_parallel import RINGS, _attend, _repeat_heads, _segments, balanced_chunks, causal_pairs
+
+LAYOUTS = ("ring", "ring_balanced", "allgather", "balanced")
+
+
+def rank_forward(layout: str, q, k, v, rank: int, ranks: int) -> torch.Tensor:
+    """Rank `rank`'s attention output as kernel `layout` computes it, its key/value blocks taken from the whole k, v."""
+    seq, heads = q.shape[SEQ], q.shape[1]
+    rows = seq // ranks
+    balanced = layout.endswith("balanced")
+    size = rows // 2 if balanced else rows
+    starts = [j * size for j in balanced_chunks(rank, ranks)] if balanced else [rank * rows]
+    outs = []
+    for start in starts:
+        if layout in RINGS:
+            flags, kv = [], []
+            for t in range(ranks):
+                src = (rank - t) % ranks
+                for first, count, diagonal in _segments(start, size, src * rows, rows, True):
+                    flags.append(diagonal)
+                    kv += [_repeat_heads(x.narrow(SEQ, src * rows + first, count), heads) for x in (k, v)]
+            outs.append(BlockAttention.apply(q.narrow(SEQ, start, size), None, tuple(flags), *kv))
+        else:
+            keys, values = (_repeat_heads(x, heads) for x in (k, v))
+            outs.append(_attend(q.narrow(SEQ, start, size), keys, values, start, True, None))
+    return torch.cat(outs, dim=SEQ)
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of fn() (forward and backward) over `repeats` runs after 2 warm-ups."""
+    times = []
+    for i in range(repeats + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(device: torch.device, dtype: torch.dtype, seq: int, heads: int, kv_heads: int, head_dim: int,
+            ranks_list: list[int], repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, seq, head_dim, generator=gen).to(device, dtype).requires_grad_() for n in (heads, kv_heads, kv_heads))
+    grad = torch.randn(1, heads, seq, head_dim, generator=gen).to(device, dtype)
+
+    def whole():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
+
+    full = timed(whole, device, repeats)
+    rows_out = []
+    for ranks in ranks_list:
+        rows = seq // ranks
+        total_pairs = seq * (seq + 1) // 2
+        for layout in LAYOUTS:
+            per_rank = []
+            for rank in range(ranks):
+                size = rows // 2 if layout.endswith("balanced") else rows
+                starts = [j * size for j in balanced_chunks(rank, ranks)] if layout.endswith("balanced") else [rank * rows]
+                g = torch.cat([grad.narrow(SEQ, s, size) for s in starts], dim=SEQ)
+                per_rank.append(timed(lambda: rank_forward(layout, q, k, v, rank, ranks).backward(g), device, repeats))
+            priced = full * causal_pairs(layout, ranks, rows) / total_pairs
+            rows_out.append({"ranks": ranks, "layout": layout, "busiest_s": max(per_rank), "per_rank_s": per_rank,
+                             "priced_s": priced, "measured_over_priced": max(per_rank) / priced})
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+            "dtype": str(dtype).replace("torch.", ""), "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "whole_sdpa_s": full, "repeats": repeats, "rows": rows_out}
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# Context-parallel blocks on {r['device']} (torch {r['torch']}, {r['dtype']})", "",
+             f"One causal attention layer, sequence {r['seq']}, {r['heads']} query / {r['kv_heads']} KV heads of {r['head_dim']}: "
+             f"one SDPA forward and backward {r['whole_sdpa_s'] * 1e3:.2f} ms (median of {r['repeats']}).", "",
+             "| ranks | kernel | busiest rank, measured | priced (pairs share of one SDPA) | measured / priced | each rank (ms) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for x in r["rows"]:
+        each = " ".join(f"{t * 1e3:.2f}" for t in x["per_rank_s"])
+        lines.append(f"| {x['ranks']} | {x['layout']} | {x['busiest_s'] * 1e3:.2f} ms | {x['priced_s'] * 1e3:.2f} ms | "
+                     f"{x['measured_over_priced']:.2f} | {each} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None, help="write cp_blocks-<device>.json and .md here")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: run with --device cpu")
+    if any(args.seq % (2 * p) for p in args.ranks):
+        raise SystemExit(f"--seq {args.seq} must divide into 2 x each of --ranks {args.ranks}")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    report = measure(device, dtype, args.seq, args.heads, args.kv_heads, args.head_dim, args.ranks, args.repeats)
+    text = markdown(report)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"cp_blocks-{report['device'].replace(' ', '_')}"
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+        stem.with_suffix(".md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
