@@ -9,7 +9,9 @@ for the contiguous split (ring, allgather), the average (1/P) when balanced. Her
 Llama-3-8B-shaped attention layer (32 query heads, 8 KV heads, head dim 128, bf16) run forward and backward on one
 device as that rank runs them (`BlockAttention` over the key blocks `_segments` gives, as tests/_attention_blocks.py
 simulates, no collectives), timed alone, against one SDPA over the whole sequence. The ratio measured / priced says
-how much splitting one fused kernel into per-block calls and merging them by log-sum-exp costs.
+how much splitting one fused kernel into per-block calls and merging them by log-sum-exp costs. On CUDA the blocks
+run on the kernel SDPA picks (`attention_blocks.cuda_kernel`) and on each of flash and cuDNN forced; one SDPA over the
+whole sequence is timed on each backend too.
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this che
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from meshplan.regions import attention_blocks
 from meshplan.regions.attention_blocks import SEQ, BlockAttention
 from meshplan.regions.context_parallel import RINGS, _attend, _repeat_heads, _segments, balanced_chunks, causal_pairs
 
 LAYOUTS = ("ring", "ring_balanced", "allgather", "balanced")
+FORCED = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+"""CUDA kernels the blocks are also timed on, forced, with the SDPA backend of the same kernel."""
 
 
 def rank_forward(layout: str, q, k, v, rank: int, ranks: int) -> torch.Tensor:
@@ -80,34 +86,57 @@ def measure(device: torch.device, dtype: torch.dtype, seq: int, heads: int, kv_h
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
 
     full = timed(whole, device, repeats)
+    chosen = attention_blocks.cuda_kernel(q, k, v, True) if device.type == "cuda" else "cpu flash"
+    # the blocks repeat the KV heads, and SDPA may pick another kernel for those shapes than for the whole (GQA) call
+    per_block = attention_blocks.cuda_kernel(q, *(_repeat_heads(x, heads) for x in (k, v)), True) if device.type == "cuda" else chosen
+    whole_by_backend = {}
+    kernels = {f"SDPA's pick ({per_block})": None}
+    if device.type == "cuda":
+        for name, backend in FORCED.items():
+            try:
+                with sdpa_kernel([backend]):
+                    whole_by_backend[name] = timed(whole, device, repeats)
+            except RuntimeError as e:  # a backend that does not take these shapes
+                whole_by_backend[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            kernels[name] = name
     rows_out = []
-    for ranks in ranks_list:
-        rows = seq // ranks
-        total_pairs = seq * (seq + 1) // 2
-        for layout in LAYOUTS:
-            per_rank = []
-            for rank in range(ranks):
-                size = rows // 2 if layout.endswith("balanced") else rows
-                starts = [j * size for j in balanced_chunks(rank, ranks)] if layout.endswith("balanced") else [rank * rows]
-                g = torch.cat([grad.narrow(SEQ, s, size) for s in starts], dim=SEQ)
-                per_rank.append(timed(lambda: rank_forward(layout, q, k, v, rank, ranks).backward(g), device, repeats))
-            priced = full * causal_pairs(layout, ranks, rows) / total_pairs
-            rows_out.append({"ranks": ranks, "layout": layout, "busiest_s": max(per_rank), "per_rank_s": per_rank,
-                             "priced_s": priced, "measured_over_priced": max(per_rank) / priced})
+    original = attention_blocks.cuda_kernel
+    for label, forced in kernels.items():
+        if forced is not None:
+            attention_blocks.cuda_kernel = lambda q, k, v, causal, forced=forced: forced
+        try:
+            for ranks in ranks_list:
+                rows = seq // ranks
+                total_pairs = seq * (seq + 1) // 2
+                for layout in LAYOUTS:
+                    per_rank = []
+                    for rank in range(ranks):
+                        size = rows // 2 if layout.endswith("balanced") else rows
+                        starts = [j * size for j in balanced_chunks(rank, ranks)] if layout.endswith("balanced") else [rank * rows]
+                        g = torch.cat([grad.narrow(SEQ, s, size) for s in starts], dim=SEQ)
+                        per_rank.append(timed(lambda: rank_forward(layout, q, k, v, rank, ranks).backward(g), device, repeats))
+                    priced = full * causal_pairs(layout, ranks, rows) / total_pairs
+                    rows_out.append({"kernel": label, "ranks": ranks, "layout": layout, "busiest_s": max(per_rank),
+                                     "per_rank_s": per_rank, "priced_s": priced, "measured_over_priced": max(per_rank) / priced})
+        finally:
+            attention_blocks.cuda_kernel = original
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "dtype": str(dtype).replace("torch.", ""), "seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "whole_sdpa_s": full, "repeats": repeats, "rows": rows_out}
+            "whole_sdpa_s": full, "whole_sdpa_kernel": chosen, "whole_sdpa_by_backend_s": whole_by_backend,
+            "repeats": repeats, "rows": rows_out}
 
 
 def markdown(r: dict) -> str:
     lines = [f"# Context-parallel blocks on {r['device']} (torch {r['torch']}, {r['dtype']})", "",
              f"One causal attention layer, sequence {r['seq']}, {r['heads']} query / {r['kv_heads']} KV heads of {r['head_dim']}: "
-             f"one SDPA forward and backward {r['whole_sdpa_s'] * 1e3:.2f} ms (median of {r['repeats']}).", "",
-             "| ranks | kernel | busiest rank, measured | priced (pairs share of one SDPA) | measured / priced | each rank (ms) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"one SDPA forward and backward {r['whole_sdpa_s'] * 1e3:.2f} ms on {r['whole_sdpa_kernel']} (median of {r['repeats']})"
+             + "".join(f"; forced {name}: " + (f"{t * 1e3:.2f} ms" if isinstance(t, float) else t)
+                       for name, t in r["whole_sdpa_by_backend_s"].items()) + ".", "",
+             "| blocks on | ranks | kernel | busiest rank, measured | priced (pairs share of one SDPA) | measured / priced | each rank (ms) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for x in r["rows"]:
         each = " ".join(f"{t * 1e3:.2f}" for t in x["per_rank_s"])
-        lines.append(f"| {x['ranks']} | {x['layout']} | {x['busiest_s'] * 1e3:.2f} ms | {x['priced_s'] * 1e3:.2f} ms | "
+        lines.append(f"| {x['kernel']} | {x['ranks']} | {x['layout']} | {x['busiest_s'] * 1e3:.2f} ms | {x['priced_s'] * 1e3:.2f} ms | "
                      f"{x['measured_over_priced']:.2f} | {each} |")
     return "\n".join(lines) + "\n"
 

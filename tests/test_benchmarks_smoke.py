@@ -137,3 +137,15 @@ def test_gpu_check_runs_its_steps_on_the_cpu(tmp_path):
     assert report["bf16_parity"]["passed"] and report["profile"]["ops_timed"] > 0
     assert report["step"]["measured_s"] > 0 and report["step"]["predicted_profile_s"] > 0
     assert "bf16 parity (passed)" in proc.stdout and len(list(tmp_path.glob("gpu_check-*.md"))) == 1
+
+
+def test_gpu_cp_blocks_times_every_rank_on_the_cpu(tmp_path):
+    """benchmarks/gpu_cp_blocks.py --device cpu: every rank of each context-parallel kernel timed and priced, so the
+    GPU kit's context-parallel step is ready when a GPU is lent."""
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_cp_blocks.py", "--device", "cpu", "--seq", "256", "--heads", "4",
+                           "--kv-heads", "2", "--head-dim", "16", "--ranks", "2", "4", "--repeats", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    [report] = [json.loads(p.read_text()) for p in tmp_path.glob("cp_blocks-*.json")]
+    assert [(r["ranks"], r["layout"]) for r in report["rows"]] == [(p, x) for p in (2, 4) for x in ("ring", "ring_balanced", "allgather", "balanced")]
+    assert all(len(r["per_rank_s"]) == r["ranks"] and r["busiest_s"] > 0 and r["priced_s"] > 0 for r in report["rows"])
