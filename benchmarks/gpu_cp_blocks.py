@@ -3,12 +3,13 @@
     python benchmarks/gpu_cp_blocks.py --out DIR      # on a CUDA machine (benchmarks/gpu_run.sh runs it)
     python benchmarks/gpu_cp_blocks.py --device cpu --seq 1024 --heads 4 --kv-heads 2   # the same on this CPU, small
 
-The planner prices a context-parallel kernel's attention on its busiest rank as the fraction of the whole causal
-attention's query-key pairs that rank computes (`regions/context_parallel.causal_pairs`): (2P-1)/P of the average
+Without the blocks timed in its profile (`ContextParallel.timed_work`), the planner prices a context-parallel
+kernel's attention on its busiest rank as the fraction of the whole causal attention's query-key pairs that rank
+computes (`regions/context_parallel.causal_pairs`): (2P-1)/P of the average
 for the contiguous split (ring, allgather), the average (1/P) when balanced. Here every rank's blocks of a
 Llama-3-8B-shaped attention layer (32 query heads, 8 KV heads, head dim 128, bf16) run forward and backward on one
-device as that rank runs them (`BlockAttention` over the key blocks `_segments` gives, as tests/_attention_blocks.py
-simulates, no collectives), timed alone, against one SDPA over the whole sequence. The ratio measured / priced says
+device as that rank runs them (`context_parallel.rank_attention`, what the op profiler times for the busiest rank;
+no collectives), timed alone, against one SDPA over the whole sequence. The ratio measured / priced says
 how much splitting one fused kernel into per-block calls and merging them by log-sum-exp costs. On CUDA the blocks
 run on the kernel SDPA picks (`attention_blocks.cuda_kernel`) and on each of flash and cuDNN forced; one SDPA over the
 whole sequence is timed on each backend too.
@@ -30,35 +31,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshplan.regions import attention_blocks
-from meshplan.regions.attention_blocks import SEQ, BlockAttention
-from meshplan.regions.context_parallel import RINGS, _attend, _repeat_heads, _segments, balanced_chunks, causal_pairs
+from meshplan.regions.attention_blocks import SEQ
+from meshplan.regions.context_parallel import _repeat_heads, balanced_chunks, causal_pairs, rank_attention
 
 LAYOUTS = ("ring", "ring_balanced", "allgather", "balanced")
 FORCED = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 """CUDA kernels the blocks are also timed on, forced, with the SDPA backend of the same kernel."""
-
-
-def rank_forward(layout: str, q, k, v, rank: int, ranks: int) -> torch.Tensor:
-    """Rank `rank`'s attention output as kernel `layout` computes it, its key/value blocks taken from the whole k, v."""
-    seq, heads = q.shape[SEQ], q.shape[1]
-    rows = seq // ranks
-    balanced = layout.endswith("balanced")
-    size = rows // 2 if balanced else rows
-    starts = [j * size for j in balanced_chunks(rank, ranks)] if balanced else [rank * rows]
-    outs = []
-    for start in starts:
-        if layout in RINGS:
-            flags, kv = [], []
-            for t in range(ranks):
-                src = (rank - t) % ranks
-                for first, count, diagonal in _segments(start, size, src * rows, rows, True):
-                    flags.append(diagonal)
-                    kv += [_repeat_heads(x.narrow(SEQ, src * rows + first, count), heads) for x in (k, v)]
-            outs.append(BlockAttention.apply(q.narrow(SEQ, start, size), None, tuple(flags), *kv))
-        else:
-            keys, values = (_repeat_heads(x, heads) for x in (k, v))
-            outs.append(_attend(q.narrow(SEQ, start, size), keys, values, start, True, None))
-    return torch.cat(outs, dim=SEQ)
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -114,7 +92,7 @@ def measure(device: torch.device, dtype: torch.dtype, seq: int, heads: int, kv_h
                         size = rows // 2 if layout.endswith("balanced") else rows
                         starts = [j * size for j in balanced_chunks(rank, ranks)] if layout.endswith("balanced") else [rank * rows]
                         g = torch.cat([grad.narrow(SEQ, s, size) for s in starts], dim=SEQ)
-                        per_rank.append(timed(lambda: rank_forward(layout, q, k, v, rank, ranks).backward(g), device, repeats))
+                        per_rank.append(timed(lambda: rank_attention(layout, q, k, v, rank, ranks, True).backward(g), device, repeats))
                     priced = full * causal_pairs(layout, ranks, rows) / total_pairs
                     rows_out.append({"kernel": label, "ranks": ranks, "layout": layout, "busiest_s": max(per_rank),
                                      "per_rank_s": per_rank, "priced_s": priced, "measured_over_priced": max(per_rank) / priced})

@@ -27,7 +27,10 @@ presets, not measurements.
 
 For each sequence length, a small-width meshplan Llama (2 layers, width 64, 4 query / 2 key-value heads, batch 1) with
 its next-token loss inside (the whole step is in the plan, as in benchmarks/memory_truth.py)
-is planned from the saved profile (out of sample: nothing re-measured or rescaled) six ways on `world` gloo
+is planned from the saved profile (out of sample: nothing re-measured or rescaled), to which the context-parallel
+kernels' own blocks at that length are added, timed on this machine first (`with_kernel_blocks`: the busiest
+rank's blocks as it runs them, one process, the profiler's method; before 2026-11-26 16:00 UTC the roofline priced
+them), six ways on `world` gloo
 ranks: a `cp` mesh with each context-parallel kernel forced (all-gathered K/V, balanced, ring, balanced ring,
 Ulysses), and the default search without a `cp` axis (`context_parallel=False`: "best without cp"; with a batch of 1
 it may split the sequence outside attention and the heads inside it). Each is then
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -56,11 +60,12 @@ import torch.distributed as dist  # noqa: E402
 import meshplan  # noqa: E402
 from meshplan.cost_model.presets import get_cluster  # noqa: E402
 from meshplan.cost_model.profile import resolve_profile  # noqa: E402
-from meshplan.ir.mesh import CP_AXIS  # noqa: E402
+from meshplan.ir.mesh import CP_AXIS, MeshSpec  # noqa: E402
 from meshplan.ir.placement import Shard, fmt  # noqa: E402
 from meshplan.ir.trace import trace  # noqa: E402
 from meshplan.models import Llama, LlamaConfig  # noqa: E402
 from meshplan.plans.plan import Plan  # noqa: E402
+from meshplan.profiling.calibrate import time_region_kernels  # noqa: E402
 from meshplan.profiling.fidelity import peak_during, resident_bytes, slowest_rank_seconds, solver_memory  # noqa: E402
 from meshplan.regions.context_parallel import force_context_parallel  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
@@ -88,12 +93,28 @@ def build(seq: int) -> tuple[WithLoss, torch.Tensor]:
     return WithLoss(model), torch.randint(0, 128, (1, seq), generator=torch.Generator().manual_seed(1))
 
 
+_KERNEL_BLOCKS: dict[tuple[int, int], dict] = {}
+
+
+def with_kernel_blocks(cluster, seq: int, world: int):
+    """`cluster` with the context-parallel kernels' blocks of this model at `seq` tokens on a `cp` axis of `world`
+    timed into its profile (`time_region_kernels`, once per length): what a user's `meshplan profile compute` of
+    this model measures besides its ops. The profile's other entries stay as saved."""
+    if cluster.profile is None:
+        return cluster
+    if (seq, world) not in _KERNEL_BLOCKS:
+        model, tokens = build(seq)
+        _KERNEL_BLOCKS[seq, world] = time_region_kernels(trace(model, (tokens,)), [MeshSpec((world,), (CP_AXIS,))])
+    return cluster.with_profile(dataclasses.replace(cluster.profile, ops={**cluster.profile.ops, **_KERNEL_BLOCKS[seq, world]}))
+
+
 def make_plan(kind: str, seq: int, world: int, cluster) -> Plan:
     model, tokens = build(seq)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if kind == "best without cp":
             return meshplan.plan(model, world, (tokens,), cluster=cluster, context_parallel=False)
+        cluster = with_kernel_blocks(cluster, seq, world)  # outside the forcing, which offers one kernel only
         with force_context_parallel(kind.split()[1]):
             return meshplan.plan(model, world, (tokens,), cluster=cluster, mesh_shape=(world,), axis_names=("cp",),
                                  input_layouts={"tokens": "S(1)"})

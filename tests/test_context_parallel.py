@@ -19,13 +19,14 @@ import torch.nn.functional as F
 import meshplan
 from meshplan.cost_model.compute import attention_pairs
 from meshplan.cost_model.presets import get_cluster
-from meshplan.cost_model.profile import Profile, device_name, torch_version
+from meshplan.cost_model.profile import OpTiming, Profile, device_name, torch_version
 from meshplan.ir.causal_mask import is_causal_mask
 from meshplan.ir.placement import Shard
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
 from meshplan.models.hf import hf_model
 from meshplan.ir.mesh import MeshSpec
+from meshplan.profiling.calibrate import time_region_kernels
 from meshplan.regions.context_parallel import (MirrorSwap, balanced_chunks, causal_pairs, force_context_parallel, kernel_name,
                                               parse_kernel, shared_cores_seconds)
 from meshplan.runtime.collectives import COUNTS, MeshComm, reset_counts
@@ -201,6 +202,37 @@ def test_ranks_sharing_cores_price_the_contiguous_split_by_processor_sharing(con
              for v in ("allgather", "balanced")}
     expected = 100 if contention == 1.0 else 36 + 64 / 2
     assert times["allgather"] / times["balanced"] == pytest.approx(expected / 68)
+
+
+def test_the_profiler_times_each_block_kernel_as_its_busiest_rank_runs_it():
+    """`profile_graph` (and `time_region_kernels`, to add to a saved profile) times the blocks of every kernel that
+    runs blocks (not Ulysses, which runs the plain op on shapes the op profiler times anyway): the busiest rank's,
+    forward and backward, keyed by kernel, degree and local shapes."""
+    model, tokens = _build("llama")
+    timings = time_region_kernels(trace(model, (tokens,)), [MeshSpec((2,), ("cp",))], budget_s=0.0)
+    kernels = sorted(k.split("[")[1].split(" of ")[0] for k in timings)
+    assert kernels == sorted(kernel_name(v, True) for v in ("allgather", "balanced", "ring", "ring_balanced")), list(timings)
+    # meshplan's Llama repeats its 2 key/value heads to the 4 query heads before attention
+    assert all(k.endswith("(float32[2,4,8,8],float32[2,4,8,8],float32[2,4,8,8])->float32[2,4,8,8]") for k in timings), list(timings)
+    assert all(t.forward_s > 0 and t.backward_s > 0 for t in timings.values())
+
+
+@pytest.mark.parametrize("variant", ["balanced", "ring_balanced"])
+def test_a_profiled_block_timing_prices_the_kernel(variant):
+    """With the busiest rank's blocks in the profile, the kernel's compute is that timing (times the contention;
+    balanced: every rank alike, so no sharing), not the roofline: doubling the timing adds it once more to the
+    attention node's time, the collectives unchanged."""
+    model, tokens = _build("gpt")
+    key = next(k for k in time_region_kernels(trace(model, (tokens,)), [MeshSpec((2,), ("cp",))], budget_s=0.0)
+               if kernel_name(variant, True) in k)
+
+    def attention(forward_s: float) -> float:
+        profile = Profile(device=device_name("cpu"), torch_version=torch_version(), cluster="cpu", contention={2: 1.0},
+                          ops={key: OpTiming(forward_s=forward_s, backward_s=3 * forward_s)})
+        plan = _plan("gpt", 2, kernel_name(variant, True), cluster=get_cluster("cpu").with_profile(profile))
+        return next(n for n in plan.nodes if n.target == SDPA).time_s
+
+    assert attention(0.2) - attention(0.1) == pytest.approx(0.4, rel=1e-9)
 
 
 def test_the_default_search_chooses_context_parallelism_by_price():

@@ -75,6 +75,13 @@ class RegionOp:
         own collectives, which the plan lists and the runtime executes), or None: priced as the plain op."""
         return None
 
+    def timed_work(self, node, in_metas, strategy, mesh_shape: tuple[int, ...]):
+        """(profile key, make) when one device's compute under `strategy` is no single op's timing (a context-parallel
+        kernel's blocks), else None. `make(device)` returns (run, leaves): `run()` is that compute's forward on fresh
+        tensors on `device`, and its backward reaches `leaves`. The profiler times it (`profiling/calibrate.py`), and
+        `cost` finds the timing under the key in the cluster's profile."""
+        return None
+
     def kept_bytes(self, node, in_metas, strategy, mesh_shape: tuple[int, ...]) -> int:
         """Bytes one device's kernel keeps from its forward to its backward beyond the inputs and outputs the plain op
         keeps (`cost_model/peak.py`'s `SAVED`): a context-parallel kernel's gathered keys and values."""

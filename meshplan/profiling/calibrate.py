@@ -22,9 +22,10 @@ from torch import nn
 
 from meshplan.cost_model.estimate import measured_seconds
 from meshplan.profiling.op_profiler import (OPTIMIZERS, copy_rate, grad_call_overhead, make_tensor, op_overhead, optimizer_rate,
-                                             time_op, time_program)
-from meshplan.cost_model.profile import Profile, device_name, op_key, profile_path, save_merged, torch_version
+                                             time_function, time_op, time_program)
+from meshplan.cost_model.profile import OpTiming, Profile, device_name, op_key, profile_path, save_merged, torch_version
 from meshplan.ir.graph import Graph, TensorMeta
+from meshplan.ir.regions import region_op
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import local_shape
 from meshplan.progress import phase
@@ -38,9 +39,10 @@ def _local(meta: TensorMeta | None, layout, mesh_shape: tuple[int, ...]) -> Tens
     return TensorMeta(local_shape(meta.shape, layout, mesh_shape), meta.dtype)
 
 
-def op_workload(graph: Graph, meshes: Iterable[MeshSpec]) -> dict[str, tuple[str, tuple, tuple, tuple]]:
+def op_workload(graph: Graph, meshes: Iterable[MeshSpec], regions: dict | None = None) -> dict[str, tuple[str, tuple, tuple, tuple]]:
     """key -> (node name, local input metas, input needs-grad flags, local output metas): one entry
-    per distinct op on local shapes over every candidate strategy on every mesh (and one device)."""
+    per distinct op on local shapes over every candidate strategy on every mesh (and one device). `regions`, if
+    given, collects key -> make of the region ops' own timed work on those candidates (`RegionOp.timed_work`)."""
     from meshplan.planner.strategies import UnsupportedOpWarning, generate
 
     work: dict[str, tuple[str, tuple, tuple, tuple]] = {}
@@ -60,10 +62,14 @@ def op_workload(graph: Graph, meshes: Iterable[MeshSpec]) -> dict[str, tuple[str
             cands = generate(graph, mesh)
         for node in ops:
             in_metas = [graph.meta(r) for r in node.inputs]
+            region = region_op(node.target) if regions is not None else None
             for s in cands.by_node[node.name]:
                 ins = tuple(_local(m, p, mesh.shape) for m, p in zip(in_metas, s.inputs))
                 outs = tuple(_local(m, p, mesh.shape) for m, p in zip(node.outputs, s.outputs))
                 add(node, ins, outs)
+                timed = region.timed_work(node, in_metas, s, mesh.shape) if region is not None else None
+                if timed is not None:
+                    regions.setdefault(*timed)
     return work
 
 
@@ -75,7 +81,8 @@ def profile_graph(
     optimizer step on the graph's parameter sizes. `queued`: see `op_profiler.time_op`."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fx_nodes = {n.name: n for n in graph.fx.gm.graph.nodes}
-    work = op_workload(graph, meshes)
+    kernels: dict = {}
+    work = op_workload(graph, meshes, kernels)
     before = torch.get_num_threads()
     if threads is not None and dev.type == "cpu":
         torch.set_num_threads(threads)  # as each rank of run_local / torchrun on CPU runs
@@ -92,6 +99,7 @@ def profile_graph(
                                        queued=queued)
             except (RuntimeError, ValueError, TypeError, IndexError) as e:  # an op that rejects made-up values
                 failed.append(f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        timings.update(_time_kernels(kernels, dev, budget_s, grad_call, failed))
         if failed:
             log.warning("%d op shapes could not be timed (the roofline prices them): %s", len(failed), "; ".join(failed[:5]))
         overhead, copy = op_overhead(dev), copy_rate(dev)
@@ -104,6 +112,38 @@ def profile_graph(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=threads or before,
         ops=timings, copy_seconds_per_byte=copy, op_overhead_s=overhead, optimizer_steps=optimizers, node_overhead_s=node_overhead,
     )
+
+
+def _time_kernels(kernels: dict, device: torch.device, budget_s: float, grad_call_s: float, failed: list[str]) -> dict[str, OpTiming]:
+    """Region ops' kernels of several ops (a context-parallel rank's blocks), timed: key -> timing; failures to `failed`."""
+    timings = {}
+    for key, make in kernels.items():
+        try:
+            run, leaves = make(device)
+            timings[key] = time_function(run, leaves, device=device, budget_s=budget_s, grad_call_s=grad_call_s)
+        except (RuntimeError, ValueError) as e:
+            failed.append(f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    return timings
+
+
+def time_region_kernels(graph: Graph, meshes: Iterable[MeshSpec], *, device: str | torch.device = "cpu", threads: int | None = 1,
+                        budget_s: float = 0.05) -> dict[str, OpTiming]:
+    """Only the region ops' own kernels of `graph`'s candidates on `meshes` (what `profile_graph` times besides the
+    ops), key -> timing: to add to a profile measured on other graphs (`dataclasses.replace(profile, ops=...)`)."""
+    dev = torch.device(device)
+    kernels: dict = {}
+    op_workload(graph, meshes, kernels)
+    before = torch.get_num_threads()
+    if threads is not None and dev.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        failed: list[str] = []
+        timings = _time_kernels(kernels, dev, budget_s, grad_call_overhead(dev), failed)
+    finally:
+        torch.set_num_threads(before)
+    if failed:
+        log.warning("%d region kernels could not be timed (the roofline prices them): %s", len(failed), "; ".join(failed[:5]))
+    return timings
 
 
 def program_overhead(graph: Graph, timings: dict, device: torch.device) -> float | None:

@@ -150,6 +150,30 @@ def time_op(
     return OpTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd), runs=len(fwd))
 
 
+def time_function(run: Callable[[], torch.Tensor], leaves: Sequence[torch.Tensor], *, device: torch.device | str = "cpu",
+                  warmup: int = 2, min_runs: int = 5, max_runs: int = 25, budget_s: float = 0.05, grad_call_s: float = 0.0) -> OpTiming:
+    """Median forward and backward seconds of `run()`, a computation of several ops (a region op's kernel,
+    `RegionOp.timed_work`) whose backward reaches `leaves`, sampled as `time_op` samples one op."""
+    timer = Timer(torch.device(device))
+    fwd: list[float] = []
+    with torch.enable_grad():
+        for i in range(warmup + max_runs):
+            t = timer(run)
+            if i >= warmup:
+                fwd.append(t)
+                if len(fwd) >= min_runs and sum(fwd) > budget_s:
+                    break
+    bwd: list[float] = []
+    for i in range(warmup + len(fwd)):
+        with torch.enable_grad():
+            out = run()
+        grad = torch.ones_like(out)
+        t = timer(lambda: torch.autograd.grad(out, list(leaves), grad, allow_unused=True))
+        if i >= warmup:
+            bwd.append(max(t - grad_call_s, 0.0))
+    return OpTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd), runs=len(fwd))
+
+
 def time_program(gm: torch.nn.Module, args: Sequence[object], *, warmup: int = 3, runs: int = 15) -> float:
     """Median seconds of one forward + backward of a whole program (`gm(*args)`, gradients of ones
     into every floating output that needs them), as a training step runs it."""

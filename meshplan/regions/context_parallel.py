@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshplan.cost_model.compute import attention_pairs
-from meshplan.cost_model.estimate import compute_time, steps_time
+from meshplan.cost_model.estimate import compute_time, measured_seconds, steps_time
+from meshplan.cost_model.profile import op_key
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.cost_model.regions import RegionCost
 from meshplan.ir.graph import TensorMeta
@@ -292,6 +293,37 @@ def _sum_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
     return grad if h == heads else grad.view(b, heads, h // heads, s, d).sum(2)
 
 
+def busiest_rank(variant: str, n: int, causal: bool) -> int:
+    """The rank with the most query-key pairs: the last of a contiguous causal split, any one otherwise (rank 0)."""
+    return n - 1 if causal and variant not in BALANCED and variant != "ulysses" else 0
+
+
+def rank_attention(variant: str, q, k, v, rank: int, n: int, causal: bool, scale=None) -> torch.Tensor:
+    """Rank `rank`'s attention rows under kernel `variant` (not ulysses) of `n` ranks, computed on one device from
+    the whole-sequence q, k, v without collectives: the same blocks, in the same order and shapes, that rank runs
+    (the rings: its query chunks against every rank's key block as `_segments` cuts them; the gathered kernels: its
+    chunks against the gathered keys, `_attend`). The profiler times the busiest rank's this way
+    (`ContextParallel.timed_run`); benchmarks/gpu_cp_blocks.py times every rank's."""
+    seq, heads = q.shape[SEQ], q.shape[1]
+    rows = seq // n
+    size = rows // 2 if variant in BALANCED else rows
+    starts = [j * size for j in balanced_chunks(rank, n)] if variant in BALANCED else [rank * rows]
+    outs = []
+    for start in starts:
+        if variant in RINGS:
+            flags, kv = [], []
+            for t in range(n):
+                src = (rank - t) % n
+                for first, count, diagonal in _segments(start, size, src * rows, rows, causal):
+                    flags.append(diagonal)
+                    kv += [_repeat_heads(x.narrow(SEQ, src * rows + first, count), heads) for x in (k, v)]
+            outs.append(BlockAttention.apply(q.narrow(SEQ, start, size), scale, tuple(flags), *kv))
+        else:
+            keys, values = (_repeat_heads(x, heads) for x in (k, v))
+            outs.append(_attend(q.narrow(SEQ, start, size), keys, values, start, causal, scale))
+    return torch.cat(outs, dim=SEQ)
+
+
 class ContextParallelAttention(nn.Module):
     """This rank's part of one attention node whose sequence is split over mesh axis `axis`."""
 
@@ -332,6 +364,13 @@ class ContextParallelAttention(nn.Module):
 
 
 # ---------------------------------------------------------------- the region op
+
+def _blocks_key(node, in_metas, strategy, mesh_shape) -> tuple[str, list[TensorMeta]]:
+    """The profile key of a kernel's busiest-rank blocks (`ContextParallel.timed_work`), and q, k, v's local metas."""
+    local = [TensorMeta(local_shape(m.shape, p, mesh_shape), m.dtype) for m, p in zip(in_metas[:3], strategy.inputs)]
+    out = TensorMeta(local_shape(node.outputs[0].shape, strategy.outputs[0], mesh_shape), node.outputs[0].dtype)
+    return op_key(f"{node.target}[{strategy.kernel} of {mesh_shape[cp_axis(strategy)]}]", local, [out]), local
+
 
 def _local_bytes(meta: TensorMeta, layout, mesh_shape) -> int:
     return meta.itemsize * math.prod(local_shape(meta.shape, layout, mesh_shape))
@@ -424,8 +463,8 @@ class ContextParallel(RegionOp):
         whole = ((Replicate(),) * len(mesh_shape),)
         rows = local[0][SEQ]
         # Ulysses runs the plain op (its local shapes are the heads-split op's, which a profile times with its mask);
-        # the others run blocks no profile times: the roofline of the L x S rectangle, scaled to the pairs the
-        # busiest rank's blocks compute under a causal mask
+        # the others run blocks, which a profile times as the busiest rank runs them (`timed_work`); without that
+        # timing, the roofline of the L x S rectangle, scaled to the pairs the busiest rank's blocks compute
         work = causal_pairs(variant, n, rows) / (rows * rows * n) if causal and variant != "ulysses" else 1.0
         plain = variant == "ulysses"
         shared = 1.0
@@ -437,7 +476,13 @@ class ContextParallel(RegionOp):
             per_rank = [(r * rows * rows + attention_pairs(rows, rows, True)) / (rows * rows * n) for r in range(n)]
             shared = shared_cores_seconds([w / slowdown for w in per_rank], n / slowdown) / work
 
+        prof = cluster.profile
+        timed = prof.ops.get(_blocks_key(node, in_metas, strategy, mesh_shape)[0]) if prof is not None and not plain else None
+
         def priced(grad: bool) -> float:
+            if timed is not None:  # the busiest rank's blocks as profiled (`timed_work`), contended as any op
+                runs = 2 if grad else 1
+                return shared * (measured_seconds(timed, grad) + runs * (prof.node_overhead_s or 0.0)) * prof.slowdown(math.prod(mesh_shape))
             return shared * work * compute_time(node.target, metas, [out], whole, mesh_shape, cluster, backward=grad,
                                                 in_layouts=whole * 3 if plain else None, causal=causal and plain)
 
@@ -449,6 +494,23 @@ class ContextParallel(RegionOp):
             forward_comm += ring_steps * max(0.0, per_exchange - priced(False) / n)
         return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back),
                           comm_s=forward_comm + steps_time(back, mesh_shape, cluster))
+
+    def timed_work(self, node, in_metas, strategy, mesh_shape):
+        """The busiest rank's blocks of a kernel that runs blocks (not ulysses, which runs the plain op on local
+        shapes a profile times anyway), as that rank runs them (`rank_attention`), keyed by the kernel, the degree
+        and the local shapes."""
+        if not strategy.kernel or parse_kernel(strategy.kernel)[0] == "ulysses":
+            return None
+        variant, causal = parse_kernel(strategy.kernel)
+        n = mesh_shape[cp_axis(strategy)]
+        key, local = _blocks_key(node, in_metas, strategy, mesh_shape)
+
+        def make(device: torch.device):
+            whole = [torch.randn(*m.shape[:SEQ], m.shape[SEQ] * n, *m.shape[SEQ + 1:], dtype=m.torch_dtype, device=device,
+                                 requires_grad=True) for m in local]
+            return (lambda: rank_attention(variant, *whole, busiest_rank(variant, n, causal), n, causal)), whole
+
+        return key, make
 
     def kept_bytes(self, node, in_metas, strategy, mesh_shape) -> int:
         """The all-gather kernels keep the gathered keys and values (as many heads as the queries: grouped-query
