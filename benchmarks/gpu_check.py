@@ -200,7 +200,7 @@ def cluster_of(device: torch.device) -> str:
     return "h200" if "H200" in name else "a100" if "A100" in name else "h100"
 
 
-def run(*, device_type: str, quick: bool, out: Path, steps: int) -> dict:
+def run(*, device_type: str, quick: bool, out: Path, steps: int, other_profiles: tuple[Path, ...] = ()) -> dict:
     size = "quick" if quick else "full"
     device = torch.device(device_type)
     cluster = cluster_of(device)
@@ -217,6 +217,8 @@ def run(*, device_type: str, quick: bool, out: Path, steps: int) -> dict:
         presets = meshplan.plan(model, 1, (tokens,), cluster=cluster)
         profiled = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=profile)
         back_to_back = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=queued)
+        # out of sample: profiles measured earlier on other machines of the kind, pricing the same plan
+        others = {p.name: meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=str(p)).step_time_s for p in other_profiles}
     backend = "nccl" if device_type == "cuda" else "gloo"
     [(parity, measured, workspace)] = run_local(1, _worker, size, device_type, {"profiled": profiled.to_json()}, steps,
                                      backend=backend, timeout=540)
@@ -230,7 +232,7 @@ def run(*, device_type: str, quick: bool, out: Path, steps: int) -> dict:
         "step": {
             "measured_s": m["median_step_s"], "predicted_presets_s": presets.step_time_s, "predicted_profile_s": profiled.step_time_s,
             "error_presets": presets.step_time_s / m["median_step_s"] - 1, "error_profile": profiled.step_time_s / m["median_step_s"] - 1,
-            "predicted_queued_profile_s": back_to_back.step_time_s,
+            "predicted_queued_profile_s": back_to_back.step_time_s, "predicted_other_profiles_s": others,
             "mfu_measured": profiled.model_flops / (profiled.peak_flops * m["median_step_s"]), "kernel_s": m["kernel_s"],
         },
         "memory": {"measured_peak_bytes": m["peak_bytes"], "plan_bytes": profiled.memory.total, "library_workspace_bytes": workspace},
@@ -261,7 +263,9 @@ def markdown(r: dict) -> str:
         f"({s['error_profile']:+.0%}; each op's runs queued back to back: {s['predicted_queued_profile_s'] * 1e3:.2f} ms, "
         f"{s['predicted_queued_profile_s'] / s['measured_s'] - 1:+.0%}), {s['predicted_presets_s'] * 1e3:.2f} ms with the presets "
         f"({s['error_presets']:+.0%}); "
-        f"measured MFU {s['mfu_measured']:.1%}; GPU kernels {kernels} per step",
+        f"measured MFU {s['mfu_measured']:.1%}; GPU kernels {kernels} per step"
+        + "".join(f"; with {name} (another machine's): {t * 1e3:.2f} ms ({t / s['measured_s'] - 1:+.0%})"
+                  for name, t in s.get("predicted_other_profiles_s", {}).items()),
         f"- memory: measured peak {peak}, plan {mem['plan_bytes'] / 2**20:.1f} MiB; the math libraries' workspaces {workspace}", "",
     ])
 
@@ -272,10 +276,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a tiny model (the CPU smoke test)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps (after 3 warm-up steps)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--other-profile", type=Path, nargs="*", default=[],
+                    help="profiles saved by earlier runs on other machines: the plan priced with each too (out of sample)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: run with --device cpu for the smoke test")
-    report = run(device_type=args.device, quick=args.quick, out=args.out, steps=args.steps)
+    report = run(device_type=args.device, quick=args.quick, out=args.out, steps=args.steps, other_profiles=tuple(args.other_profile))
     print(markdown(report))
     if not report["bf16_parity"]["passed"]:
         raise SystemExit("bf16 parity FAILED")

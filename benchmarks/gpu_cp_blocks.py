@@ -104,6 +104,26 @@ def measure(device: torch.device, dtype: torch.dtype, seq: int, heads: int, kv_h
             "repeats": repeats, "rows": rows_out}
 
 
+class CausalAttention(torch.nn.Module):
+    """One causal SDPA, the op the profiler's context-parallel timings are keyed by."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def profiler_check(device: torch.device, dtype: torch.dtype, seq: int, heads: int, head_dim: int, ranks: int) -> dict:
+    """The profiler's own timing of each block kernel's busiest rank (`time_region_kernels`, what a profile measured on
+    this device prices the kernels with) for one causal SDPA with the KV heads repeated to the query heads (as
+    meshplan's and Hugging Face's Llama call it), traced on meta tensors: forward + backward seconds by kernel."""
+    from meshplan.ir.mesh import CP_AXIS, MeshSpec
+    from meshplan.ir.trace import trace
+    from meshplan.profiling.calibrate import time_region_kernels
+
+    metas = [torch.empty(1, heads, seq, head_dim, dtype=dtype, device="meta") for _ in range(3)]
+    timings = time_region_kernels(trace(CausalAttention(), tuple(metas)), [MeshSpec((ranks,), (CP_AXIS,))], device=device)
+    return {key.split("[")[1].split(" of ")[0]: t.forward_s + t.backward_s for key, t in timings.items()}
+
+
 def markdown(r: dict) -> str:
     lines = [f"# Context-parallel blocks on {r['device']} (torch {r['torch']}, {r['dtype']})", "",
              f"One causal attention layer, sequence {r['seq']}, {r['heads']} query / {r['kv_heads']} KV heads of {r['head_dim']}: "
@@ -116,6 +136,9 @@ def markdown(r: dict) -> str:
         each = " ".join(f"{t * 1e3:.2f}" for t in x["per_rank_s"])
         lines.append(f"| {x['kernel']} | {x['ranks']} | {x['layout']} | {x['busiest_s'] * 1e3:.2f} ms | {x['priced_s'] * 1e3:.2f} ms | "
                      f"{x['measured_over_priced']:.2f} | {each} |")
+    if r.get("profiler"):
+        lines += ["", f"The profiler's timing of the busiest rank (`time_region_kernels`, {r['profiler_ranks']} ranks, KV heads repeated): "
+                  + "; ".join(f"{k} {t * 1e3:.2f} ms" for k, t in r["profiler"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -137,6 +160,8 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     report = measure(device, dtype, args.seq, args.heads, args.kv_heads, args.head_dim, args.ranks, args.repeats)
+    report["profiler_ranks"] = args.ranks[0]
+    report["profiler"] = profiler_check(device, dtype, args.seq, args.heads, args.head_dim, args.ranks[0])
     text = markdown(report)
     print(text)
     if args.out is not None:

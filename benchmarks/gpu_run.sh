@@ -27,7 +27,8 @@ fi
 
 rc=0
 # the report and profile straight into $OUT: the lent machine hands back 8 files at most
-timeout "${GPU_CHECK_TIMEOUT:-240}" "$PY" benchmarks/gpu_check.py --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log"
+# GPU_CHECK_ARGS: e.g. --other-profile benchmarks/results/gpu_check-NVIDIA_H100_80GB_HBM3-profile.json (out of sample)
+timeout "${GPU_CHECK_TIMEOUT:-240}" "$PY" benchmarks/gpu_check.py --out "$OUT" ${GPU_CHECK_ARGS:-} 2>&1 | tee "$OUT/gpu_check.log"
 check_rc=${PIPESTATUS[0]}
 timeout "${GPU_CP_TIMEOUT:-120}" "$PY" benchmarks/gpu_cp_blocks.py --out "$OUT"
 cp_rc=$?
