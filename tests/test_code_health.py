@@ -61,6 +61,10 @@ PRIVATE_TORCH = {
     ".._scaled_dot_product_flash_attention_backward": "context-parallel attention's blocks on CUDA in backward",
     ".._scaled_dot_product_efficient_attention": "context-parallel attention's blocks on CUDA (fp32, or before sm80)",
     ".._scaled_dot_product_efficient_attention_backward": "context-parallel attention's blocks on CUDA in backward",
+    ".._scaled_dot_product_cudnn_attention": "context-parallel attention's blocks on CUDA where SDPA picks cuDNN",
+    ".._scaled_dot_product_cudnn_attention_backward": "context-parallel attention's blocks on cuDNN in backward",
+    "torch._fused_sdp_choice": "the fused kernel SDPA would pick for a block (the blocks run the same kernel)",
+    ".._fused_sdp_choice": "the same, as the attribute read",
 }
 """Every private torch name meshplan touches -> why; `.._name` entries are private attributes of torch objects."""
 
