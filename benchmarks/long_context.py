@@ -29,7 +29,7 @@ For each sequence length, a small-width meshplan Llama (2 layers, width 64, 4 qu
 its next-token loss inside (the whole step is in the plan, as in benchmarks/memory_truth.py)
 is planned from the saved profile (out of sample: nothing re-measured or rescaled), to which the context-parallel
 kernels' own blocks at that length are added, timed on this machine first (`with_kernel_blocks`: the busiest
-rank's blocks as it runs them, one process, the profiler's method; before 2026-11-26 16:00 UTC the roofline priced
+rank's blocks as it runs them, one process, the profiler's method; before 2026-11-26 15:00 UTC the roofline priced
 them), six ways on `world` gloo
 ranks: a `cp` mesh with each context-parallel kernel forced (all-gathered K/V, balanced, ring, balanced ring,
 Ulysses), and the default search without a `cp` axis (`context_parallel=False`: "best without cp"; with a batch of 1

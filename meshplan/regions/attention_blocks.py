@@ -39,9 +39,9 @@ def check_device(device: torch.device, what: str, hint: str = "") -> None:
 
 def cuda_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
     """The fused kernel torch's SDPA would run for this block ("flash", "cudnn" or "efficient"), under the backends
-    the user enabled. On an H100, torch 2.11, a rank's blocks on the flash kernel took 1.9-2.9x their share of the
-    whole sequence's SDPA, which ran cuDNN (benchmarks/gpu_cp_blocks.py). SDPA's math path returns no log-sum-exp:
-    where it is all that is left, the blocks run the memory-efficient kernel."""
+    the user enabled. On an H100, torch 2.11, the busiest rank's blocks took 1.9-2.9x their share of one SDPA over the
+    whole sequence on the flash kernel, 1.2-1.9x on the one SDPA picks (cuDNN; benchmarks/gpu_cp_blocks.py). SDPA's
+    math path returns no log-sum-exp: where it is all that is left, the blocks run the memory-efficient kernel."""
     choice = SDPBackend(torch._fused_sdp_choice(q, k, v, is_causal=causal))
     return {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.CUDNN_ATTENTION: "cudnn"}.get(choice, "efficient")
 

@@ -8,8 +8,8 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
   reduce-scattered home); each rank attends its own query rows to the keys it needs, placed by the true
   token positions: rank r holds rows r*L .. r*L+L-1, so keys before r*L are whole to it, the next L a causal
   diagonal, and later ones unused. `BlockAttention` (`regions/attention_blocks.py`: the flash kernel on the CPU,
-  flash or memory-efficient on CUDA) runs each block and merges them by their log-sum-exp, so no mask tensor or
-  score matrix exists.
+  on CUDA the one SDPA picks: flash, cuDNN or memory-efficient) runs each block and merges them by their
+  log-sum-exp, so no mask tensor or score matrix exists.
 - `cp_attention(balanced)`: the same with load balancing for causal masks. Of 2P query chunks rank r holds
   2r and 2r+1; it swaps the second with rank P-1-r's (one point-to-point exchange of half its queries), computes
   chunks 2r and 2P-1-2r (the same work on every rank: the chunk indices of every rank sum to 2P-1, against the
@@ -303,7 +303,7 @@ def rank_attention(variant: str, q, k, v, rank: int, n: int, causal: bool, scale
     the whole-sequence q, k, v without collectives: the same blocks, in the same order and shapes, that rank runs
     (the rings: its query chunks against every rank's key block as `_segments` cuts them; the gathered kernels: its
     chunks against the gathered keys, `_attend`). The profiler times the busiest rank's this way
-    (`ContextParallel.timed_run`); benchmarks/gpu_cp_blocks.py times every rank's."""
+    (`ContextParallel.timed_work`); benchmarks/gpu_cp_blocks.py times every rank's."""
     seq, heads = q.shape[SEQ], q.shape[1]
     rows = seq // n
     size = rows // 2 if variant in BALANCED else rows
