@@ -499,9 +499,11 @@ class ContextParallel(RegionOp):
         """The busiest rank's blocks of a kernel that runs blocks (not ulysses, which runs the plain op on local
         shapes a profile times anyway), as that rank runs them (`rank_attention`), keyed by the kernel, the degree
         and the local shapes."""
-        if not strategy.kernel or parse_kernel(strategy.kernel)[0] == "ulysses":
+        if not strategy.kernel:
             return None
         variant, causal = parse_kernel(strategy.kernel)
+        if variant == "ulysses":
+            return None
         n = mesh_shape[cp_axis(strategy)]
         key, local = _blocks_key(node, in_metas, strategy, mesh_shape)
 
