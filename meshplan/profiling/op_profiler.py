@@ -84,6 +84,19 @@ def _float_outputs(out: object) -> list[torch.Tensor]:
     return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
+def _samples(timer: Timer, fn: Callable[[], object], warmup: int, min_runs: int, max_runs: int, budget_s: float) -> list[float]:
+    """Seconds of `fn()` per run after `warmup` runs: at least `min_runs`, more (up to `max_runs`) while their sum
+    stays under `budget_s`."""
+    times: list[float] = []
+    for i in range(warmup + max_runs):
+        t = timer(fn)
+        if i >= warmup:
+            times.append(t)
+            if len(times) >= min_runs and sum(times) > budget_s:
+                break
+    return times
+
+
 def time_op(
     node: fx.Node,
     inputs: Sequence[TensorMeta],
@@ -119,14 +132,8 @@ def time_op(
         for _ in range(queued):
             run()
 
-    fwd: list[float] = []
     with torch.set_grad_enabled(bool(grad_in)):
-        for i in range(warmup + max_runs):
-            t = timer(run_queued) / queued
-            if i >= warmup:
-                fwd.append(t)
-                if len(fwd) >= min_runs and sum(fwd) > budget_s:
-                    break
+        fwd = [t / queued for t in _samples(timer, run_queued, warmup, min_runs, max_runs, budget_s * queued)]
     if not grad_in:
         return OpTiming(forward_s=statistics.median(fwd), backward_s=None, runs=len(fwd))
 
@@ -155,14 +162,8 @@ def time_function(run: Callable[[], torch.Tensor], leaves: Sequence[torch.Tensor
     """Median forward and backward seconds of `run()`, a computation of several ops (a region op's kernel,
     `RegionOp.timed_work`) whose backward reaches `leaves`, sampled as `time_op` samples one op."""
     timer = Timer(torch.device(device))
-    fwd: list[float] = []
     with torch.enable_grad():
-        for i in range(warmup + max_runs):
-            t = timer(run)
-            if i >= warmup:
-                fwd.append(t)
-                if len(fwd) >= min_runs and sum(fwd) > budget_s:
-                    break
+        fwd = _samples(timer, run, warmup, min_runs, max_runs, budget_s)
     bwd: list[float] = []
     for i in range(warmup + len(fwd)):
         with torch.enable_grad():
