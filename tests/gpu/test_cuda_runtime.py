@@ -7,11 +7,12 @@ The user's loop by hand on one GPU (`test_world_one_on_one_gpu`); then `pmodel.s
 host, as a data loader gives them (the runtime moves inputs and targets to the device), and
 `pmodel.clip_grad_norm_`, against one process: on one GPU a model with tensor literals, the moe op and
 offloaded optimizer state; on two or more, NCCL parity of data-parallel, tensor-parallel, FSDP-style, pipelined
-(pp=2) and expert-parallel plans and of the tensor-literal model.
+(pp=2), expert-parallel and context-parallel (ring, balanced ring, Ulysses) plans and of the tensor-literal model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -25,6 +26,7 @@ from _parity import build, loss_fn, plan_kwargs  # noqa: E402
 from _small_models import EXPERT_PARALLEL, gpt, moe, pipelined, scaled  # noqa: E402
 
 import meshplan  # noqa: E402
+from meshplan.regions.context_parallel import force_context_parallel, kernel_name  # noqa: E402
 from meshplan.regions.moe import MOE_TARGET, moe_axes  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
 from meshplan.runtime.local_view import local_of  # noqa: E402
@@ -125,7 +127,8 @@ def _planned(rank, world, build_case, options, optimizer=torch.optim.SGD):
     params = {k: local_of(v.detach()).cpu() for k, v in pmodel.named_parameters()}
     layouts = {f: p.layout for p in pmodel.plan.params for f in p.fqns}
     expert_axes = [moe_axes(n.strategy.inputs)[0] for n in pmodel.plan.nodes if n.target == MOE_TARGET]
-    return losses, norms, params, layouts, pmodel.plan.mesh, expert_axes
+    kernels = {n.strategy.kernel for n in pmodel.plan.nodes if n.strategy.kernel}
+    return losses, norms, params, layouts, pmodel.plan.mesh, expert_axes, kernels
 
 
 ONE_GPU = {
@@ -144,24 +147,33 @@ def test_one_gpu_runs_literals_moe_and_offload_from_host_batches():
     """Lifted constants, the moe op, host targets and offloaded optimizer state on the GPU, against one process."""
     [results] = run_local(1, _one_gpu_cases, backend="nccl", timeout=600)
     for name, (build_case, _, optimizer) in ONE_GPU.items():
-        losses, norms, params, layouts, mesh, _ = results[name]
+        losses, norms, params, layouts, mesh, _, _ = results[name]
         _assert_parity(losses, norms, params, layouts, mesh, 0, _one_process(build_case, optimizer))
 
 
+CP = dict(axis_names=("cp",), input_layouts={"tokens": "S(1)"})
+
 NCCL = {
-    # name: (model, batch and loss; plan options by world); data parallel takes every GPU, the others two
+    # name: (model, batch and loss; plan options by world[; context-parallel kernels forced]); data parallel takes
+    # every GPU, the others two
     "dp": (gpt, lambda world: plan_kwargs("gpt", "data_parallel", (world,))),
     "tp": (gpt, lambda world: plan_kwargs("gpt", "megatron", (world,))),
     "fsdp": (gpt, lambda world: plan_kwargs("gpt", "fsdp", (world,))),
     "pp": (gpt, lambda world: pipelined(world)),
     "ep": (functools.partial(moe, split=2), lambda world: dict(mesh_shape=(world,), **EXPERT_PARALLEL)),
     "literals": (scaled, lambda world: dict(mesh_shape=(world,), param_layouts={"layers.*.weight": "S(0)"})),
+    # context parallel (the GPT's causal attention split along the sequence, the kernel forced): the blocks on the
+    # kernel SDPA picks, the ring's and the swap's point-to-point exchanges and Ulysses' all-to-alls over NCCL
+    "cp ring": (gpt, lambda world: dict(CP, mesh_shape=(world,)), ("ring",)),
+    "cp balanced ring": (gpt, lambda world: dict(CP, mesh_shape=(world,)), ("ring_balanced",)),
+    "cp ulysses": (gpt, lambda world: dict(CP, mesh_shape=(world,)), ("ulysses",)),
 }
 
 
 def _nccl_worker(rank, world, kind):
-    build_case, options = NCCL[kind]
-    return _planned(rank, world, build_case, options(world))
+    build_case, options, *forced = NCCL[kind]
+    with force_context_parallel(*forced[0]) if forced else contextlib.nullcontext():
+        return _planned(rank, world, build_case, options(world))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -169,7 +181,9 @@ def _nccl_worker(rank, world, kind):
 def test_nccl_parity(kind):
     world = torch.cuda.device_count() if kind == "dp" else 2
     reference = _one_process(NCCL[kind][0])
-    for rank, (losses, norms, params, layouts, mesh, expert_axes) in enumerate(
+    forced = NCCL[kind][2] if len(NCCL[kind]) > 2 else ()
+    for rank, (losses, norms, params, layouts, mesh, expert_axes, kernels) in enumerate(
             run_local(world, _nccl_worker, kind, backend="nccl", timeout=600)):
         assert kind != "ep" or expert_axes == [(0,)], f"the moe op is not expert parallel: experts split over {expert_axes}"
+        assert kernels == {kernel_name(v, True) for v in forced}, f"{kind}: the plan runs kernels {kernels}"
         _assert_parity(losses, norms, params, layouts, mesh, rank, reference)
