@@ -121,19 +121,17 @@ class MemoryBreakdown:
     """Bytes the device's math libraries hold throughout (`DevicePreset.library_workspace_bytes`)."""
 
     def __post_init__(self) -> None:
-        for name, value in (("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer), ("activations", self.activations),
-                            ("workspace", self.workspace)):
+        for name in _BREAKDOWN_FIELDS:
+            value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"MemoryBreakdown.{name} must be a non-negative number of bytes; got {value!r}")
 
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
-        return MemoryBreakdown(params=self.params + other.params, grads=self.grads + other.grads,
-                               optimizer=self.optimizer + other.optimizer, activations=self.activations + other.activations,
-                               workspace=self.workspace + other.workspace)
+        return MemoryBreakdown(**{name: getattr(self, name) + getattr(other, name) for name in _BREAKDOWN_FIELDS})
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.workspace
+        return sum([getattr(self, name) for name in _BREAKDOWN_FIELDS])
 
     def __str__(self) -> str:
         parts = " + ".join(f"{f.name} {format_bytes(getattr(self, f.name))}" for f in fields(self)
@@ -151,3 +149,7 @@ class MemoryBreakdown:
                 f"MemoryBreakdown needs the keys {sorted(expected - {'workspace'})} (and optionally 'workspace'); got {sorted(data)}"
             )
         return MemoryBreakdown(**data)
+
+
+_BREAKDOWN_FIELDS = tuple(f.name for f in fields(MemoryBreakdown))
+"""Every part of a breakdown, in order: what `total`, `+` and the checks go over."""

@@ -224,5 +224,5 @@ def stretched_stage_memory(graph: Graph, plan: Plan, pipe: PipelinePlan, *, opti
         # each further block adds what the last of a run of the cut model's blocks adds (the first may carry `pre`'s moves)
         more, less = at(stage, tuple(blocks[n - 2:])), at(stage, tuple(blocks[n - 1:]))
         out.append(MemoryBreakdown(**{f: max(0, getattr(own, f) + (k - n) * (getattr(more, f) - getattr(less, f)))
-                                      for f in ("params", "grads", "optimizer", "activations", "workspace")}))
+                                      for f in own.to_dict()}))
     return out
