@@ -180,7 +180,8 @@ def apply(graph: Graph, mesh: MeshSpec, by_node: dict[str, list[Strategy]], merg
         per_node.setdefault(node, []).append((slot, index, s))
         _check_even(graph, mesh, node, slot, index, s)
     for name, slots in per_node.items():
-        keep = [st for st in by_node[name] if all(_matches(st, slot, i, s.layout, mesh.shape) for slot, i, s in slots)]
+        needs = [(slot, i, _needed(s.layout, mesh.shape)) for slot, i, s in slots]
+        keep = [st for st in by_node[name] if all(_meets(st, slot, i, need) for slot, i, need in needs)]
         if keep:
             by_node[name] = keep
             continue
@@ -222,15 +223,9 @@ def _needed(layout: list[Placement | None], mesh_shape: tuple[int, ...]) -> tupl
 
 
 def _meets(st: Strategy, slot: str, index: int, needed: tuple[tuple[int, Placement], ...]) -> bool:
-    """`_matches`, with the slot's `_needed` pairs."""
+    """Does `st` give the slot the placements `needed` (its layout's `_needed` pairs)?"""
     have = st.outputs[index] if slot == "out" else st.inputs[index]
     return have is not None and all(p == have[a] for a, p in needed)
-
-
-def _matches(st: Strategy, slot: str, index: int, layout: list[Placement | None], mesh_shape: tuple[int, ...]) -> bool:
-    """Does `st` give the slot `layout`? On an axis of one device every placement is the whole tensor."""
-    have = st.outputs[index] if slot == "out" else st.inputs[index]
-    return have is not None and all(p is None or p == q or n == 1 for p, q, n in zip(layout, have, mesh_shape))
 
 
 def _check_even(graph: Graph, mesh: MeshSpec, node: str, slot: str, index: int, s: _Slot) -> None:
