@@ -11,11 +11,12 @@ cost_model, so it sits beside `api.py` rather than inside the cost model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -83,10 +84,7 @@ def profile_graph(
     fx_nodes = {n.name: n for n in graph.fx.gm.graph.nodes}
     kernels: dict = {}
     work = op_workload(graph, meshes, kernels)
-    before = torch.get_num_threads()
-    if threads is not None and dev.type == "cpu":
-        torch.set_num_threads(threads)  # as each rank of run_local / torchrun on CPU runs
-    try:
+    with _rank_threads(dev, threads) as used:
         timings = {}
         failed = []
         grad_call = grad_call_overhead(dev)
@@ -106,12 +104,23 @@ def profile_graph(
         node_overhead = program_overhead(graph, timings, dev)
         numels = [n.out.numel for n in graph.nodes if n.kind == "param" and n.grad(0)]
         optimizers = {name: optimizer_rate(name, dev, numels) for name in OPTIMIZERS}
-    finally:
-        torch.set_num_threads(before)
     return Profile(
-        device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=threads or before,
+        device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=used,
         ops=timings, copy_seconds_per_byte=copy, op_overhead_s=overhead, optimizer_steps=optimizers, node_overhead_s=node_overhead,
     )
+
+
+@contextlib.contextmanager
+def _rank_threads(device: torch.device, threads: int | None) -> Iterator[int]:
+    """Time on `threads` CPU threads (None: as set), as each rank of run_local / torchrun on the CPU runs; yields the
+    count in use, and puts the caller's back after."""
+    before = torch.get_num_threads()
+    if threads is not None and device.type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        yield threads or before
+    finally:
+        torch.set_num_threads(before)
 
 
 def _time_kernels(kernels: dict, device: torch.device, budget_s: float, grad_call_s: float, failed: list[str]) -> dict[str, OpTiming]:
@@ -133,14 +142,9 @@ def time_region_kernels(graph: Graph, meshes: Iterable[MeshSpec], *, device: str
     dev = torch.device(device)
     kernels: dict = {}
     op_workload(graph, meshes, kernels)
-    before = torch.get_num_threads()
-    if threads is not None and dev.type == "cpu":
-        torch.set_num_threads(threads)
-    try:
-        failed: list[str] = []
+    failed: list[str] = []
+    with _rank_threads(dev, threads):
         timings = _time_kernels(kernels, dev, budget_s, grad_call_overhead(dev), failed)
-    finally:
-        torch.set_num_threads(before)
     if failed:
         log.warning("%d region kernels could not be timed (the roofline prices them): %s", len(failed), "; ".join(failed[:5]))
     return timings
