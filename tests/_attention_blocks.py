@@ -1,7 +1,7 @@
 """What each rank of a context-parallel kernel computes, simulated for P ranks on one device, against plain SDPA.
 
-The kernels' per-rank math without their collectives (`regions/context_parallel.py`): with the sequence split
-into P chunks of L rows, rank r's query rows go against
+The kernels' per-rank math without their collectives (`regions/context_parallel.py`), as `rank_attention` computes
+it for the profiler: with the sequence split into P chunks of L rows, rank r's query rows go against
 - `ring`: every rank's key/value chunk in the order the ring brings them, each attended to as `_segments` says (its
   own a causal diagonal under a causal mask; earlier ranks' whole; later ranks' skipped), merged by log-sum-exp;
 - `ring_balanced`: the same for query chunks 2r and 2P-1-2r of 2P (`balanced_chunks`), each merged on its own;
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from meshplan.regions.attention_blocks import SEQ, BlockAttention
-from meshplan.regions.context_parallel import _attend, _repeat_heads, _segments, balanced_chunks
+from meshplan.regions.attention_blocks import SEQ
+from meshplan.regions.context_parallel import BALANCED, balanced_chunks, rank_attention
 
 LAYOUTS = ("ring", "ring_balanced", "allgather", "balanced")
 TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=3e-2)}
@@ -26,37 +26,15 @@ on the CPU (2 x 4 heads x 256 x 64, 4 ranks): fp32 errors up to 1.4e-6; bf16 up 
 the largest element in gradients, as plain bf16 SDPA's own errors there (a block left out errs by 0.1 to 1)."""
 
 
-def _ring(q, k, v, ranks: int, causal: bool, scale, balanced: bool) -> torch.Tensor:
-    rows = q.shape[SEQ] // ranks
-    size = rows // 2 if balanced else rows
-    outs = {}  # chunk start -> its output
-    for r in range(ranks):
-        for start in [j * size for j in balanced_chunks(r, ranks)] if balanced else [r * rows]:
-            flags, kv = [], []
-            for t in range(ranks):
-                src = (r - t) % ranks
-                for first, count, diagonal in _segments(start, size, src * rows, rows, causal):
-                    flags.append(diagonal)
-                    kv += [_repeat_heads(x.narrow(SEQ, src * rows + first, count), q.shape[1]) for x in (k, v)]
-            outs[start] = BlockAttention.apply(q.narrow(SEQ, start, size), scale, tuple(flags), *kv)
-    return torch.cat([outs[start] for start in sorted(outs)], dim=SEQ)
-
-
-def _gathered(q, k, v, ranks: int, causal: bool, scale, balanced: bool) -> torch.Tensor:
-    keys, values = (_repeat_heads(x, q.shape[1]) for x in (k, v))
-    if not balanced:
-        rows = q.shape[SEQ] // ranks
-        return torch.cat([_attend(q.narrow(SEQ, r * rows, rows), keys, values, r * rows, causal, scale) for r in range(ranks)], dim=SEQ)
-    c = q.shape[SEQ] // (2 * ranks)
-    chunks = {j: _attend(q.narrow(SEQ, j * c, c), keys, values, j * c, True, scale) for r in range(ranks) for j in balanced_chunks(r, ranks)}
-    return torch.cat([chunks[j] for j in range(2 * ranks)], dim=SEQ)
-
-
 def simulate(layout: str, q, k, v, ranks: int, causal: bool, scale=None) -> torch.Tensor:
-    """The whole attention output, each rank's rows computed as kernel `layout` computes them."""
-    if layout.startswith("ring"):
-        return _ring(q, k, v, ranks, causal, scale, balanced=layout == "ring_balanced")
-    return _gathered(q, k, v, ranks, causal, scale, balanced=layout == "balanced")
+    """The whole attention output, each rank's rows computed as kernel `layout` computes them (`rank_attention`)."""
+    size = q.shape[SEQ] // ranks // (2 if layout in BALANCED else 1)
+    chunks = {}  # chunk start -> its output
+    for r in range(ranks):
+        out = rank_attention(layout, q, k, v, r, ranks, causal, scale)
+        starts = [j * size for j in balanced_chunks(r, ranks)] if layout in BALANCED else [r * size]
+        chunks.update({start: out.narrow(SEQ, i * size, size) for i, start in enumerate(starts)})
+    return torch.cat([chunks[start] for start in sorted(chunks)], dim=SEQ)
 
 
 def check_against_sdpa(layout: str, device: str, dtype: torch.dtype, causal: bool, *, ranks: int = 4, seq: int = 256,
