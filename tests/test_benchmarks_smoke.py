@@ -136,7 +136,9 @@ def test_gpu_check_runs_its_steps_on_the_cpu(tmp_path):
     [report] = [json.loads(p.read_text()) for p in tmp_path.glob("gpu_check-*.json") if not p.name.endswith("-profile.json")]
     assert report["bf16_parity"]["passed"] and report["profile"]["ops_timed"] > 0
     assert report["step"]["measured_s"] > 0 and report["step"]["predicted_profile_s"] > 0
-    assert "bf16 parity (passed)" in proc.stdout and len(list(tmp_path.glob("gpu_check-*.md"))) == 1
+    assert report["other_batch"]["measured_s"] > 0 and report["other_batch"]["predicted_borrowed_overhead_s"] > 0
+    assert report["step"]["predicted_tracks_s"] is None  # two tracks are CUDA's (host and kernels apart)
+    assert "bf16 parity (passed)" in proc.stdout and "out of sample, the batch of 1" in proc.stdout and len(list(tmp_path.glob("gpu_check-*.md"))) == 1
 
 
 def test_gpu_cp_blocks_times_every_rank_on_the_cpu(tmp_path):

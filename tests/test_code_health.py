@@ -65,6 +65,8 @@ PRIVATE_TORCH = {
     ".._scaled_dot_product_cudnn_attention_backward": "context-parallel attention's blocks on cuDNN in backward",
     "torch._fused_sdp_choice": "the fused kernel SDPA would pick for a block (the blocks run the same kernel)",
     ".._fused_sdp_choice": "the same, as the attribute read",
+    "torch.cuda._sleep": "the op profiler's spin kernel: the GPU busy while the host issues the op timed (its launch hidden)",
+    ".._sleep": "the same, as the attribute read",
 }
 """Every private torch name meshplan touches -> why; `.._name` entries are private attributes of torch objects."""
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from meshplan.ir.trace import trace
 from meshplan.models import mlp_small
 from meshplan.profiling.calibrate import op_workload, profile_graph
 from meshplan.profiling.comm_profiler import fit_alpha_beta
-from meshplan.profiling.op_profiler import time_op
+from meshplan.profiling.op_profiler import Timer, time_op
 
 
 def _profile(**kw) -> Profile:
@@ -39,7 +40,9 @@ def test_presets_cover_gpus_and_this_cpu():
 
 def test_profile_json_round_trip(tmp_path):
     p = _profile(
-        ops={"aten.mm.default(float32[2,2],float32[2,2])->float32[2,2]": OpTiming(forward_s=1e-5, backward_s=3e-5, runs=7)},
+        ops={"aten.mm.default(float32[2,2],float32[2,2])->float32[2,2]": OpTiming(forward_s=1e-5, backward_s=3e-5, runs=7),
+             "aten.mm.default(float32[4,4],float32[4,4])->float32[4,4]": OpTiming(forward_s=1e-5, backward_s=3e-5, runs=7,
+                                                                                   host_forward_s=2e-5, host_backward_s=4e-5)},
         collectives=(CollectiveFit(kind="all_reduce", group=2, world=2, alpha_s=1e-4, seconds_per_byte=1e-9, sizes=(1, 2), times=(0.1, 0.2)),),
         contention={4: 2.0}, copy_seconds_per_byte=1e-10, op_overhead_s=5e-6, backend="gloo", node_overhead_s=2e-5,
         pipeline_action_s={"1f1b": {2: 3e-4, 4: 1e-3}, "zbv": {2: 5e-4}}, pipeline_step_s={"1f1b": {2: 2e-3}},
@@ -52,7 +55,11 @@ def test_profile_json_round_trip(tmp_path):
     # a schedule's own figures; one not measured takes 1F1B's
     assert q.pipeline_action(4, "zbv") == 5e-4 and q.pipeline_action(4, "gpipe") == 1e-3
     assert q.pipeline_step(4, "zbv") == 2e-3 and q.pipeline_step(1, "1f1b") == 0.0
-    assert "pickle" not in path.read_text() and json.loads(path.read_text())["format"] == "meshplan-profile"
+    saved = json.loads(path.read_text())
+    assert "pickle" not in path.read_text() and saved["format"] == "meshplan-profile"
+    # the host's seconds are saved only where they were timed (CUDA), so CPU profiles read as before
+    assert [sorted(v) for v in saved["ops"].values()] == [["backward_s", "forward_s", "runs"],
+                                                         ["backward_s", "forward_s", "host_backward_s", "host_forward_s", "runs"]]
 
 
 def test_dtensor_parameters_pay_the_measured_optimizer_dispatch():
@@ -122,6 +129,15 @@ def test_time_op_forward_and_backward():
     # CUDA's way (runs queued back to back, their backwards in one call), here on the CPU: per-run seconds
     t4 = time_op(addmm, metas, [True, False, True], tuple(addmm.meta["val"].shape), budget_s=0.005, queued=4)
     assert t4.forward_s > 0 and t4.backward_s is not None and t4.backward_s >= 0
+    # hiding the launch is CUDA's (its kernels run apart from the host): on the CPU the op is the host's work
+    assert t.host_forward_s is None and t.host_backward_s is None
+
+
+def test_timer_keeps_the_host_seconds_of_its_last_call():
+    timer = Timer(torch.device("cpu"), hide_launch=True)
+    assert not timer.hide_launch
+    took = timer(lambda: time.sleep(0.01))
+    assert took == timer.host_s and 0.01 <= took < 0.5
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,10 @@ class OpTiming:
     """None when the op was timed without gradients (nothing it reads needs one)."""
     runs: int = 0
     """Timed repetitions the medians are over (after warm-up)."""
+    host_forward_s: float | None = None
+    """Timed with the launch hidden (`op_profiler.Timer`, CUDA): forward_s and backward_s are the kernels alone and
+    these the host's seconds issuing them; None when not timed so."""
+    host_backward_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -241,7 +245,7 @@ class Profile:
             "pipeline_step_s": {k: {str(w): x for w, x in sorted(v.items())} for k, v in sorted(self.pipeline_step_s.items())},
             "dtensor_optimizer_s": dict(sorted(self.dtensor_optimizer_s.items())),
             "optimizer_steps": {k: list(v) for k, v in sorted(self.optimizer_steps.items())},
-            "ops": {k: {"forward_s": t.forward_s, "backward_s": t.backward_s, "runs": t.runs} for k, t in sorted(self.ops.items())},
+            "ops": {k: _timing_json(t) for k, t in sorted(self.ops.items())},
             "collectives": [
                 {"kind": f.kind, "group": f.group, "world": f.world, "axis": f.axis, "alpha_s": f.alpha_s,
                  "seconds_per_byte": f.seconds_per_byte, "sizes": list(f.sizes), "times": list(f.times)}
@@ -267,7 +271,8 @@ class Profile:
                 pipeline_step_s=_by_schedule(d.get("pipeline_step_s", {})),
                 dtensor_optimizer_s={_str(k): float(v) for k, v in d.get("dtensor_optimizer_s", {}).items()},
                 optimizer_steps={_str(k): (_pos(v[0]), _pos(v[1])) for k, v in d.get("optimizer_steps", {}).items()},
-                ops={_str(k): OpTiming(forward_s=_pos(v["forward_s"]), backward_s=_opt_float(v.get("backward_s")), runs=int(v.get("runs", 0)))
+                ops={_str(k): OpTiming(forward_s=_pos(v["forward_s"]), backward_s=_opt_float(v.get("backward_s")), runs=int(v.get("runs", 0)),
+                                       host_forward_s=_opt_float(v.get("host_forward_s")), host_backward_s=_opt_float(v.get("host_backward_s")))
                      for k, v in d.get("ops", {}).items()},
                 collectives=tuple(
                     CollectiveFit(kind=_str(f["kind"]), group=int(f["group"]), world=int(f["world"]), axis=_str(f.get("axis", "")),
@@ -332,6 +337,14 @@ def _pos(v: Any) -> float:
 
 def _opt_float(v: Any) -> float | None:
     return None if v is None else _pos(v)
+
+
+def _timing_json(t: OpTiming) -> dict[str, Any]:
+    """An op's timing as saved; the host's seconds only where they were timed (profiles without them read the same)."""
+    d: dict[str, Any] = {"forward_s": t.forward_s, "backward_s": t.backward_s, "runs": t.runs}
+    if t.host_forward_s is not None:
+        d.update(host_forward_s=t.host_forward_s, host_backward_s=t.host_backward_s)
+    return d
 
 
 # ---------------------------------------------------------------- the database: files by device and torch version

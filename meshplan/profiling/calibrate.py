@@ -76,10 +76,10 @@ def op_workload(graph: Graph, meshes: Iterable[MeshSpec], regions: dict | None =
 
 def profile_graph(
     graph: Graph, meshes: Iterable[MeshSpec], *, cluster: str = "cpu", device: str | torch.device | None = None,
-    threads: int | None = 1, budget_s: float = 0.05, queued: int = 1,
+    threads: int | None = 1, budget_s: float = 0.05, queued: int = 1, hide_launch: bool = True,
 ) -> Profile:
     """Time every op of `graph` on every local shape its candidates on `meshes` produce, and the
-    optimizer step on the graph's parameter sizes. `queued`: see `op_profiler.time_op`."""
+    optimizer step on the graph's parameter sizes. `queued`, `hide_launch`: see `op_profiler.time_op`."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fx_nodes = {n.name: n for n in graph.fx.gm.graph.nodes}
     kernels: dict = {}
@@ -94,7 +94,7 @@ def profile_graph(
             out_shape = outs[0].shape if outs and outs[0] is not None else None
             try:
                 timings[key] = time_op(fx_nodes[name], ins, needs, out_shape, device=dev, budget_s=budget_s, grad_call_s=grad_call,
-                                       queued=queued)
+                                       queued=queued, hide_launch=hide_launch)
             except (RuntimeError, ValueError, TypeError, IndexError) as e:  # an op that rejects made-up values
                 failed.append(f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         timings.update(_time_kernels(kernels, dev, budget_s, grad_call, failed))

@@ -7,11 +7,18 @@ events (kernels are asynchronous, so wall-clock time would measure the launch); 
 `time.perf_counter`. The backward of one op is timed with `torch.autograd.grad` on a fresh forward,
 so it includes autograd's per-node work, as a real backward pass does.
 
-With `queued=n` each sample times n runs queued back to back (their backwards in one autograd call): in a
-step the CPU queues kernels ahead of the GPU, so an op could cost the larger of its kernel and its dispatch rather
-than the launch latency and the kernel in turn that one synchronised run measures. On an H200 it predicted no
-better (benchmarks/results/README.md, runs 8-9: a GPT step priced +76 % and +27 % queued, +88 % and -19 % one
-run at a time), so profiles time one run at a time; benchmarks/gpu_check.py prices with both.
+On CUDA an op's timing is its kernels alone (`hide_launch`, the default: a spin kernel keeps the GPU busy while the
+host issues the op, `Timer`), and the host's seconds issuing them are kept beside it (`OpTiming.host_forward_s`).
+What a step's host adds beyond its kernels is measured in the whole program (`calibrate.program_overhead`), not
+summed from isolated ops: on an H200 (2026-11-26, benchmarks/results/README.md run 12) the isolated host timings of
+a GPT's ops summed to 66 ms for a step measured at 24 ms, hot in a step and cold after each synchronisation. The
+earlier method, one synchronised run per sample with autograd's start-up (`grad_call_overhead`) subtracted from
+each backward, put the launch and synchronisation latency into every op and its backward's price hung on that
+subtraction: the same GPT's step priced -19 % to +91 % on machines of one kind (runs 3-11).
+
+With `queued=n` each sample times n runs queued back to back (their backwards in one autograd call): the larger of
+an op's kernel and its dispatch, hot. It predicted no better (runs 7-12: +13 % to +76 %); benchmarks/gpu_check.py
+prices with it for comparison.
 """
 
 from __future__ import annotations
@@ -35,22 +42,42 @@ _RUNTIME_TARGET = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
 
 
 class Timer:
-    """Seconds of `fn()` on `device`: CUDA events on a GPU, perf_counter elsewhere."""
+    """Seconds of `fn()` on `device`: CUDA events on a GPU, perf_counter elsewhere.
 
-    def __init__(self, device: torch.device) -> None:
+    `hide_launch` (CUDA): the GPU is first kept busy by a spin kernel long enough for the host to queue all of
+    `fn`'s kernels, so the events time the kernels alone (the device's track), and `host_s` keeps the seconds
+    the host spent issuing them (the host's track). Without it the events also hold the launch latency."""
+
+    def __init__(self, device: torch.device, *, hide_launch: bool = False) -> None:
         self.device = device
+        self.hide_launch = hide_launch and device.type == "cuda"
+        self.host_s = 0.0
+        """Host seconds of the last call (on a CPU, the call itself)."""
 
     def __call__(self, fn: Callable[[], object]) -> float:
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self.hide_launch:  # the spin must outlast the issuing: twice the last call's at the fastest clock
+                torch.cuda._sleep(min(max(SPIN_CYCLES, int(4 * self.host_s * SPIN_HZ_FLOOR)), SPIN_CYCLES_MAX))
             start.record()
+            t0 = time.perf_counter()
             fn()
+            self.host_s = time.perf_counter() - t0
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
         fn()
-        return time.perf_counter() - t0
+        self.host_s = time.perf_counter() - t0
+        return self.host_s
+
+
+SPIN_CYCLES = 2_000_000
+"""GPU clock cycles the launch-hiding spin lasts at least (about 1 ms at 2 GHz)."""
+SPIN_CYCLES_MAX = 20_000_000
+"""... and at most (about 10 ms: a warm-up call can take the host long, and an op that waits for the GPU waits out the spin)."""
+SPIN_HZ_FLOOR = 1e9
+"""A GPU clock no slower than this converts host seconds to spin cycles (so the spin lasts at least that long)."""
 
 
 def make_tensor(meta: TensorMeta, device: torch.device, requires_grad: bool = False) -> torch.Tensor:
@@ -84,14 +111,17 @@ def _float_outputs(out: object) -> list[torch.Tensor]:
     return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
-def _samples(timer: Timer, fn: Callable[[], object], warmup: int, min_runs: int, max_runs: int, budget_s: float) -> list[float]:
+def _samples(timer: Timer, fn: Callable[[], object], warmup: int, min_runs: int, max_runs: int, budget_s: float,
+             host: list[float] | None = None) -> list[float]:
     """Seconds of `fn()` per run after `warmup` runs: at least `min_runs`, more (up to `max_runs`) while their sum
-    stays under `budget_s`."""
+    stays under `budget_s`. `host` gets each timed run's host seconds (`Timer.host_s`)."""
     times: list[float] = []
     for i in range(warmup + max_runs):
         t = timer(fn)
         if i >= warmup:
             times.append(t)
+            if host is not None:
+                host.append(timer.host_s)
             if len(times) >= min_runs and sum(times) > budget_s:
                 break
     return times
@@ -110,6 +140,7 @@ def time_op(
     budget_s: float = 0.05,
     grad_call_s: float = 0.0,
     queued: int = 1,
+    hide_launch: bool = True,
 ) -> OpTiming:
     """Median forward (and, when any input in `needs_grad` is set, backward) seconds of `node` on
     tensors shaped `inputs` (local shapes); `out_shape` is the local shape of output 0.
@@ -118,12 +149,13 @@ def time_op(
     total stays under `budget_s`: tiny ops get many samples, big ones few. `grad_call_s` (see
     `grad_call_overhead`) is subtracted from each backward sample: a real backward pass starts
     autograd's engine once per step, not once per op. `queued`: runs per sample, queued back to back (see the
-    module doc).
+    module doc). `hide_launch` (CUDA): the medians are of the kernels alone, and the host's seconds issuing them are
+    kept as well (`OpTiming.host_forward_s`; `Timer`); off, of one synchronised run each (the launch in it).
     """
     if len(inputs) != len(needs_grad):
         raise AssertionError((node, inputs, needs_grad))
     device = torch.device(device)
-    timer = Timer(device)
+    timer = Timer(device, hide_launch=hide_launch)
     tensors = [make_tensor(m, device, g) for m, g in zip(inputs, needs_grad)]
     grad_in = [t for t, g in zip(tensors, needs_grad) if g and t.requires_grad]
     run = _call(node, tensors, out_shape)
@@ -132,10 +164,12 @@ def time_op(
         for _ in range(queued):
             run()
 
+    host_fwd: list[float] = []
     with torch.set_grad_enabled(bool(grad_in)):
-        fwd = [t / queued for t in _samples(timer, run_queued, warmup, min_runs, max_runs, budget_s * queued)]
+        fwd = [t / queued for t in _samples(timer, run_queued, warmup, min_runs, max_runs, budget_s * queued, host_fwd)]
+    tracks = {"host_forward_s": statistics.median(host_fwd) / queued} if timer.hide_launch else {}
     if not grad_in:
-        return OpTiming(forward_s=statistics.median(fwd), backward_s=None, runs=len(fwd))
+        return OpTiming(forward_s=statistics.median(fwd), backward_s=None, runs=len(fwd), **tracks)
 
     # `queued` forwards on inputs of their own (shared ones would add every copy's gradient into one), their
     # backwards in one call (one engine start-up)
@@ -145,16 +179,22 @@ def time_op(
         copies.append((_call(node, mine, out_shape), [t for t, g in zip(mine, needs_grad) if g and t.requires_grad]))
     leaves = [t for _, ins in copies for t in ins]
     bwd: list[float] = []
+    host_bwd: list[float] = []
     for i in range(warmup + len(fwd)):
         with torch.enable_grad():
             outs = [o for fn, _ in copies for o in _float_outputs(fn())]
         if not outs:  # integer outputs (argmax, comparisons): nothing flows back
-            return OpTiming(forward_s=statistics.median(fwd), backward_s=0.0, runs=len(fwd))
+            bwd, host_bwd = [0.0], [0.0]
+            break
         grads = [torch.ones_like(o) for o in outs]
         t = timer(lambda: torch.autograd.grad(outs, leaves, grads, allow_unused=True))
         if i >= warmup:
-            bwd.append(max(t - grad_call_s, 0.0) / queued)
-    return OpTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd), runs=len(fwd))
+            # the engine's start-up is host work: with the launch hidden the kernels' time has none of it
+            bwd.append((t if timer.hide_launch else max(t - grad_call_s, 0.0)) / queued)
+            host_bwd.append(max(timer.host_s - grad_call_s, 0.0) / queued)
+    if tracks:
+        tracks["host_backward_s"] = statistics.median(host_bwd)
+    return OpTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd), runs=len(fwd), **tracks)
 
 
 def time_function(run: Callable[[], torch.Tensor], leaves: Sequence[torch.Tensor], *, device: torch.device | str = "cpu",
