@@ -26,8 +26,8 @@ big_models.py prints it) and peak per device, and the seconds the call took. The
 presets, not measurements.
 
 For each sequence length, a small-width meshplan Llama (2 layers, width 64, 4 query / 2 key-value heads, batch 1) with
-its next-token loss inside (the whole step is in the plan, as in benchmarks/memory_truth.py)
-is planned from the saved profile (out of sample: nothing re-measured or rescaled), to which the context-parallel
+its next-token loss inside (the whole step is in the plan, as in benchmarks/memory_truth.py; the labels shifted, as
+Hugging Face's causal-LM loss shifts them, so the logits keep all S rows and split with the sequence) is planned from the saved profile (out of sample: nothing re-measured or rescaled), to which the context-parallel
 kernels' own blocks at that length are added, timed on this machine first (`with_kernel_blocks`: the busiest
 rank's blocks as it runs them, one process, the profiler's method; before 2026-11-26 15:00 UTC the roofline priced
 them), six ways on `world` gloo
@@ -77,14 +77,18 @@ PLANS = ("cp allgather", "cp balanced", "cp ring", "cp ring_balanced", "cp ulyss
 
 
 class WithLoss(torch.nn.Module):
-    """The Llama with its next-token loss inside, so the whole step is in the plan (and in its predicted peak)."""
+    """The Llama with its next-token loss inside, so the whole step is in the plan (and in its predicted peak). The
+    labels are shifted, not the logits, as Hugging Face's causal-LM loss does (`ForCausalLMLoss`: pad with the ignored
+    index, then drop the first): the logits keep all S positions, so they split with the sequence. The same loss as
+    slicing the logits to S-1 rows, whose 4,095 rows at 4,096 tokens do not split in 4 (docs/long_context.md)."""
 
     def __init__(self, lm: Llama) -> None:
         super().__init__()
         self.lm = lm
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(self.lm(tokens)[0, :-1], tokens[0, 1:])
+        labels = torch.nn.functional.pad(tokens[0], (0, 1), value=-100)[1:]
+        return torch.nn.functional.cross_entropy(self.lm(tokens)[0], labels, ignore_index=-100)
 
 
 def build(seq: int) -> tuple[WithLoss, torch.Tensor]:
