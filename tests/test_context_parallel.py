@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import meshplan
 from meshplan.cost_model.compute import attention_pairs
 from meshplan.cost_model.presets import get_cluster
-from meshplan.cost_model.profile import OpTiming, Profile, device_name, torch_version
+from meshplan.cost_model.profile import CollectiveFit, OpTiming, Profile, device_name, torch_version
 from meshplan.ir.causal_mask import is_causal_mask
 from meshplan.ir.placement import Shard
 from meshplan.ir.trace import trace
@@ -160,8 +160,9 @@ def test_forced_variant_lists_its_collectives(variant):
         return
     # balanced: half the queries to the mirrored rank and their output back; the gradients the same way
     swaps = ["send_recv"] * 2 if variant.endswith("balanced") else []
-    if variant.startswith("ring"):  # P-1 = 1 exchange of K, V; back: 1 of K, V, dK, dV and 1 of dK, dV home
-        assert kinds == ["send_recv"] + swaps and back == ["send_recv"] * 2 + swaps
+    if variant.startswith("ring"):  # P-1 = 1 exchange of K, V; back: 1 of K, V and P = 2 of the dK, dV sum (the last home)
+        assert kinds == ["send_recv"] + swaps and back == ["send_recv"] * 3 + swaps
+        assert len({s.nbytes for s in node.backward_comm[:3]}) == 1  # each of them K and V's bytes
     else:
         assert kinds == ["all_gather"] * 2 + swaps and back == ["reduce_scatter"] * 2 + swaps
 
@@ -233,6 +234,24 @@ def test_a_profiled_block_timing_prices_the_kernel(variant):
         return next(n for n in plan.nodes if n.target == SDPA).time_s
 
     assert attention(0.2) - attention(0.1) == pytest.approx(0.4, rel=1e-9)
+
+
+def test_the_ring_prices_each_exchange_hidden_behind_a_block():
+    """The ring overlaps every exchange with a block's compute: forward the next K and V, backward the next K and V
+    and the previous block's dK, dV sum, two per block. With blocks far longer than an exchange only the last sum's
+    trip home costs; with blocks of no time all of them do: P-1 = 1 forward, 2 backward per layer, the home trip
+    either way (meshplan's GPT, 2 layers, cp=2, each exchange 1 ms)."""
+    model, tokens = _build("gpt")
+    key = next(k for k in time_region_kernels(trace(model, (tokens,)), [MeshSpec((2,), ("cp",))], budget_s=0.0)
+               if kernel_name("ring", True) in k)
+    exchange = CollectiveFit(kind="send_recv", group=2, world=2, alpha_s=1e-3, seconds_per_byte=0.0)
+
+    def comm(block_s: float) -> float:
+        profile = Profile(device=device_name("cpu"), torch_version=torch_version(), cluster="cpu", contention={2: 1.0},
+                          collectives=(exchange,), ops={key: OpTiming(forward_s=block_s, backward_s=2 * block_s)})
+        return _plan("gpt", 2, kernel_name("ring", True), cluster=get_cluster("cpu").with_profile(profile)).comm_s
+
+    assert comm(1e-9) - comm(1.0) == pytest.approx(2 * (1 + 2) * 1e-3, rel=1e-6)
 
 
 def test_the_default_search_chooses_context_parallelism_by_price():
@@ -323,7 +342,7 @@ def test_a_batch_of_one_runs_split_along_the_sequence_throughout(variant):
     plan = _plan("gpt", 2, kernel_name(variant, True), batch=1)
     outside = [n for n in plan.nodes if n.target in ("aten.native_layer_norm.default", "aten.addmm.default", "aten.gelu.default")]
     assert outside and all(Shard(0) in n.strategy.outputs[0] or Shard(1) in n.strategy.outputs[0] for n in outside)
-    own = {"forward:all_gather": 4, "backward:reduce_scatter": 4} if variant == "allgather" else {"forward:send_recv": 2, "backward:send_recv": 4}
+    own = {"forward:all_gather": 4, "backward:reduce_scatter": 4} if variant == "allgather" else {"forward:send_recv": 2, "backward:send_recv": 6}
     expected = Counter(own) + Counter({"forward:all_gather": 1, "backward:reduce_scatter": 1, "grad_sync:all_reduce": 1})
     assert plan.collectives() == expected, plan.collectives()
     results = run_local(2, _worker, "gpt", plan, 1, timeout=600)

@@ -211,8 +211,10 @@ class RingAttention(torch.autograd.Function):
     s L + L - 1. At step t a rank holds the block of rank (r - t) mod P, and each chunk attends to the part of it
     that `_segments` says (under a causal mask: keys before the chunk whole, its own positions a causal diagonal,
     later keys unused). Blocks merge by log-sum-exp per chunk. Only the rank's own K and V are saved: backward
-    sends them round again with the dK/dV of the block they belong to accumulating on the way (an exchange that
-    must wait for the block's gradients, so not overlapped), and one last exchange brings each dK/dV home.
+    sends them round again, the next block travelling while this one's gradients are computed, and each block's
+    dK/dV sum travels after the block with one exchange more (the last brings it home): the sum for the block a
+    rank holds arrives while the rank computes its own share of it, so both exchanges hide behind a block's
+    compute as forward's does.
     Grouped-query heads are repeated per block (and their gradients summed back), so K and V travel with their own
     heads."""
 
@@ -249,9 +251,11 @@ class RingAttention(torch.autograd.Function):
         n, me = comm.mesh.shape[axis], comm.coord[axis]
         rows, keys = q.shape[SEQ] // len(starts), k.shape[SEQ]
         grad, grad_q = grad.contiguous(), torch.zeros_like(q, dtype=torch.float32)
-        held, held_grad = torch.stack([k, v]), torch.zeros_like(torch.stack([k, v]))  # the block held, and its dK, dV so far
+        held, summed = torch.stack([k, v]), None  # the block held; the dK, dV sum of the block before it, on its way
         for t in range(n):
+            coming = _start_rotate(held, comm, axis, "backward") if t < n - 1 else None  # the next block, while this one's gradients are computed
             kb, vb = (_repeat_heads(x, q.shape[1]) for x in held.unbind(0))
+            share = torch.zeros_like(held)  # this rank's part of the held block's dK, dV
             for i, start in enumerate(starts):
                 mine = slice(i * rows, (i + 1) * rows)
                 for j, (first, count, diagonal) in enumerate(_segments(start, rows, (me - t) % n * keys, keys, ctx.causal)):
@@ -259,12 +263,14 @@ class RingAttention(torch.autograd.Function):
                                                 vb.narrow(SEQ, first, count), out[:, :, mine], lse[..., mine],
                                                 ctx.blocks[t, i, j], diagonal, ctx.scale)
                     grad_q[:, :, mine] += dq
-                    held_grad[0].narrow(SEQ, first, count).add_(_sum_heads(dk, k.shape[1]))
-                    held_grad[1].narrow(SEQ, first, count).add_(_sum_heads(dv, v.shape[1]))
-            if t < n - 1:
-                both = _rotate(torch.cat([held, held_grad]), comm, axis, "backward")
-                held, held_grad = both[:2], both[2:]
-        home = _rotate(held_grad, comm, axis, "backward")  # rank r holds block r+1's finished dK, dV
+                    share[0].narrow(SEQ, first, count).add_(_sum_heads(dk, k.shape[1]))
+                    share[1].narrow(SEQ, first, count).add_(_sum_heads(dv, v.shape[1]))
+            # the previous ranks' sum for this block arrives (sent after their step t-1) and goes on with ours added
+            total = share if summed is None else _finish_exchange(summed, share, comm, axis, "backward").add_(share)
+            summed = _start_rotate(total, comm, axis, "backward")
+            if coming is not None:
+                held = _finish_exchange(coming, held, comm, axis, "backward")
+        home = _finish_exchange(summed, held, comm, axis, "backward")  # rank r holds block r+1's sum: its own block's arrives
         return grad_q.to(q.dtype), home[0], home[1], None, None, None, None, None
 
 
@@ -445,9 +451,9 @@ class ContextParallel(RegionOp):
             for shape in local:  # whole sequence, heads / n
                 shape[1], shape[SEQ] = shape[1] // n, shape[SEQ] * n
         elif variant in RINGS:
-            # n-1 exchanges of the packed K, V; backward n-1 of K, V, dK, dV and one of dK, dV home
+            # n-1 exchanges of the packed K, V; backward n-1 of K, V and n of dK, dV (the last one home)
             forward = [CommStep("send_recv", axis, nbytes=kb + vb)] * (n - 1)
-            back_steps = [CommStep("send_recv", axis, nbytes=2 * (kb + vb))] * (n - 1) + [CommStep("send_recv", axis, nbytes=kb + vb)]
+            back_steps = [CommStep("send_recv", axis, nbytes=kb + vb)] * (2 * n - 1)
             for shape in local[1:]:
                 shape[SEQ] *= n
         else:
@@ -489,11 +495,16 @@ class ContextParallel(RegionOp):
         compute = priced(backward)
         back = (back_steps + swaps if variant in RINGS else [s.dual() for s in forward]) if backward else []
         forward_comm = steps_time(forward[ring_steps:], mesh_shape, cluster)
-        if ring_steps:  # each forward exchange hides behind one of the n blocks the busiest rank computes
+        backward_comm = steps_time(back, mesh_shape, cluster)
+        if ring_steps:  # each exchange hides behind one of the n blocks the busiest rank computes
             per_exchange = steps_time(forward[:1], mesh_shape, cluster)
             forward_comm += ring_steps * max(0.0, per_exchange - priced(False) / n)
+            if backward:  # behind block 0 the next K, V; behind the last the previous sum; behind the others both
+                block_s = (priced(True) - priced(False)) / n  # one block's backward on the busiest rank
+                hidden = 2 * max(0.0, per_exchange - block_s) + (n - 2) * max(0.0, 2 * per_exchange - block_s)
+                backward_comm = steps_time(swaps, mesh_shape, cluster) + hidden + per_exchange  # the last sum's trip home
         return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back),
-                          comm_s=forward_comm + steps_time(back, mesh_shape, cluster))
+                          comm_s=forward_comm + backward_comm)
 
     def timed_work(self, node, in_metas, strategy, mesh_shape):
         """The busiest rank's blocks of a kernel that runs blocks (not ulysses, which runs the plain op on local
