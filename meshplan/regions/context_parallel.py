@@ -4,8 +4,8 @@
 are the plain op's (batch or heads split, `planner/rules/attention.py`) plus five kernels with q, k, v and the
 output split on the sequence (dim 2), offered only on a mesh axis named `cp` (torchtitan's name):
 
-- `cp_attention(allgather)`: k and v are all-gathered over the axis (backward: their gradients
-  reduce-scattered home); each rank attends its own query rows to the keys it needs, placed by the true
+- `cp_attention(allgather)`: k and v are all-gathered over the axis, stacked in one collective (backward: their
+  gradients reduce-scattered home in one); each rank attends its own query rows to the keys it needs, placed by the true
   token positions: rank r holds rows r*L .. r*L+L-1, so keys before r*L are whole to it, the next L a causal
   diagonal, and later ones unused. `BlockAttention` (`regions/attention_blocks.py`: the flash kernel on the CPU,
   on CUDA the one SDPA picks: flash, cuDNN or memory-efficient) runs each block and merges them by their
@@ -18,7 +18,8 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
   to follow a token order), at the price of two exchanges of half a rank's queries (and two in backward).
 - `cp_attention(ring)`: the same split and blocks, but K and V travel P-1 times to the next rank (point to
   point) instead of being gathered, so a rank holds one other block at a time and saves only its own K and V;
-  backward sends them round again while the dK/dV of each block accumulate on the way home (`RingAttention`).
+  backward sends them round again while the dK/dV of each block accumulate on the way home, every exchange
+  hidden behind a block's compute (`RingAttention`).
 - `cp_attention(ring_balanced)`: the ring over the balanced kernel's two query chunks, with the same swap of half
   the queries and their output with the mirrored rank around it (causal masks).
 - `cp_attention(ulysses)`: all-to-all from sequence-split to heads-split (q, k, v), the plain op over the whole
@@ -356,8 +357,8 @@ class ContextParallelAttention(nn.Module):
         if self.variant == "ring_balanced":
             return _balanced(q, self.comm, self.axis, lambda own, lent, starts: RingAttention.apply(
                 torch.cat([own, lent], dim=SEQ), k, v, scale, True, self.axis, self.comm, starts).chunk(2, dim=SEQ))
-        gather = CommStep("all_gather", self.axis, SEQ)
-        keys, values = _step(k, gather, self.comm), _step(v, gather, self.comm)
+        # K and V gathered together (one collective, as the ring passes them packed); its backward one reduce-scatter
+        keys, values = _step(torch.stack([k, v]), CommStep("all_gather", self.axis, SEQ + 1), self.comm).unbind(0)
         if gqa and keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group of query heads
             keys, values = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
         if self.variant == "allgather":
@@ -457,7 +458,7 @@ class ContextParallel(RegionOp):
             for shape in local[1:]:
                 shape[SEQ] *= n
         else:
-            forward = [CommStep("all_gather", axis, SEQ, nbytes=kb * n), CommStep("all_gather", axis, SEQ, nbytes=vb * n)]
+            forward = [CommStep("all_gather", axis, SEQ + 1, nbytes=(kb + vb) * n)]  # K and V stacked
             for shape in local[1:]:  # the gathered keys and values
                 shape[SEQ] *= n
         # balanced: half the queries to the mirrored rank, their output back (and the same in backward)
