@@ -27,8 +27,9 @@ presets, not measurements.
 
 For each sequence length, a small-width meshplan Llama (2 layers, width 64, 4 query / 2 key-value heads, batch 1) with
 its next-token loss inside (the whole step is in the plan, as in benchmarks/memory_truth.py; the labels shifted, as
-Hugging Face's causal-LM loss shifts them, so the logits keep all S rows and split with the sequence) is planned from the saved profile (out of sample: nothing re-measured or rescaled), to which the context-parallel
-kernels' own blocks at that length are added, timed on this machine first (`with_kernel_blocks`: the busiest
+Hugging Face's causal-LM loss shifts them, so the logits keep all S rows and split with the sequence) is planned
+from the saved profile (out of sample: nothing re-measured or rescaled), to which the context-parallel kernels' own
+blocks at that length are added, timed on this machine first (`with_kernel_blocks`: the busiest
 rank's blocks as it runs them, one process, the profiler's method; before 2026-11-26 15:00 UTC the roofline priced
 them), six ways on `world` gloo
 ranks: a `cp` mesh with each context-parallel kernel forced (all-gathered K/V, balanced, ring, balanced ring,
