@@ -7,8 +7,8 @@ events (kernels are asynchronous, so wall-clock time would measure the launch); 
 `time.perf_counter`. The backward of one op is timed with `torch.autograd.grad` on a fresh forward,
 so it includes autograd's per-node work, as a real backward pass does.
 
-On CUDA an op's timing is its kernels alone (`hide_launch`, the default: a spin kernel keeps the GPU busy while the
-host issues the op, `Timer`), and the host's seconds issuing them are kept beside it (`OpTiming.host_forward_s`).
+On CUDA an op's timing (and a region kernel's, `time_function`) is its kernels alone (`hide_launch`, the default: a
+spin kernel keeps the GPU busy while the host issues the op, `Timer`), and the host's seconds issuing them are kept beside it (`OpTiming.host_forward_s`).
 What a step's host adds beyond its kernels is measured in the whole program (`calibrate.program_overhead`), not
 summed from isolated ops: on an H200 (2026-11-26, benchmarks/results/README.md run 12) the isolated host timings of
 a GPT's ops summed to 66 ms for a step measured at 24 ms, hot in a step and cold after each synchronisation. The
@@ -167,9 +167,9 @@ def time_op(
     host_fwd: list[float] = []
     with torch.set_grad_enabled(bool(grad_in)):
         fwd = [t / queued for t in _samples(timer, run_queued, warmup, min_runs, max_runs, budget_s * queued, host_fwd)]
-    tracks = {"host_forward_s": statistics.median(host_fwd) / queued} if timer.hide_launch else {}
+    host_fwd = [h / queued for h in host_fwd]
     if not grad_in:
-        return OpTiming(forward_s=statistics.median(fwd), backward_s=None, runs=len(fwd), **tracks)
+        return _timing(timer, fwd, host_fwd)
 
     # `queued` forwards on inputs of their own (shared ones would add every copy's gradient into one), their
     # backwards in one call (one engine start-up)
@@ -184,35 +184,52 @@ def time_op(
         with torch.enable_grad():
             outs = [o for fn, _ in copies for o in _float_outputs(fn())]
         if not outs:  # integer outputs (argmax, comparisons): nothing flows back
-            bwd, host_bwd = [0.0], [0.0]
-            break
+            return _timing(timer, fwd, host_fwd, [0.0], [0.0])
         grads = [torch.ones_like(o) for o in outs]
         t = timer(lambda: torch.autograd.grad(outs, leaves, grads, allow_unused=True))
         if i >= warmup:
-            # the engine's start-up is host work: with the launch hidden the kernels' time has none of it
-            bwd.append((t if timer.hide_launch else max(t - grad_call_s, 0.0)) / queued)
-            host_bwd.append(max(timer.host_s - grad_call_s, 0.0) / queued)
-    if tracks:
-        tracks["host_backward_s"] = statistics.median(host_bwd)
-    return OpTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd), runs=len(fwd), **tracks)
+            _backward_sample(timer, t, grad_call_s, queued, bwd, host_bwd)
+    return _timing(timer, fwd, host_fwd, bwd, host_bwd)
+
+
+def _backward_sample(timer: Timer, t: float, grad_call_s: float, runs: int, bwd: list[float], host_bwd: list[float]) -> None:
+    """Add one backward sample of `runs` runs (seconds `t` by `timer`) to `bwd` and its host seconds to `host_bwd`,
+    per run. The engine's start-up (`grad_call_s`) is host work: taken off the host's seconds, and off the sample
+    unless the launch was hidden (then the sample is the kernels alone, which hold none of it)."""
+    bwd.append((t if timer.hide_launch else max(t - grad_call_s, 0.0)) / runs)
+    host_bwd.append(max(timer.host_s - grad_call_s, 0.0) / runs)
+
+
+def _timing(timer: Timer, fwd: list[float], host_fwd: list[float], bwd: list[float] | None = None,
+            host_bwd: list[float] | None = None) -> OpTiming:
+    """The medians of the samples; the host's only when `timer` hid the launch (otherwise they are the samples)."""
+    tracks = {}
+    if timer.hide_launch:
+        tracks = {"host_forward_s": statistics.median(host_fwd),
+                  "host_backward_s": statistics.median(host_bwd) if host_bwd else None}
+    return OpTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd) if bwd else None, runs=len(fwd),
+                    **tracks)
 
 
 def time_function(run: Callable[[], torch.Tensor], leaves: Sequence[torch.Tensor], *, device: torch.device | str = "cpu",
-                  warmup: int = 2, min_runs: int = 5, max_runs: int = 25, budget_s: float = 0.05, grad_call_s: float = 0.0) -> OpTiming:
+                  warmup: int = 2, min_runs: int = 5, max_runs: int = 25, budget_s: float = 0.05, grad_call_s: float = 0.0,
+                  hide_launch: bool = True) -> OpTiming:
     """Median forward and backward seconds of `run()`, a computation of several ops (a region op's kernel,
     `RegionOp.timed_work`) whose backward reaches `leaves`, sampled as `time_op` samples one op."""
-    timer = Timer(torch.device(device))
+    timer = Timer(torch.device(device), hide_launch=hide_launch)
+    host_fwd: list[float] = []
     with torch.enable_grad():
-        fwd = _samples(timer, run, warmup, min_runs, max_runs, budget_s)
+        fwd = _samples(timer, run, warmup, min_runs, max_runs, budget_s, host_fwd)
     bwd: list[float] = []
+    host_bwd: list[float] = []
     for i in range(warmup + len(fwd)):
         with torch.enable_grad():
             out = run()
         grad = torch.ones_like(out)
         t = timer(lambda: torch.autograd.grad(out, list(leaves), grad, allow_unused=True))
         if i >= warmup:
-            bwd.append(max(t - grad_call_s, 0.0))
-    return OpTiming(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd), runs=len(fwd))
+            _backward_sample(timer, t, grad_call_s, 1, bwd, host_bwd)
+    return _timing(timer, fwd, host_fwd, bwd, host_bwd)
 
 
 def time_program(gm: torch.nn.Module, args: Sequence[object], *, warmup: int = 3, runs: int = 15) -> float:
