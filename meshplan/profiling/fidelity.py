@@ -1,9 +1,10 @@
 """Cost-model fidelity: predicted against measured step time and peak memory, plan by plan.
 
 Small GPTs whose forward returns their loss (so the whole step is in the plan), planned and trained
-on local gloo processes. Each plan trains `steps` Adam steps after a warm-up; a step is forward +
-backward + `optimizer.step()` (a pipelined plan's `step()` runs all its microbatches), timed
-between barriers, its time the slowest rank's.
+on local gloo processes. Each plan trains alone in its own launch, as a user runs it, `ROUNDS` times, the
+plans' launches taking turns; each launch times Adam steps after a warm-up, a step being forward +
+backward + `optimizer.step()` (a pipelined plan's `step()` runs all its microbatches), timed between
+barriers, its time the slowest rank's; the plan's figure is the median of its launches.
 
 Two modes:
 
@@ -201,48 +202,35 @@ def peak_of(events: list[tuple[int, int, int]]) -> int:
     return peak
 
 
-def _measure_world(rank: int, world: int, plans_json: list[str], cfgs: list[GPTConfig], batch: int, warmup: int, steps: int,
-                   rounds: int = 4) -> list[dict]:
-    """Every plan of this world in one process group. Timed steps are interleaved across plans in
-    `rounds` (one untimed step re-warms a plan at the start of each), so a change in background
-    load hits all plans alike."""
+def _measure_plan(rank: int, world: int, plan_json: str, cfg: GPTConfig, batch: int, warmup: int, steps: int) -> dict:
+    """One plan trained on this launch's processes, as a user runs it: `warmup` untimed steps, the compute contention
+    probed, one step to re-warm, `steps` timed steps, then the peak of one more."""
     import meshplan
     from meshplan.plans.plan import Plan
-
-    runs = []
-    for text, cfg in zip(plans_json, cfgs):
-        plan = Plan.from_json(text)
-        model, tokens = build(cfg, batch)
-        # the model's output is its loss; a pipeline's last stage hands it to loss_fn as it is
-        pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan, loss_fn=lambda out, _: out)
-        opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
-
-        def step(pmodel=pmodel, opt=opt, tokens=tokens, pipelined=plan.pipeline is not None) -> None:
-            if pipelined:
-                pmodel.step(tokens, target=tokens)
-            else:
-                pmodel(tokens).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        for _ in range(warmup):
-            step()
-        runs.append((pmodel, opt, step, []))
     from meshplan.profiling.comm_profiler import measure_contention
 
-    per_round = max(1, steps // rounds)
-    contention = []
-    for _ in range(rounds):
-        contention.append(measure_contention(pairs=1, seconds=0.2))
-        for _, _, step, times in runs:
-            step()
-            times.extend(slowest_rank_seconds(step) for _ in range(per_round))
-    out = []
-    for pmodel, opt, step, times in runs:
-        peak = torch.tensor(float(resident_bytes(pmodel, opt) + peak_during(step)), dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        out.append({"time_s": statistics.median(times), "peak_bytes": float(peak), "contention": statistics.median(contention)})
-    return out
+    plan = Plan.from_json(plan_json)
+    model, tokens = build(cfg, batch)
+    # the model's output is its loss; a pipeline's last stage hands it to loss_fn as it is
+    pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan, loss_fn=lambda out, _: out)
+    opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
+
+    def step() -> None:
+        if plan.pipeline is not None:
+            pmodel.step(tokens, target=tokens)
+        else:
+            pmodel(tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    contention = measure_contention(pairs=1, seconds=0.2)
+    step()
+    times = [slowest_rank_seconds(step) for _ in range(steps)]
+    peak = torch.tensor(float(resident_bytes(pmodel, opt) + peak_during(step)), dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"time_s": statistics.median(times), "peak_bytes": float(peak), "contention": contention}
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -344,7 +332,6 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
     from meshplan.cost_model.presets import get_cluster
     from meshplan.cost_model.profile import resolve_profile
     from meshplan.ir.trace import trace
-    from meshplan.runtime.launch import run_local
 
     measured_profile = resolve_profile(profile, None)
     graphs: dict[str, object] = {}  # size -> its traced graph (in sample: the liveness memory model reads it)
@@ -364,12 +351,11 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
                 graphs[case.size] = trace(model, (tokens,))
             log(f"planned {case.name} on {case.world}: mesh {plan.mesh.shape}"
                 f"{f' x pp {plan.pipeline.degree}' if plan.pipeline else ''}, predicted {plan.step_time_s * 1e3:.2f} ms")
-        log(f"measuring {len(mine)} plans on {world} local gloo processes")
-        results = run_local(world, _measure_world, [p.to_json() for _, p in mine], [SIZES[c.size] for c, _ in mine],
-                            batch, warmup, steps, timeout=1800)[0]
+        log(f"measuring {len(mine)} plans on {world} local gloo processes, each in its own launch, {ROUNDS} rounds")
+        results = _measure_alone(world, mine, batch, warmup, steps)
         scale = 1.0
         if in_sample:
-            now = _with_contention(cluster, world, results[0]["contention"])
+            now = _with_contention(cluster, world, statistics.median(r["contention"] for r in results))
             log(f"compute contention at {world} ranks: {_slowdown(cluster, world):.2f} at calibration, {results[0]['contention']:.2f} "
                 "while measuring (used)")
             scale = _slowdown(now, world) / _slowdown(cluster, world)
@@ -386,6 +372,26 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
             rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=got["time_s"], predicted_bytes=m,
                             measured_bytes=got["peak_bytes"], parts_s=parts, pipeline=plan.pipeline.degree if plan.pipeline else 1))
     return rows
+
+
+ROUNDS = 3
+"""Launches per plan: each plan's measured step is the median of its launches, made in turn with the other plans'."""
+
+
+def _measure_alone(world: int, planned: list, batch: int, warmup: int, steps: int) -> list[dict]:
+    """Each (case, plan) of one world trained as a user runs it, alone in its own launch of `world` processes, `ROUNDS`
+    times, the plans' launches taking turns (so a change of background load hits all plans alike): the median of the
+    launches' step times, the largest peak. All of a world's plans built in one process group measured FSDP on 4
+    ranks at 201 ms where alone it takes 260 (2026-11-26, docs/cost_model.md)."""
+    from meshplan.runtime.launch import run_local
+
+    got: list[list[dict]] = [[] for _ in planned]
+    for _ in range(ROUNDS):
+        for i, (case, plan) in enumerate(planned):
+            got[i].append(run_local(world, _measure_plan, plan.to_json(), SIZES[case.size], batch, warmup,
+                                    max(4, steps // ROUNDS), timeout=1800)[0])
+    return [{"time_s": statistics.median(r["time_s"] for r in runs), "peak_bytes": max(r["peak_bytes"] for r in runs),
+             "contention": statistics.median(r["contention"] for r in runs)} for runs in got]
 
 
 def _slowdown(cluster, world: int) -> float:
