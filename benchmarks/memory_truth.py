@@ -38,7 +38,7 @@ from meshplan.cost_model.memory import format_bytes  # noqa: E402
 from meshplan.models import GPT, GPTConfig  # noqa: E402
 from meshplan.models.llama import Llama, LlamaConfig  # noqa: E402
 from meshplan.planner.pipeline import PipelineOptions  # noqa: E402
-from meshplan.profiling.fidelity import MEGATRON, peak_during, resident_bytes  # noqa: E402
+from meshplan.profiling.fidelity import MEGATRON, peak_during, resident_bytes, training_step  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
 
 WORLD = 4
@@ -96,19 +96,8 @@ def measure(rank: int, world: int, cases: list[tuple[str, str]], plans_json: lis
     warnings.simplefilter("ignore")
     out = []
     for (model_name, _), text in zip(cases, plans_json):
-        plan = Plan.from_json(text)
         model, tokens = build(model_name, quick)
-        pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan, loss_fn=lambda out, _: out)
-        opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
-
-        def step() -> None:
-            if plan.pipeline is not None:
-                pmodel.step(tokens, target=tokens)
-            else:
-                pmodel(tokens).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        pmodel, opt, step = training_step(Plan.from_json(text), model, tokens, world)
         step()  # Adam's state exists from the first step on
         peak = torch.tensor(float(resident_bytes(pmodel, opt) + peak_during(step)), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)

@@ -202,16 +202,11 @@ def peak_of(events: list[tuple[int, int, int]]) -> int:
     return peak
 
 
-def _measure_plan(rank: int, world: int, plan_json: str, cfg: GPTConfig, batch: int, warmup: int, steps: int) -> dict:
-    """One plan trained on this launch's processes, as a user runs it: `warmup` untimed steps, the compute contention
-    probed, one step to re-warm, `steps` timed steps, then the peak of one more."""
+def training_step(plan, model: torch.nn.Module, tokens: torch.Tensor, world: int):
+    """(the parallel module, its Adam, one training step: forward, backward, `optimizer.step()`) of `plan` on this
+    rank. The model's output is its loss; a pipeline's last stage hands it to loss_fn as it is."""
     import meshplan
-    from meshplan.plans.plan import Plan
-    from meshplan.profiling.comm_profiler import measure_contention
 
-    plan = Plan.from_json(plan_json)
-    model, tokens = build(cfg, batch)
-    # the model's output is its loss; a pipeline's last stage hands it to loss_fn as it is
     pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan, loss_fn=lambda out, _: out)
     opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
 
@@ -223,6 +218,17 @@ def _measure_plan(rank: int, world: int, plan_json: str, cfg: GPTConfig, batch: 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return pmodel, opt, step
+
+
+def _measure_plan(rank: int, world: int, plan_json: str, cfg: GPTConfig, batch: int, warmup: int, steps: int) -> dict:
+    """One plan trained on this launch's processes, as a user runs it: `warmup` untimed steps, the compute contention
+    probed, one step to re-warm, `steps` timed steps, then the peak of one more."""
+    from meshplan.plans.plan import Plan
+    from meshplan.profiling.comm_profiler import measure_contention
+
+    model, tokens = build(cfg, batch)
+    pmodel, opt, step = training_step(Plan.from_json(plan_json), model, tokens, world)
     for _ in range(warmup):
         step()
     contention = measure_contention(pairs=1, seconds=0.2)
