@@ -361,9 +361,10 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
         results = _measure_alone(world, mine, batch, warmup, steps)
         scale = 1.0
         if in_sample:
-            now = _with_contention(cluster, world, statistics.median(r["contention"] for r in results))
-            log(f"compute contention at {world} ranks: {_slowdown(cluster, world):.2f} at calibration, {results[0]['contention']:.2f} "
-                "while measuring (used)")
+            measuring = statistics.median(r["contention"] for r in results)
+            now = _with_contention(cluster, world, measuring)
+            log(f"compute contention at {world} ranks: {_slowdown(cluster, world):.2f} at calibration, {measuring:.2f} "
+                "while measuring (the median over the plans' launches, used)")
             scale = _slowdown(now, world) / _slowdown(cluster, world)
         for (case, plan), got in zip(mine, results):
             if in_sample:
