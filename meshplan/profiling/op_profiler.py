@@ -188,16 +188,17 @@ def time_op(
         grads = [torch.ones_like(o) for o in outs]
         t = timer(lambda: torch.autograd.grad(outs, leaves, grads, allow_unused=True))
         if i >= warmup:
-            _backward_sample(timer, t, grad_call_s, queued, bwd, host_bwd)
+            b, h = _backward_sample(timer, t, grad_call_s, queued)
+            bwd.append(b)
+            host_bwd.append(h)
     return _timing(timer, fwd, host_fwd, bwd, host_bwd)
 
 
-def _backward_sample(timer: Timer, t: float, grad_call_s: float, runs: int, bwd: list[float], host_bwd: list[float]) -> None:
-    """Add one backward sample of `runs` runs (seconds `t` by `timer`) to `bwd` and its host seconds to `host_bwd`,
-    per run. The engine's start-up (`grad_call_s`) is host work: taken off the host's seconds, and off the sample
-    unless the launch was hidden (then the sample is the kernels alone, which hold none of it)."""
-    bwd.append((t if timer.hide_launch else max(t - grad_call_s, 0.0)) / runs)
-    host_bwd.append(max(timer.host_s - grad_call_s, 0.0) / runs)
+def _backward_sample(timer: Timer, t: float, grad_call_s: float, runs: int) -> tuple[float, float]:
+    """(seconds, host seconds) per run of one backward sample of `runs` runs, `t` seconds by `timer`. The engine's
+    start-up (`grad_call_s`) is host work: taken off the host's seconds, and off the sample unless the launch was
+    hidden (then the sample is the kernels alone, which hold none of it)."""
+    return (t if timer.hide_launch else max(t - grad_call_s, 0.0)) / runs, max(timer.host_s - grad_call_s, 0.0) / runs
 
 
 def _timing(timer: Timer, fwd: list[float], host_fwd: list[float], bwd: list[float] | None = None,
@@ -228,7 +229,9 @@ def time_function(run: Callable[[], torch.Tensor], leaves: Sequence[torch.Tensor
         grad = torch.ones_like(out)
         t = timer(lambda: torch.autograd.grad(out, list(leaves), grad, allow_unused=True))
         if i >= warmup:
-            _backward_sample(timer, t, grad_call_s, 1, bwd, host_bwd)
+            b, h = _backward_sample(timer, t, grad_call_s, 1)
+            bwd.append(b)
+            host_bwd.append(h)
     return _timing(timer, fwd, host_fwd, bwd, host_bwd)
 
 

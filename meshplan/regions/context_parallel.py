@@ -496,14 +496,18 @@ class ContextParallel(RegionOp):
         compute = priced(backward)
         back = (back_steps + swaps if variant in RINGS else [s.dual() for s in forward]) if backward else []
         forward_comm = steps_time(forward[ring_steps:], mesh_shape, cluster)
-        backward_comm = steps_time(back, mesh_shape, cluster)
-        if ring_steps:  # each exchange hides behind one of the n blocks the busiest rank computes
-            per_exchange = steps_time(forward[:1], mesh_shape, cluster)
-            forward_comm += ring_steps * max(0.0, per_exchange - priced(False) / n)
-            if backward:  # behind block 0 the next K, V; behind the last the previous sum; behind the others both
-                block_s = (priced(True) - priced(False)) / n  # one block's backward on the busiest rank
-                hidden = 2 * max(0.0, per_exchange - block_s) + (n - 2) * max(0.0, 2 * per_exchange - block_s)
-                backward_comm = steps_time(swaps, mesh_shape, cluster) + hidden + per_exchange  # the last sum's trip home
+        if not ring_steps:  # nothing overlaps: every collective adds to compute
+            return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back),
+                              comm_s=forward_comm + steps_time(back, mesh_shape, cluster))
+        # each exchange hides behind one of the n blocks the busiest rank computes
+        per_exchange = steps_time(forward[:1], mesh_shape, cluster)
+        forward_s = priced(False)
+        forward_comm += ring_steps * max(0.0, per_exchange - forward_s / n)
+        backward_comm = 0.0
+        if backward:  # behind block 0 the next K, V; behind the last the previous sum; behind the others both
+            block_s = (compute - forward_s) / n  # one block's backward on the busiest rank
+            hidden = 2 * max(0.0, per_exchange - block_s) + (n - 2) * max(0.0, 2 * per_exchange - block_s)
+            backward_comm = steps_time(swaps, mesh_shape, cluster) + hidden + per_exchange  # the last sum's trip home
         return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back),
                           comm_s=forward_comm + backward_comm)
 
