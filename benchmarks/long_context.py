@@ -144,9 +144,9 @@ def measure(rank: int, world: int, plans_json: list[str], seqs: list[int], warmu
             step()
         times = [slowest_rank_seconds(step) for _ in range(steps)]
         # peak_during is an upper bound (frees on gloo's threads go unseen until the address is reused): the ring's
-        # peak at 7,168 tokens read 31.7 and 35.2 MiB in two runs, so the lower of two profiled steps
-        held = min(peak_during(step) for _ in range(2))
-        peak = torch.tensor(float(resident_bytes(pmodel, opt) + held), dtype=torch.float64)
+        # peak at 7,168 tokens read 31.7 and 35.2 MiB in two runs, so the lower of two profiled steps (fewer than
+        # fidelity.PEAK_RUNS: these steps are long)
+        peak = torch.tensor(float(resident_bytes(pmodel, opt) + peak_during(step, 2)), dtype=torch.float64)
         peaks = [torch.zeros_like(peak) for _ in range(world)]
         dist.all_gather(peaks, peak)
         out.append({"time_s": statistics.median(times), "peak_bytes": max(map(float, peaks)), "rank_peaks": [float(p) for p in peaks]})

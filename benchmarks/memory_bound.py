@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import meshplan  # noqa: E402
 import vs_baselines as vb  # noqa: E402
 from meshplan.models import GPTConfig  # noqa: E402
-from meshplan.profiling.fidelity import held_bytes, peak_during, slowest_rank_seconds  # noqa: E402
+from meshplan.profiling.fidelity import PEAK_RUNS, held_bytes, peak_during, slowest_rank_seconds  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
 
 WORLD = 4
@@ -105,7 +105,7 @@ def worker(rank: int, world: int, cfg: GPTConfig, plan, out_layout, warmup: int,
             losses.append(float(loss) / world)
         held = [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None),
                 *(t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor))]
-        peak = torch.tensor(float(held_bytes(held) + peak_during(step)), dtype=torch.float64)
+        peak = torch.tensor(float(held_bytes(held) + peak_during(step, PEAK_RUNS)), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         runs[name] = (step, losses, [], float(peak))
     per_round = math.ceil(steps / rounds)

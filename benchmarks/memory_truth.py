@@ -38,7 +38,7 @@ from meshplan.cost_model.memory import format_bytes  # noqa: E402
 from meshplan.models import GPT, GPTConfig  # noqa: E402
 from meshplan.models.llama import Llama, LlamaConfig  # noqa: E402
 from meshplan.planner.pipeline import PipelineOptions  # noqa: E402
-from meshplan.profiling.fidelity import MEGATRON, peak_during, resident_bytes, training_step  # noqa: E402
+from meshplan.profiling.fidelity import MEGATRON, PEAK_RUNS, peak_during, resident_bytes, training_step  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
 
 WORLD = 4
@@ -99,7 +99,7 @@ def measure(rank: int, world: int, cases: list[tuple[str, str]], plans_json: lis
         model, tokens = build(model_name, quick)
         pmodel, opt, step = training_step(Plan.from_json(text), model, tokens, world)
         step()  # Adam's state exists from the first step on
-        peak = torch.tensor(float(resident_bytes(pmodel, opt) + peak_during(step)), dtype=torch.float64)
+        peak = torch.tensor(float(resident_bytes(pmodel, opt) + peak_during(step, PEAK_RUNS)), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         out.append(float(peak))
     return out

@@ -47,6 +47,19 @@ def test_peak_during_follows_the_steps_allocations():
     assert peak_during(step) == 2 * 4 * (1 << 14)
 
 
+def test_peak_during_several_runs_keeps_the_lowest():
+    calls = []
+
+    def step():  # the first run holds three buffers at once, the later ones two
+        held = [torch.ones(1 << 14) for _ in range(3 if not calls else 2)]
+        calls.append(len(held))
+
+    assert peak_during(step, runs=3) == 2 * 4 * (1 << 14)
+    assert calls == [3, 2, 2]
+    with pytest.raises(ValueError, match="runs must be at least 1; got 0"):
+        peak_during(step, runs=0)
+
+
 def test_fidelity_quick_runs(tmp_path):
     prof = tmp_path / "p.json"
     proc = subprocess.run([sys.executable, "benchmarks/fidelity.py", "--quick", "--steps", "3", "--save-profile", str(prof)],
