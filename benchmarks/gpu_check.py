@@ -14,7 +14,7 @@ Steps, on one device:
    forward (so the whole step is in the plan, as benchmarks/memory_truth.py does), priced with the
    presets and with the profile of step 1 (and, to compare the methods of `op_profiler`'s module doc, with
    profiles timing each op's runs queued back to back, `op_profiler.QUEUED`, and one synchronised run each; and
-   on each track of step 1's profile, `track_prices`), against the median measured step (forward, backward, Adam
+   with step 1's profile without its host floor, `Profile.host_op_run_s`), against the median measured step (forward, backward, Adam
    step; `torch.cuda.synchronize` around each) and the measured peak (`max_memory_allocated`) against
    the plan's memory figure.
 
@@ -41,7 +41,7 @@ from torch.func import functional_call
 
 import meshplan
 from meshplan.cost_model.presets import get_cluster
-from meshplan.cost_model.profile import OpTiming, Profile, device_name
+from meshplan.cost_model.profile import device_name
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.precision import resolve_precision
 from meshplan.ir.trace import trace
@@ -55,7 +55,7 @@ MODELS = {
     "full": (GPTConfig(vocab_size=8192, seq_len=512, hidden=1024, heads=16, layers=8), 8),
     "quick": (GPTConfig(vocab_size=128, seq_len=16, hidden=32, heads=2, layers=1), 4),
     # out of sample: the same GPT at a quarter of the batch (a quarter of the kernels' work, the same ops), priced
-    # with its own op timings and the full batch's in-program overhead
+    # with its own op timings and the full batch's in-program overhead and host seconds per op run
     "full_other": (GPTConfig(vocab_size=8192, seq_len=512, hidden=1024, heads=16, layers=8), 2),
     "quick_other": (GPTConfig(vocab_size=128, seq_len=16, hidden=32, heads=2, layers=1), 1),
 }
@@ -232,9 +232,9 @@ def run(*, device_type: str, quick: bool, out: Path, steps: int, other_profiles:
         back_to_back = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=queued)
         one_by_one = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=synchronised)
         other_own = meshplan.plan(other_model, 1, (other_tokens,), cluster=cluster, profile=other_profile)
-        other_borrowed = meshplan.plan(other_model, 1, (other_tokens,), cluster=cluster,
-                                       profile=dataclasses.replace(other_profile, node_overhead_s=profile.node_overhead_s))
-        two_tracks = track_prices(model, tokens, cluster, profile) if device.type == "cuda" else None
+        other_borrowed = meshplan.plan(other_model, 1, (other_tokens,), cluster=cluster, profile=dataclasses.replace(
+            other_profile, node_overhead_s=profile.node_overhead_s, host_op_run_s=profile.host_op_run_s))
+        no_host_floor = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=dataclasses.replace(profile, host_op_run_s=None))
         # out of sample: profiles measured earlier on other machines of the kind, pricing the same plan
         others = {p.name: meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=str(p)).step_time_s for p in other_profiles}
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -251,13 +251,14 @@ def run(*, device_type: str, quick: bool, out: Path, steps: int, other_profiles:
             "measured_s": m["median_step_s"], "predicted_presets_s": presets.step_time_s, "predicted_profile_s": profiled.step_time_s,
             "error_presets": presets.step_time_s / m["median_step_s"] - 1, "error_profile": profiled.step_time_s / m["median_step_s"] - 1,
             "predicted_queued_profile_s": back_to_back.step_time_s, "predicted_other_profiles_s": others,
-            "predicted_synchronised_profile_s": one_by_one.step_time_s, "predicted_tracks_s": two_tracks,
+            "predicted_synchronised_profile_s": one_by_one.step_time_s, "predicted_no_host_floor_s": no_host_floor.step_time_s,
             "mfu_measured": profiled.model_flops / (profiled.peak_flops * m["median_step_s"]), "kernel_s": m["kernel_s"],
-            "node_overhead_s": profile.node_overhead_s,
+            "node_overhead_s": profile.node_overhead_s, "host_op_run_s": profile.host_op_run_s,
         },
         "other_batch": {
             "batch": MODELS[other_size][1], "measured_s": o["median_step_s"], "kernel_s": o["kernel_s"],
             "predicted_own_profile_s": other_own.step_time_s, "node_overhead_s": other_profile.node_overhead_s,
+            "host_op_run_s": other_profile.host_op_run_s,
             "predicted_borrowed_overhead_s": other_borrowed.step_time_s,
         },
         "memory": {"measured_peak_bytes": m["peak_bytes"], "plan_bytes": profiled.memory.total, "library_workspace_bytes": workspace},
@@ -270,20 +271,6 @@ def run(*, device_type: str, quick: bool, out: Path, steps: int, other_profiles:
     profile_path.write_text(json.dumps(profile.to_json(), indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(report))
     return report
-
-
-def track_prices(model, tokens, cluster: str, tracks: Profile) -> dict:
-    """The plan priced on each track of a CUDA profile without its in-program overhead: the device's (each op's kernels
-    alone), the host's (the seconds issuing them, timed op by op), and the larger, the step if isolated host timings
-    were what a step's host spends; with every op's four timings."""
-    device_track = dataclasses.replace(tracks, node_overhead_s=None)
-    host_track = dataclasses.replace(device_track, ops={
-        k: OpTiming(forward_s=t.host_forward_s, backward_s=t.host_backward_s, runs=t.runs) if t.host_forward_s is not None else t
-        for k, t in tracks.ops.items()})
-    device_s = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=device_track).step_time_s
-    host_s = meshplan.plan(model, 1, (tokens,), cluster=cluster, profile=host_track).step_time_s
-    return {"device_s": device_s, "host_s": host_s, "larger_s": max(device_s, host_s),
-            "ops": {k: [t.forward_s, t.backward_s, t.host_forward_s, t.host_backward_s] for k, t in sorted(tracks.ops.items())}}
 
 
 def _us(seconds: float | None) -> str:
@@ -311,18 +298,18 @@ def markdown(r: dict) -> str:
         + f"), {s['predicted_presets_s'] * 1e3:.2f} ms with the presets "
         f"({s['error_presets']:+.0%}); "
         f"measured MFU {s['mfu_measured']:.1%}; GPU kernels {kernels} per step"
-        + ("" if not s.get("predicted_tracks_s") else
-           f"; on two tracks (each op's kernels alone / the host issuing them, the launch hidden): device "
-           f"{s['predicted_tracks_s']['device_s'] * 1e3:.2f} ms, host {s['predicted_tracks_s']['host_s'] * 1e3:.2f} ms, the larger "
-           f"{s['predicted_tracks_s']['larger_s'] / s['measured_s'] - 1:+.0%}")
+        + ("" if s.get("host_op_run_s") is None else
+           f"; host {_us(s['host_op_run_s'])} per op run, in-program overhead {_us(s['node_overhead_s'])}; without the host floor "
+           f"{s['predicted_no_host_floor_s'] * 1e3:.2f} ms ({s['predicted_no_host_floor_s'] / s['measured_s'] - 1:+.0%})")
         + "".join(f"; with {name} (another machine's): {t * 1e3:.2f} ms ({t / s['measured_s'] - 1:+.0%})"
                   for name, t in s.get("predicted_other_profiles_s", {}).items()),
         f"- out of sample, the batch of {ob['batch']}: measured {ob['measured_s'] * 1e3:.2f} ms (GPU kernels "
         + ("n/a (CPU)" if ob["kernel_s"] is None else f"{ob['kernel_s'] * 1e3:.2f} ms")
         + f"); predicted {ob['predicted_borrowed_overhead_s'] * 1e3:.2f} ms with its op timings and the batch of {r['batch']}'s "
-        f"in-program overhead ({ob['predicted_borrowed_overhead_s'] / ob['measured_s'] - 1:+.0%}), "
+        f"in-program overhead and host floor ({ob['predicted_borrowed_overhead_s'] / ob['measured_s'] - 1:+.0%}), "
         f"{ob['predicted_own_profile_s'] * 1e3:.2f} ms with its own ({ob['predicted_own_profile_s'] / ob['measured_s'] - 1:+.0%}; "
-        f"in-program overhead {_us(ob['node_overhead_s'])} per op run, the batch of {r['batch']}'s {_us(s.get('node_overhead_s'))})",
+        f"in-program overhead {_us(ob['node_overhead_s'])} per op run, the batch of {r['batch']}'s {_us(s.get('node_overhead_s'))}; "
+        f"host {_us(ob.get('host_op_run_s'))} per op run, the batch of {r['batch']}'s {_us(s.get('host_op_run_s'))})",
         f"- memory: measured peak {peak}, plan {mem['plan_bytes'] / 2**20:.1f} MiB; the math libraries' workspaces {workspace}", "",
     ])
 

@@ -137,7 +137,8 @@ def test_gpu_check_runs_its_steps_on_the_cpu(tmp_path):
     assert report["bf16_parity"]["passed"] and report["profile"]["ops_timed"] > 0
     assert report["step"]["measured_s"] > 0 and report["step"]["predicted_profile_s"] > 0
     assert report["other_batch"]["measured_s"] > 0 and report["other_batch"]["predicted_borrowed_overhead_s"] > 0
-    assert report["step"]["predicted_tracks_s"] is None  # two tracks are CUDA's (host and kernels apart)
+    # a CPU's op timings are its host's work: no host floor (a GPU's, Profile.host_op_run_s), so pricing without it is the same
+    assert report["step"]["host_op_run_s"] is None and report["step"]["predicted_no_host_floor_s"] == report["step"]["predicted_profile_s"]
     assert "bf16 parity (passed)" in proc.stdout and "out of sample, the batch of 1" in proc.stdout and len(list(tmp_path.glob("gpu_check-*.md"))) == 1
 
 

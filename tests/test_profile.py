@@ -44,7 +44,7 @@ def test_profile_json_round_trip(tmp_path):
              "aten.mm.default(float32[4,4],float32[4,4])->float32[4,4]": OpTiming(forward_s=1e-5, backward_s=3e-5, runs=7,
                                                                                    host_forward_s=2e-5, host_backward_s=4e-5)},
         collectives=(CollectiveFit(kind="all_reduce", group=2, world=2, alpha_s=1e-4, seconds_per_byte=1e-9, sizes=(1, 2), times=(0.1, 0.2)),),
-        contention={4: 2.0}, copy_seconds_per_byte=1e-10, op_overhead_s=5e-6, backend="gloo", node_overhead_s=2e-5,
+        contention={4: 2.0}, copy_seconds_per_byte=1e-10, op_overhead_s=5e-6, backend="gloo", node_overhead_s=2e-5, host_op_run_s=3e-5,
         pipeline_action_s={"1f1b": {2: 3e-4, 4: 1e-3}, "zbv": {2: 5e-4}}, pipeline_step_s={"1f1b": {2: 2e-3}},
         dtensor_optimizer_s={"adam": 1.2e-4},
     )
@@ -155,8 +155,9 @@ def test_compute_profile_covers_every_candidate_shape(mlp_profile):
     # the replicated (global-shape) and the batch-split shapes of each op are there
     assert len(prof.ops) > len({(n.target, n.outputs) for n in ops})
     assert prof.op_overhead_s > 0 and prof.copy_seconds_per_byte > 0
-    # the one-device program ran and was compared with its ops' timings
+    # the one-device program ran and was compared with its ops' timings; on a CPU the host's work is the ops' timing
     assert prof.node_overhead_s is not None and 0 <= prof.node_overhead_s < 1e-2
+    assert prof.host_op_run_s is None
 
 
 def test_plan_prices_ops_with_the_profile(mlp_profile):
@@ -175,6 +176,10 @@ def test_plan_prices_ops_with_the_profile(mlp_profile):
     assert plan.compute_s == pytest.approx(expected, rel=1e-9)
     preset_plan = meshplan.plan(model, 2, inputs, mesh_shape=(2,))
     assert preset_plan.compute_s < plan.compute_s / 10
+    # a GPU's profile: an op costs no less than the host takes to issue its runs (2 ms each here), then the overhead
+    hosted = meshplan.plan(model, 2, inputs, profile=dataclasses.replace(fake, host_op_run_s=2e-3), mesh_shape=(2,))
+    expected = sum(2e-3 + 1e-4 + (4e-3 - 2e-3 + 1e-4 if any(n.requires_grad) else 0.0) for n in ops) * 1.5
+    assert hosted.compute_s == pytest.approx(expected, rel=1e-9) and hosted.compute_s > plan.compute_s
 
 
 def test_fit_alpha_beta_recovers_a_line():

@@ -5,8 +5,9 @@ backward is `BACKWARD_FACTOR` x forward where gradients flow; communication is t
 of exactly the steps `redistribution_steps` lists (forward and, where gradients flow, backward).
 
 With a measured profile on the cluster (`ClusterPreset.profile`), an op's time is its measured
-forward + backward on the local shapes plus the measured in-program overhead per op run
-(`Profile.node_overhead_s`), times the measured compute contention of the world size;
+forward + backward on the local shapes, on a GPU no less than the host takes to issue them
+(`Profile.host_op_run_s`), plus the measured in-program overhead per op run (`Profile.node_overhead_s`),
+times the measured compute contention of the world size;
 a collective's time is its fitted alpha + bytes * beta for that group and world size, and the
 runtime's local copies around collectives (chunk, pad, cat, stack, clone: see
 `runtime/collectives.py`) are priced at the measured copy rate. What the profile lacks falls back
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from meshplan.cost_model.collectives import collective_time
 from meshplan.cost_model.compute import BACKWARD_FACTOR, op_bytes, op_flops, roofline_time
 from meshplan.cost_model.presets import ClusterPreset
-from meshplan.cost_model.profile import OpTiming, axis_label
+from meshplan.cost_model.profile import OpTiming, Profile, axis_label
 from meshplan.cost_model.redistribution import COMMUNICATING, DUAL_KIND, CommStep, backward_steps, redistribution_steps, step_cuts
 from meshplan.ir.graph import TensorMeta
 from meshplan.ir.placement import Partial, Placements, Replicate, Shard, local_shape
@@ -48,6 +49,16 @@ def measured_seconds(timing: OpTiming, backward: bool) -> float:
     return timing.forward_s + (timing.backward_s if timing.backward_s is not None else BACKWARD_FACTOR * timing.forward_s)
 
 
+def profiled_seconds(prof: Profile, seconds: float, runs: int) -> float:
+    """`seconds` of an op's `runs` (1, or 2 with its backward) as a step on `prof`'s device spends them: on a GPU no
+    less than the host takes to issue them, since kernels shorter than their launch leave the GPU waiting for the host
+    (an H200 ran a GPT's 10.6 ms of kernels in a 30.8 ms step, 5.8 ms in 33.7 at a quarter of the batch: run 14 of
+    benchmarks/results), plus the in-program overhead per run."""
+    if prof.host_op_run_s is not None:
+        seconds = max(seconds, runs * prof.host_op_run_s)
+    return seconds + runs * (prof.node_overhead_s or 0.0)
+
+
 def compute_time(
     target: str,
     inputs: Sequence[TensorMeta],
@@ -72,7 +83,7 @@ def compute_time(
         t = prof.op(target, loc_in, loc_out)
         if t is not None:
             runs = 2 if backward else 1  # the op runs in forward, and its backward node in backward
-            return (measured_seconds(t, backward) + runs * (prof.node_overhead_s or 0.0)) * prof.slowdown(math.prod(mesh_shape))
+            return profiled_seconds(prof, measured_seconds(t, backward), runs) * prof.slowdown(math.prod(mesh_shape))
     split = work_split(out_layouts, mesh_shape, in_layouts)
     flops = op_flops(target, list(inputs), list(outputs), causal=causal) / split
     nbytes = op_bytes(target, list(inputs), list(outputs)) / split
@@ -81,8 +92,7 @@ def compute_time(
     if prof is not None:  # not profiled: the roofline plus the dispatch cost every measured op pays
         fwd += prof.op_overhead_s or 0.0
         runs = 2 if backward else 1
-        total = fwd * (1.0 + BACKWARD_FACTOR if backward else 1.0) + runs * (prof.node_overhead_s or 0.0)
-        return total * prof.slowdown(math.prod(mesh_shape))
+        return profiled_seconds(prof, fwd * (1.0 + BACKWARD_FACTOR if backward else 1.0), runs) * prof.slowdown(math.prod(mesh_shape))
     return fwd * (1.0 + BACKWARD_FACTOR) if backward else fwd
 
 

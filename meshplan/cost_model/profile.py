@@ -145,6 +145,10 @@ class Profile:
     minus the sum of its ops' profiles, over the ops it ran. It is the per-op work of a real step
     that timing one op at a time misses (autograd's graph and engine, Python between ops,
     allocator and cache state)."""
+    host_op_run_s: float | None = None
+    """On a GPU, the host's seconds per op run issuing the same one-device program (its median host time over the
+    ops it ran): an op's price is at least its runs' share of it (`estimate.profiled_seconds`), since a step whose
+    kernels are short waits for the host that issues them. None on a CPU, where an op's timing is its host's work."""
 
     pipeline_action_s: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
     """schedule -> world size -> seconds the pipelining runtime spends per schedule action (one stage's forward or
@@ -215,6 +219,7 @@ class Profile:
             copy_seconds_per_byte=other.copy_seconds_per_byte or self.copy_seconds_per_byte,
             op_overhead_s=other.op_overhead_s or self.op_overhead_s,
             node_overhead_s=other.node_overhead_s if other.node_overhead_s is not None else self.node_overhead_s,
+            host_op_run_s=other.host_op_run_s if other.host_op_run_s is not None else self.host_op_run_s,
             backend=other.backend or self.backend,
             threads=other.threads if other.ops else self.threads,
         )
@@ -240,6 +245,7 @@ class Profile:
             "copy_seconds_per_byte": self.copy_seconds_per_byte,
             "op_overhead_s": self.op_overhead_s,
             "node_overhead_s": self.node_overhead_s,
+            "host_op_run_s": self.host_op_run_s,
             "contention": {str(k): v for k, v in sorted(self.contention.items())},
             "pipeline_action_s": {k: {str(w): x for w, x in sorted(v.items())} for k, v in sorted(self.pipeline_action_s.items())},
             "pipeline_step_s": {k: {str(w): x for w, x in sorted(v.items())} for k, v in sorted(self.pipeline_step_s.items())},
@@ -266,6 +272,7 @@ class Profile:
                 copy_seconds_per_byte=_opt_float(d.get("copy_seconds_per_byte")),
                 op_overhead_s=_opt_float(d.get("op_overhead_s")),
                 node_overhead_s=_opt_float(d.get("node_overhead_s")),
+                host_op_run_s=_opt_float(d.get("host_op_run_s")),
                 contention={int(k): _pos(v) for k, v in d.get("contention", {}).items()},
                 pipeline_action_s=_by_schedule(d.get("pipeline_action_s", {})),
                 pipeline_step_s=_by_schedule(d.get("pipeline_step_s", {})),
@@ -298,6 +305,7 @@ class Profile:
             f"profile for {self.device} (torch {self.torch_version}, calibrates cluster {self.cluster!r}): "
             f"{len(self.ops)} op timings, {len(self.collectives)} collective fits ({self.backend or '-'}), contention {per}, "
             f"in-program overhead {'not measured' if self.node_overhead_s is None else f'{self.node_overhead_s * 1e6:.1f} us per op'}"
+            + ("" if self.host_op_run_s is None else f", host {self.host_op_run_s * 1e6:.1f} us per op run")
         )
 
 

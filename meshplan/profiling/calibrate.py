@@ -101,12 +101,13 @@ def profile_graph(
         if failed:
             log.warning("%d op shapes could not be timed (the roofline prices them): %s", len(failed), "; ".join(failed[:5]))
         overhead, copy = op_overhead(dev), copy_rate(dev)
-        node_overhead = program_overhead(graph, timings, dev)
+        node_overhead, host_op_run = program_overhead(graph, timings, dev)
         numels = [n.out.numel for n in graph.nodes if n.kind == "param" and n.grad(0)]
         optimizers = {name: optimizer_rate(name, dev, numels) for name in OPTIMIZERS}
     return Profile(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=used,
         ops=timings, copy_seconds_per_byte=copy, op_overhead_s=overhead, optimizer_steps=optimizers, node_overhead_s=node_overhead,
+        host_op_run_s=host_op_run,
     )
 
 
@@ -150,22 +151,23 @@ def time_region_kernels(graph: Graph, meshes: Iterable[MeshSpec], *, device: str
     return timings
 
 
-def program_overhead(graph: Graph, timings: dict, device: torch.device) -> float | None:
-    """Seconds per op run that the graph's one-device program takes beyond its ops' isolated timings
-    (`Profile.node_overhead_s`): the program is timed forward + backward on made-up inputs and
-    parameters, the same way the op profiler makes its tensors. None if an op of it was not timed
-    or the program cannot run on them."""
-    iso, runs = 0.0, 0
+def program_overhead(graph: Graph, timings: dict, device: torch.device) -> tuple[float | None, float | None]:
+    """(`Profile.node_overhead_s`, `Profile.host_op_run_s`) of the graph's one-device program, timed forward + backward
+    on made-up inputs and parameters, the same way the op profiler makes its tensors: on a GPU, the host's seconds per
+    op run issuing it; the seconds per op run it takes beyond its ops' isolated timings (on a GPU, each no less than
+    its runs' share of the host's: `estimate.profiled_seconds`). None where an op of it was not timed or the program
+    cannot run on them."""
+    ops = []  # (isolated seconds, runs) per op
     for node in graph.nodes:
         if node.kind != "op":
             continue
         t = timings.get(op_key(node.target, [graph.meta(r) for r in node.inputs], node.outputs))
         if t is None:
             log.warning("in-program overhead not measured: op %s (%s) has no timing", node.name, node.target)
-            return None
+            return None, None
         backward = any(node.requires_grad)  # as the planner asks cost_model.estimate.compute_time
-        iso += measured_seconds(t, backward)
-        runs += 2 if backward else 1
+        ops.append((measured_seconds(t, backward), 2 if backward else 1))
+    runs = sum(r for _, r in ops)
     args = []
     for ph in graph.fx.gm.graph.nodes:
         if ph.op != "placeholder":
@@ -184,14 +186,16 @@ def program_overhead(graph: Graph, timings: dict, device: torch.device) -> float
                 n.kwargs = {**n.kwargs, "device": device}
         gm.recompile()
     try:
-        measured = time_program(gm, args)
+        measured, host = time_program(gm, args)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:  # made-up values an op rejects
         log.warning("in-program overhead not measured: the one-device program failed on made-up inputs: %s", str(e).splitlines()[0][:200])
-        return None
+        return None, None
+    host_op_run = host / max(runs, 1) if device.type == "cuda" else None
+    iso = sum(max(s, r * host_op_run) if host_op_run is not None else s for s, r in ops)
     per_run = max(measured - iso, 0.0) / max(runs, 1)
-    log.info("one-device program: %.2f ms measured, %.2f ms by its ops' profiles: %.1f us per op run (%d runs)",
-             measured * 1e3, iso * 1e3, per_run * 1e6, runs)
-    return per_run
+    log.info("one-device program: %.2f ms measured (host %.2f ms), %.2f ms by its ops' profiles: %.1f us per op run (%d runs)",
+             measured * 1e3, host * 1e3, iso * 1e3, per_run * 1e6, runs)
+    return per_run, host_op_run
 
 
 def profile_model(

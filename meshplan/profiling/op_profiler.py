@@ -9,7 +9,7 @@ so it includes autograd's per-node work, as a real backward pass does.
 
 On CUDA an op's timing (and a region kernel's, `time_function`) is its kernels alone (`hide_launch`, the default: a
 spin kernel keeps the GPU busy while the host issues the op, `Timer`), and the host's seconds issuing them are kept beside it (`OpTiming.host_forward_s`).
-What a step's host adds beyond its kernels is measured in the whole program (`calibrate.program_overhead`), not
+What a step's host spends is measured in the whole program (`calibrate.program_overhead`), not
 summed from isolated ops: on an H200 (2026-11-26, benchmarks/results/README.md run 12) the isolated host timings of
 a GPT's ops summed to 66 ms for a step measured at 24 ms, hot in a step and cold after each synchronisation. The
 earlier method, one synchronised run per sample with autograd's start-up (`grad_call_overhead`) subtracted from
@@ -235,9 +235,10 @@ def time_function(run: Callable[[], torch.Tensor], leaves: Sequence[torch.Tensor
     return _timing(timer, fwd, host_fwd, bwd, host_bwd)
 
 
-def time_program(gm: torch.nn.Module, args: Sequence[object], *, warmup: int = 3, runs: int = 15) -> float:
-    """Median seconds of one forward + backward of a whole program (`gm(*args)`, gradients of ones
-    into every floating output that needs them), as a training step runs it."""
+def time_program(gm: torch.nn.Module, args: Sequence[object], *, warmup: int = 3, runs: int = 15) -> tuple[float, float]:
+    """(median seconds, median host seconds) of one forward + backward of a whole program (`gm(*args)`, gradients of
+    ones into every floating output that needs them), as a training step runs it. On a CPU the two are one; on a GPU
+    the host's are those it spent issuing the program (`Timer.host_s`)."""
     timer = Timer(next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu")))
 
     def step() -> None:
@@ -245,8 +246,11 @@ def time_program(gm: torch.nn.Module, args: Sequence[object], *, warmup: int = 3
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
-    times = [timer(step) for _ in range(warmup + runs)]
-    return statistics.median(times[warmup:])
+    times, host = [], []
+    for _ in range(warmup + runs):
+        times.append(timer(step))
+        host.append(timer.host_s)
+    return statistics.median(times[warmup:]), statistics.median(host[warmup:])
 
 
 def copy_rate(device: torch.device | str = "cpu", nbytes: int = 4 * 2**20, runs: int = 15) -> float:

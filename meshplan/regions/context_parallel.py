@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshplan.cost_model.compute import attention_pairs
-from meshplan.cost_model.estimate import compute_time, measured_seconds, steps_time
+from meshplan.cost_model.estimate import compute_time, measured_seconds, profiled_seconds, steps_time
 from meshplan.cost_model.profile import op_key
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.cost_model.regions import RegionCost
@@ -489,7 +489,7 @@ class ContextParallel(RegionOp):
         def priced(grad: bool) -> float:
             if timed is not None:  # the busiest rank's blocks as profiled (`timed_work`), contended as any op
                 runs = 2 if grad else 1
-                return shared * (measured_seconds(timed, grad) + runs * (prof.node_overhead_s or 0.0)) * prof.slowdown(math.prod(mesh_shape))
+                return shared * profiled_seconds(prof, measured_seconds(timed, grad), runs) * prof.slowdown(math.prod(mesh_shape))
             return shared * work * compute_time(node.target, metas, [out], whole, mesh_shape, cluster, backward=grad,
                                                 in_layouts=whole * 3 if plain else None, causal=causal and plain)
 

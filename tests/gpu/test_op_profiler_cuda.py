@@ -42,3 +42,22 @@ def test_the_spin_grows_with_the_host_and_stays_bounded():
     for _ in range(12):  # the spin doubles per call up to its cap: the calls' host time stays bounded
         timer(waits)
     assert timer.host_s < 0.1
+
+
+def test_a_cuda_profile_prices_no_op_below_the_host_issuing_it():
+    import dataclasses
+
+    import meshplan
+    from meshplan.ir.mesh import MeshSpec
+    from meshplan.ir.trace import trace
+    from meshplan.models import GPT, GPTConfig
+    from meshplan.profiling.calibrate import profile_graph
+
+    model = GPT(GPTConfig(vocab_size=128, seq_len=16, hidden=32, heads=2, layers=1)).cuda()
+    tokens = torch.randint(0, 128, (2, 16), device="cuda")
+    prof = profile_graph(trace(model, (tokens,)), [MeshSpec((1,))], cluster="h200", device="cuda")
+    # the host issues a tiny model's ops slower than the GPU runs them: a few us per op run at least
+    assert prof.host_op_run_s is not None and 1e-6 < prof.host_op_run_s < 1e-3
+    with_host = meshplan.plan(model, 1, (tokens,), cluster="h200", profile=prof).compute_s
+    kernels_only = meshplan.plan(model, 1, (tokens,), cluster="h200", profile=dataclasses.replace(prof, host_op_run_s=None)).compute_s
+    assert with_host > kernels_only
