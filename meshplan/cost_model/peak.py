@@ -71,13 +71,24 @@ class PeakMemory:
     resident: MemoryBreakdown
     """Parameters, optimizer state (+ bucket buffers in `grads`) held for the whole step."""
     phase: str
-    """Where the peak is: forward, backward or optimizer."""
+    """Where the peak is: forward, backward or optimizer (a pipeline stage's also accumulating: `under_schedule`)."""
     at_peak: MemoryBreakdown
     """What is held at the peak (its total is `peak`): parameters (with the working copies of weights a mixed-precision
     cast made), gradients (bucket buffers and the parameter gradients accumulated so far), optimizer state, and
     activations with every temporary."""
     saved: int = 0
     """Bytes still held when forward ends (what backward needs): what each further microbatch in flight adds."""
+    microbatch: MemoryBreakdown | None = None
+    """The highest point of the forward and backward alone (no optimizer step), parameter gradients as the backward
+    makes them: a pipeline stage's first microbatches, which run before any backward."""
+    accumulating: MemoryBreakdown | None = None
+    """The highest point of a forward and backward run after another microbatch's backward, which holds every parameter
+    gradient throughout (they accumulate over the step's microbatches): the pipeline schedules that interleave
+    forwards and backwards (`cost_model/pipeline_memory.py`)."""
+    step: MemoryBreakdown | None = None
+    """What the optimizer step holds: no microbatch is in flight then."""
+    microbatch_phase: str = "forward"
+    """Where `microbatch` is: forward or backward."""
 
     def __str__(self) -> str:
         return f"peak {format_bytes(self.peak)} in {self.phase} (resident {self.resident})"
@@ -217,6 +228,12 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
 
     base = resident.total
     casts = {key for key in size if key[0] == "ref" and key[1] in graph.weight_casts}  # a weight's working copy (mixed precision)
+
+    def held_at(total: float, grads: int, copies: int) -> MemoryBreakdown:
+        """What `total` bytes held are made of, `grads` of them parameter gradients and `copies` weights' working copies."""
+        grads_held, params_held = resident.grads + grads, param_bytes + copies
+        return MemoryBreakdown(params=params_held, grads=grads_held, optimizer=state, workspace=resident.workspace,
+                               activations=int(total) - params_held - grads_held - state - resident.workspace)
     level = copies = 0  # bytes of live tensors; of them, weights' working copies
 
     def hold(key, sign: int = 1) -> None:
@@ -226,6 +243,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
             copies += sign * size[key]
 
     peak, where, grads_at_peak, copies_at_peak = 0, "forward", 0, 0
+    no_grads, no_grads_copies = 0, 0  # the highest point without parameter gradients (`PeakMemory.accumulating` adds all)
     for i in range(len(ops)):  # forward
         scratch = 0
         for key in born_at.get(i, ()):
@@ -233,6 +251,8 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
             hold(key)
         if base + level + scratch > peak:
             peak, where, grads_at_peak, copies_at_peak = base + level + scratch, "forward", 0, copies
+        if base + level + scratch > no_grads:
+            no_grads, no_grads_copies = base + level + scratch, copies
         for key in freed_after.get(i, ()):
             hold(key, -1)
         if timeline is not None:
@@ -274,6 +294,8 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
                 sent_back.append(key)
         if base + level + param_grads > peak:
             peak, where, grads_at_peak, copies_at_peak = base + level + param_grads, "backward", param_grads, copies
+        if base + level > no_grads:
+            no_grads, no_grads_copies = base + level, copies
         for key in [("ref", node.name, j) for j in range(len(node.outputs))]:
             if key in grads:  # consumed by this op's backward
                 level -= grads.pop(key)
@@ -287,16 +309,19 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
             held = base + level + param_grads + scratch_bwd.get(key, 0)
             if held > peak:
                 peak, where, grads_at_peak, copies_at_peak = held, "backward", param_grads, copies
+            if held - param_grads > no_grads:
+                no_grads, no_grads_copies = held - param_grads, copies
             if key in grads:
                 level -= grads.pop(key)
         if timeline is not None:
             timeline.append(("backward", node.name, base + level + param_grads))
 
     biggest = max(numels, default=0) * 4
+    microbatch, microbatch_phase = held_at(peak, grads_at_peak, copies_at_peak), where  # the forward and backward's own
     at_step = base + param_grads + STEP_TEMPORARIES.get(optimizer, 0) * biggest
+    step = held_at(at_step, param_grads, 0)
     if at_step > peak:
         peak, where, grads_at_peak, copies_at_peak = at_step, "optimizer", param_grads, 0
-    grads_held, params_held = resident.grads + grads_at_peak, param_bytes + copies_at_peak
-    at_peak = MemoryBreakdown(params=params_held, grads=grads_held, optimizer=state, workspace=resident.workspace,
-                              activations=int(peak) - params_held - grads_held - state - resident.workspace)
-    return PeakMemory(peak=int(peak), resident=resident, phase=where, at_peak=at_peak, saved=saved_bytes)
+    return PeakMemory(peak=int(peak), resident=resident, phase=where, at_peak=held_at(peak, grads_at_peak, copies_at_peak),
+                      saved=saved_bytes, microbatch=microbatch, accumulating=held_at(no_grads + param_grads, param_grads, no_grads_copies),
+                      step=step, microbatch_phase=microbatch_phase)
