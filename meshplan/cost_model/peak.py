@@ -78,16 +78,16 @@ class PeakMemory:
     activations with every temporary."""
     saved: int = 0
     """Bytes still held when forward ends (what backward needs): what each further microbatch in flight adds."""
-    microbatch: MemoryBreakdown | None = None
+    microbatch: MemoryBreakdown
     """The highest point of the forward and backward alone (no optimizer step), parameter gradients as the backward
     makes them: a pipeline stage's first microbatches, which run before any backward."""
-    accumulating: MemoryBreakdown | None = None
+    accumulating: MemoryBreakdown
     """The highest point of a forward and backward run after another microbatch's backward, which holds every parameter
     gradient throughout (they accumulate over the step's microbatches): the pipeline schedules that interleave
     forwards and backwards (`cost_model/pipeline_memory.py`)."""
-    step: MemoryBreakdown | None = None
+    step: MemoryBreakdown
     """What the optimizer step holds: no microbatch is in flight then."""
-    microbatch_phase: str = "forward"
+    microbatch_phase: str
     """Where `microbatch` is: forward or backward."""
 
     def __str__(self) -> str:
