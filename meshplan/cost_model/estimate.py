@@ -49,14 +49,17 @@ def measured_seconds(timing: OpTiming, backward: bool) -> float:
     return timing.forward_s + (timing.backward_s if timing.backward_s is not None else BACKWARD_FACTOR * timing.forward_s)
 
 
+def host_floored(seconds: float, runs: int, host_op_run_s: float | None) -> float:
+    """`seconds` of an op's `runs` (1, or 2 with its backward), on a GPU (`host_op_run_s` measured) no less than the host
+    takes to issue them: kernels shorter than their launch leave the GPU waiting for the host (an H200 ran a GPT's
+    10.6 ms of kernels in a 30.8 ms step, 5.8 ms in 33.7 at a quarter of the batch: run 14 of benchmarks/results)."""
+    return seconds if host_op_run_s is None else max(seconds, runs * host_op_run_s)
+
+
 def profiled_seconds(prof: Profile, seconds: float, runs: int) -> float:
-    """`seconds` of an op's `runs` (1, or 2 with its backward) as a step on `prof`'s device spends them: on a GPU no
-    less than the host takes to issue them, since kernels shorter than their launch leave the GPU waiting for the host
-    (an H200 ran a GPT's 10.6 ms of kernels in a 30.8 ms step, 5.8 ms in 33.7 at a quarter of the batch: run 14 of
-    benchmarks/results), plus the in-program overhead per run."""
-    if prof.host_op_run_s is not None:
-        seconds = max(seconds, runs * prof.host_op_run_s)
-    return seconds + runs * (prof.node_overhead_s or 0.0)
+    """`seconds` of an op's `runs` as a step on `prof`'s device spends them: floored by the host (`host_floored`), plus
+    the in-program overhead per run."""
+    return host_floored(seconds, runs, prof.host_op_run_s) + runs * (prof.node_overhead_s or 0.0)
 
 
 def compute_time(

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from meshplan.cost_model.estimate import measured_seconds
+from meshplan.cost_model.estimate import host_floored, measured_seconds
 from meshplan.profiling.op_profiler import (OPTIMIZERS, copy_rate, grad_call_overhead, make_tensor, op_overhead, optimizer_rate,
                                              time_function, time_op, time_program)
 from meshplan.cost_model.profile import OpTiming, Profile, device_name, op_key, profile_path, save_merged, torch_version
@@ -191,7 +191,7 @@ def program_overhead(graph: Graph, timings: dict, device: torch.device) -> tuple
         log.warning("in-program overhead not measured: the one-device program failed on made-up inputs: %s", str(e).splitlines()[0][:200])
         return None, None
     host_op_run = host / max(runs, 1) if device.type == "cuda" else None
-    iso = sum(max(s, r * host_op_run) if host_op_run is not None else s for s, r in ops)
+    iso = sum(host_floored(s, r, host_op_run) for s, r in ops)
     per_run = max(measured - iso, 0.0) / max(runs, 1)
     log.info("one-device program: %.2f ms measured (host %.2f ms), %.2f ms by its ops' profiles: %.1f us per op run (%d runs)",
              measured * 1e3, host * 1e3, iso * 1e3, per_run * 1e6, runs)
