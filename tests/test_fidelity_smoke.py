@@ -81,6 +81,7 @@ def test_fidelity_quick_runs(tmp_path):
     p = load_profile(prof)
     assert p.ops and {f.kind for f in p.collectives} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
     assert 2 in p.contention and p.optimizer_steps["adam"][0] > 0
+    assert 0 < p.dtensor_view_s < 1e-3, p.dtensor_view_s  # reading a DTensor parameter: tens of us here, not ms
     cli = subprocess.run([sys.executable, "-m", "meshplan", "profile", "show", str(prof)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and "collective fits (gloo)" in cli.stdout, cli.stderr
 

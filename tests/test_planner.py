@@ -168,6 +168,27 @@ def test_every_parameter_pays_dtensor_dispatch_once_one_is_sharded():
     assert one.optimizer_s > dp.optimizer_s + (len(trainable) - 1) * 1e-3
 
 
+def test_dtensor_parameters_are_read_at_the_measured_cost_every_forward_and_backward():
+    # the per-rank program reads each trainable DTensor parameter through runtime.local_view: the profile's
+    # `dtensor_view_s` per trainable parameter, times contention, is compute of every plan whose parameters are DTensors
+    from meshplan.cost_model.presets import get_cluster
+    from meshplan.cost_model.profile import Profile, torch_version
+
+    base = dict(device="test-device", torch_version=torch_version(), cluster="cpu", optimizer_steps={"adam": (1e-5, 1e-9)},
+                contention={2: 1.5})
+    clusters = [get_cluster("cpu").with_profile(Profile(**base, dtensor_view_s=v)) for v in (None, 2e-4)]
+    model, x, _ = build("gpt")
+    plain, viewed = [meshplan.plan(model, 2, (x,), mode="semi_auto", parameter_plan={"wpe.weight": "S(0)"},
+                                   input_layouts={"tokens": "S(0)"}, mesh_shape=(2,), cluster=c) for c in clusters]
+    trainable = [p for p in viewed.params if not p.is_buffer]
+    assert not viewed.plain_params and [p.layout for p in plain.params] == [p.layout for p in viewed.params]
+    assert all(p.view_s == pytest.approx(2e-4 * 1.5) for p in trainable) and all(p.view_s == 0 for p in plain.params)
+    assert viewed.compute_s == pytest.approx(plain.compute_s + len(trainable) * 2e-4 * 1.5)
+    assert meshplan.Plan.from_json(viewed.to_json()) == viewed
+    dp = meshplan.plan(model, 2, (x,), mode="data_parallel", mesh_shape=(2,), cluster=clusters[1])
+    assert dp.plain_params and all(p.view_s == 0 for p in dp.params)  # plain parameters are read as they are
+
+
 @pytest.fixture(scope="module")
 def gpt_plan():
     model, x, _ = build("gpt")

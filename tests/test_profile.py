@@ -46,11 +46,11 @@ def test_profile_json_round_trip(tmp_path):
         collectives=(CollectiveFit(kind="all_reduce", group=2, world=2, alpha_s=1e-4, seconds_per_byte=1e-9, sizes=(1, 2), times=(0.1, 0.2)),),
         contention={4: 2.0}, copy_seconds_per_byte=1e-10, op_overhead_s=5e-6, backend="gloo", node_overhead_s=2e-5, host_op_run_s=3e-5,
         pipeline_action_s={"1f1b": {2: 3e-4, 4: 1e-3}, "zbv": {2: 5e-4}}, pipeline_step_s={"1f1b": {2: 2e-3}},
-        dtensor_optimizer_s={"adam": 1.2e-4},
+        dtensor_optimizer_s={"adam": 1.2e-4}, dtensor_view_s=1.7e-5,
     )
     path = p.save(tmp_path / "p.json")
     q = load_profile(path)
-    assert q == p and q.slowdown(4) == 2.0 and q.slowdown(8) == 2.0 and q.slowdown(2) == 1.0
+    assert q == p and q.dtensor_view_s == 1.7e-5 and q.slowdown(4) == 2.0 and q.slowdown(8) == 2.0 and q.slowdown(2) == 1.0
     assert q.pipeline_action(2, "1f1b") == 3e-4 and q.pipeline_action(8, "1f1b") == 1e-3 and q.pipeline_action(1, "1f1b") == 0.0
     # a schedule's own figures; one not measured takes 1F1B's
     assert q.pipeline_action(4, "zbv") == 5e-4 and q.pipeline_action(4, "gpipe") == 1e-3
@@ -317,6 +317,23 @@ def test_peak_model_counts_the_scratch_gloo_allocates_in_a_collective():
     assert collective_scratch_bytes(gather, "cpu") == 1000 and collective_scratch_bytes(gather, "h100") == 0
     assert collective_scratch_bytes(CommStep("reduce_scatter", 0, dim=1, nbytes=1000), "cpu") == 2000  # + the cat of the chunks
     assert collective_scratch_bytes(CommStep("all_reduce", 0, nbytes=1000), "cpu") == 0
+
+
+def _view_overhead(rank: int, world: int) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshplan.profiling.op_profiler import dtensor_view_overhead
+
+    return dtensor_view_overhead(init_device_mesh("cpu", (world,)))
+
+
+@pytest.mark.multiprocess
+def test_dtensor_view_overhead_is_what_reading_a_dtensor_parameter_adds():
+    from meshplan.runtime.launch import run_local
+
+    # LocalView forward + backward and the DTensor gradient it makes: measured here at 10-20 us per parameter
+    got = run_local(1, _view_overhead, timeout=300)[0]
+    assert 1e-6 < got < 1e-3, got
 
 
 def _schedule_overhead(rank: int, world: int) -> dict:

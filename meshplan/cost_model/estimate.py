@@ -250,6 +250,16 @@ def optimizer_step_time(numels: Sequence[int], optimizer: str, mesh_shape: tuple
     return _OPTIMIZER_BYTES_PER_ELEMENT[optimizer] * sum(numels) / cluster.device.memory_bandwidth
 
 
+def dtensor_view_time(mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
+    """Seconds one trainable parameter costs per forward + backward as a DTensor rather than a plain tensor: the
+    per-rank program reads it through `runtime.local_view` (the profile's measured `dtensor_view_s`, times
+    contention; 0 without a profile)."""
+    prof = cluster.profile
+    if prof is None or not prof.dtensor_view_s:
+        return 0.0
+    return prof.dtensor_view_s * prof.slowdown(math.prod(mesh_shape))
+
+
 def dtensor_step_overhead(optimizer: str, mesh_shape: tuple[int, ...], cluster: ClusterPreset) -> float:
     """Seconds one parameter tensor's optimizer step costs more as a DTensor than as a plain tensor
     (the profile's measured dispatch; 0 without a profile)."""

@@ -159,6 +159,9 @@ class Profile:
     dtensor_optimizer_s: Mapping[str, float] = field(default_factory=dict)
     """optimizer name -> extra seconds of `optimizer.step()` per parameter that is a DTensor (torch's foreach
     ops dispatch through DTensor; the runtime keeps plain parameters only where every one is replicated)."""
+    dtensor_view_s: float | None = None
+    """Extra seconds per trainable parameter of each forward + backward when it is a DTensor: the per-rank program
+    reads it through `runtime.local_view` and its gradient arrives as a DTensor (`op_profiler.dtensor_view_overhead`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", MappingProxyType(dict(self.ops)))
@@ -215,6 +218,7 @@ class Profile:
             pipeline_action_s=_merged_by_schedule(self.pipeline_action_s, other.pipeline_action_s),
             pipeline_step_s=_merged_by_schedule(self.pipeline_step_s, other.pipeline_step_s),
             dtensor_optimizer_s={**self.dtensor_optimizer_s, **other.dtensor_optimizer_s},
+            dtensor_view_s=other.dtensor_view_s if other.dtensor_view_s is not None else self.dtensor_view_s,
             optimizer_steps={**self.optimizer_steps, **other.optimizer_steps},
             copy_seconds_per_byte=other.copy_seconds_per_byte or self.copy_seconds_per_byte,
             op_overhead_s=other.op_overhead_s or self.op_overhead_s,
@@ -250,6 +254,7 @@ class Profile:
             "pipeline_action_s": {k: {str(w): x for w, x in sorted(v.items())} for k, v in sorted(self.pipeline_action_s.items())},
             "pipeline_step_s": {k: {str(w): x for w, x in sorted(v.items())} for k, v in sorted(self.pipeline_step_s.items())},
             "dtensor_optimizer_s": dict(sorted(self.dtensor_optimizer_s.items())),
+            "dtensor_view_s": self.dtensor_view_s,
             "optimizer_steps": {k: list(v) for k, v in sorted(self.optimizer_steps.items())},
             "ops": {k: _timing_json(t) for k, t in sorted(self.ops.items())},
             "collectives": [
@@ -277,6 +282,7 @@ class Profile:
                 pipeline_action_s=_by_schedule(d.get("pipeline_action_s", {})),
                 pipeline_step_s=_by_schedule(d.get("pipeline_step_s", {})),
                 dtensor_optimizer_s={_str(k): float(v) for k, v in d.get("dtensor_optimizer_s", {}).items()},
+                dtensor_view_s=_opt_float(d.get("dtensor_view_s")),
                 optimizer_steps={_str(k): (_pos(v[0]), _pos(v[1])) for k, v in d.get("optimizer_steps", {}).items()},
                 ops={_str(k): OpTiming(forward_s=_pos(v["forward_s"]), backward_s=_opt_float(v.get("backward_s")), runs=int(v.get("runs", 0)),
                                        host_forward_s=_opt_float(v.get("host_forward_s")), host_backward_s=_opt_float(v.get("host_backward_s")))

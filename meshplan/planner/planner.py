@@ -318,6 +318,7 @@ class _Planning:
         recomputed = {layer: g.name for g in groups if g.name in solution.recompute for layer in g.layers}
         internal = internal_outputs(graph) if recomputed else set()
         rematerialised: dict[str, float] = {}  # recomputed layer -> bytes it holds again during its backward
+        trained: set[str] = set()  # trainable parameter nodes
         # every price and size below is the tables' (the solver's own numbers), read at the chosen strategy
         for node in graph.nodes:
             s = chosen[node.name]
@@ -366,6 +367,8 @@ class _Planning:
             elif node.kind in ("param", "buffer"):
                 layout = s.outputs[0]
                 trainable = node.kind == "param" and node.grad(0)
+                if trainable:
+                    trained.add(node.name)
                 step = 0.0  # ParamChoice.time_s keeps the gradient sync (+ the host step when offloaded)
                 if trainable:
                     device_step = tables.optimizer_s[r][i]
@@ -387,10 +390,13 @@ class _Planning:
             if g.name in solution.recompute:
                 peak = max((rematerialised.get(layer, 0.0) for layer in g.layers), default=0.0)
                 memory = memory + MemoryBreakdown(params=0, grads=0, optimizer=0, activations=int(peak))
-        if tables.dtensor_step_s and not keeps_plain(params):
-            # the runtime makes every parameter a DTensor once one is sharded or offloaded (Plan.plain_params): each step pays its dispatch
-            params = [dataclasses.replace(p, optimizer_s=p.optimizer_s + tables.dtensor_step_s) if p.optimizer_s else p for p in params]
+        if (tables.dtensor_step_s or tables.dtensor_view_s) and not keeps_plain(params):
+            # the runtime makes every parameter a DTensor once one is sharded or offloaded (Plan.plain_params): each trainable
+            # one's step pays DTensor's dispatch, and each forward + backward reads it through `runtime.local_view`
+            params = [dataclasses.replace(p, optimizer_s=p.optimizer_s + tables.dtensor_step_s if p.optimizer_s else 0.0,
+                                          view_s=tables.dtensor_view_s) if p.node in trained else p for p in params]
             optimizer_s = sum(p.optimizer_s for p in params)
+            compute_s += sum(p.view_s for p in params)
         buckets = _grad_buckets(graph, params, shape, cluster)
         flops, flops_dtype = model_flops(graph)
         comm_s += sum(b.time_s for b in buckets)  # gradient sync as the runtime runs it, not per parameter

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from meshplan.cost_model.compute import is_view
-from meshplan.cost_model.estimate import compute_time, dtensor_step_overhead, grad_sync_time, local_bytes, optimizer_step_time
+from meshplan.cost_model.estimate import compute_time, dtensor_step_overhead, dtensor_view_time, grad_sync_time, local_bytes, optimizer_step_time
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.presets import ClusterPreset
 from meshplan.cost_model.regions import RegionCost
@@ -90,8 +90,8 @@ def transfer_memory(meta: TensorMeta, src: Placements, dst: Placements, consumer
 
 def dtensor_switch(graph: Graph, by_node: dict[str, list[Strategy]], rep: dict[str, str], cost: float) -> Switch:
     """The runtime keeps parameters plain only while every parameter and buffer is replicated on every
-    axis (`Plan.plain_params`); any sharded one makes all of them DTensors, whose optimizer step costs
-    `cost` more in all."""
+    axis (`Plan.plain_params`); any sharded one makes all of them DTensors, whose optimizer step and reading in
+    forward + backward cost `cost` more in all."""
     members = {
         node.name: frozenset(k for k, s in enumerate(by_node[node.name]) if not all(isinstance(q, Replicate) for q in s.outputs[0]))
         for node in graph.nodes if node.kind in ("param", "buffer") and rep[node.name] == node.name
@@ -129,6 +129,8 @@ class Tables:
     """Op class representative inside a layer -> its forward seconds per strategy (what recomputing it adds)."""
     dtensor_step_s: float = 0.0
     """Seconds each trainable parameter's step costs more when the plan's parameters are DTensors (`dtensor_switch`)."""
+    dtensor_view_s: float = 0.0
+    """Seconds each trainable parameter's forward + backward costs more when the plan's parameters are DTensors."""
     _moves: dict[TensorMeta, Moves] = field(default_factory=dict)
     """Priced moves per tensor meta (`moves.shared_moves(cluster, mesh_shape)` when `build_tables` made it)."""
 
@@ -238,11 +240,12 @@ def build_tables(
             ]
             terms.add_node(node.name, forward_s[node.name], [float(m.activations) for m in breakdowns[node.name]])
     node_costs = {name: [c * count[name] for c in costs] for name, costs in unit_costs.items()}
-    dtensor_s = dtensor_step_overhead(optimizer, shape, cluster)
+    dtensor_s, view_s = dtensor_step_overhead(optimizer, shape, cluster), dtensor_view_time(shape, cluster)
     trainable = sum(count[name] for name in optimizer_s)
-    switches = [dtensor_switch(graph, by_node, rep, dtensor_s * trainable)] if dtensor_s * trainable > 0 else []
+    extra = (dtensor_s + view_s) * trainable
+    switches = [dtensor_switch(graph, by_node, rep, extra)] if extra > 0 else []
     tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget, switches=switches), tying, unit_costs, shape, cluster, optimizer_s,
-                    dtensor_step_s=dtensor_s,
+                    dtensor_step_s=dtensor_s, dtensor_view_s=view_s,
                     memory=breakdowns, regions=regions, regions_forward=regions_forward, forward_s=forward_s,
                     _moves=shared_moves(cluster, shape))
 

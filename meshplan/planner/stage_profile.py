@@ -110,6 +110,7 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
             acc[u]["grad"] += grad
             acc[u]["param"] += nbytes
             acc[u]["sync"] += sync[p.node] + p.optimizer_s
+            acc[u]["time"] += p.view_s  # read as a DTensor by every microbatch's forward + backward of the stage using it
             if len(users) > 1:
                 acc[u]["shared"][p.node] = (static, grad)
     # the activation crossing from one unit to the next: outputs consumed in a later unit

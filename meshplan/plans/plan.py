@@ -93,6 +93,9 @@ class ParamChoice:
     """Optimizer state and fp32 master copy live in host memory; the step runs there (runtime/offload.py)."""
     optimizer_s: float = 0.0
     """Seconds of its `optimizer.step()` on the device, on its local shard (0 when offloaded: the host steps it)."""
+    view_s: float = 0.0
+    """Seconds per forward + backward the runtime spends reading it as a DTensor (`runtime.local_view`): trainable
+    parameters of plans whose parameters are DTensors (`Plan.plain_params` false); part of `Plan.compute_s`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,7 +395,7 @@ def _decode_plan(d: dict) -> Plan:
 def _decode_param(p: dict, seq) -> ParamChoice:
     return ParamChoice(
         p["node"], seq(p["fqns"]), seq(p["shape"]), parse(p["layout"]), seq(p["grad_sync_axes"]), p["is_buffer"], p["time_s"], dtype=p["dtype"],
-        offload=p.get("offload", False), optimizer_s=p.get("optimizer_s", 0.0),
+        offload=p.get("offload", False), optimizer_s=p.get("optimizer_s", 0.0), view_s=p.get("view_s", 0.0),
     )
 
 

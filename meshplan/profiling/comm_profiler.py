@@ -10,7 +10,7 @@ mean over repetitions of the slowest rank; `fit_alpha_beta` then fits alpha + by
 relative weights, so that 4 KB and 256 MB messages count alike.
 
 It also measures what the pipelining runtime costs per schedule action (profiling/pipeline_overhead.py),
-what an optimizer step costs more per parameter when parameters are DTensors, and compute
+what an optimizer step and a forward + backward cost more per parameter when parameters are DTensors, and compute
 contention: the same small training-like workload on rank 0 alone and on all ranks at once; the
 ratio is how much slower each rank computes when the world runs together (about world / cores when
 ranks outnumber cores).
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from meshplan.cost_model.collectives import COLLECTIVE_KINDS
 from meshplan.cost_model.profile import CollectiveFit, Profile, axis_label, device_name, torch_version
-from meshplan.profiling.op_profiler import OPTIMIZERS, Timer, dtensor_optimizer_overhead
+from meshplan.profiling.op_profiler import OPTIMIZERS, Timer, dtensor_optimizer_overhead, dtensor_view_overhead
 from meshplan.profiling.pipeline_overhead import measure_schedule_overhead
 
 FULL_SIZES: tuple[int, ...] = tuple(4 * 2**10 * 4**k for k in range(10))
@@ -243,17 +243,20 @@ def mesh_shapes_for(world: int) -> list[tuple[int, ...]]:
     return [(world,)] + [(a, world // a) for a in range(2, world) if world % a == 0]
 
 
-def _dtensor_optimizer_overheads() -> dict[str, float]:
-    """`op_profiler.dtensor_optimizer_overhead` of every optimizer, timed on rank 0 alone while the others
-    wait (undisturbed, like the op profiles; contention is applied on top), sent to every rank."""
+def _dtensor_overheads() -> tuple[dict[str, float], float]:
+    """(`op_profiler.dtensor_optimizer_overhead` of every optimizer, `op_profiler.dtensor_view_overhead`), timed on
+    rank 0 alone while the others wait (undisturbed, like the op profiles; contention is applied on top), sent to
+    every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(_device().type, (dist.get_world_size(),))
-    got = torch.zeros(len(OPTIMIZERS), dtype=torch.float64, device=_device())
+    got = torch.zeros(len(OPTIMIZERS) + 1, dtype=torch.float64, device=_device())
     if dist.get_rank() == 0:
-        got[:] = torch.tensor([dtensor_optimizer_overhead(name, mesh) for name in OPTIMIZERS], dtype=torch.float64)
+        got[:] = torch.tensor([dtensor_optimizer_overhead(name, mesh) for name in OPTIMIZERS] + [dtensor_view_overhead(mesh)],
+                              dtype=torch.float64)
     dist.broadcast(got, src=0)
-    return dict(zip(OPTIMIZERS, got.tolist()))
+    *optimizers, view = got.tolist()
+    return dict(zip(OPTIMIZERS, optimizers)), view
 
 
 def measure_cluster(
@@ -269,11 +272,11 @@ def measure_cluster(
             fits += measure_axis(tuple(shape), axis, sizes=sizes, kinds=kinds, reps=reps)
     contention = measure_contention() if world > 1 else 1.0
     overhead = measure_schedule_overhead() if world > 1 else {}
-    dtensor_optimizer = _dtensor_optimizer_overheads()
+    dtensor_optimizer, dtensor_view = _dtensor_overheads()
     dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return Profile(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=torch.get_num_threads(),
         collectives=tuple(fits), contention={world: contention}, backend=str(dist.get_backend()),
         pipeline_action_s={k: {world: a} for k, (a, _) in overhead.items()}, pipeline_step_s={k: {world: c} for k, (_, c) in overhead.items()},
-        dtensor_optimizer_s=dtensor_optimizer,
+        dtensor_optimizer_s=dtensor_optimizer, dtensor_view_s=dtensor_view,
     )

@@ -338,6 +338,30 @@ def dtensor_optimizer_overhead(name: str, mesh, runs: int = 9) -> float:
     return max(_fastest_step(name, sharded, timer, runs) - _fastest_step(name, plain, timer, runs), 0.0) / 32
 
 
+def dtensor_view_overhead(mesh, runs: int = 9) -> float:
+    """Extra seconds per trainable parameter of one forward + backward when the parameters are DTensors on `mesh`:
+    the per-rank program reads each through `runtime.local_view` (an autograd Function whose backward wraps the
+    gradient as a DTensor), and the gradient lands in a DTensor `.grad`. 32 tiny parameters sharded over the mesh's
+    first axis against 32 plain ones, each used once by a tiny op and summed; the fastest run of each. Runs on this
+    rank alone (nothing communicates)."""
+    from meshplan.runtime.local_view import local_view
+
+    device = torch.device(mesh.device_type)
+    timer = Timer(device)
+    plain = [torch.nn.Parameter(torch.ones(16, device=device)) for _ in range(32)]
+    sharded = [torch.nn.Parameter(DTensor.from_local(torch.ones(16, device=device), mesh, [Shard(0)] * mesh.ndim, run_check=False))
+               for _ in range(32)]
+
+    def fastest(params, view) -> float:
+        def step() -> None:
+            for p in params:
+                p.grad = None
+            torch.stack([(view(p) * 2.0).sum() for p in params]).sum().backward()
+        return min([timer(step) for _ in range(runs + 2)][2:])
+
+    return max(fastest(sharded, local_view) - fastest(plain, lambda p: p), 0.0) / 32
+
+
 def _check_optimizer(name: str) -> None:
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer {name!r} cannot be timed; allowed: {', '.join(OPTIMIZERS)}")
