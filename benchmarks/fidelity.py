@@ -11,6 +11,12 @@ trains each on local gloo processes, and compares the plans' own predictions (`p
 `plan.memory`, the walked peak) with the measurements. Targets (issue 27, in each run): Spearman
 >= 0.97, time error median <= 10 % and max <= 25 %, memory error median <= 5 % and max <= 10 %.
 
+`--save-rows rows.json` keeps what each plan measured; `--reprice rows.json --profile P` plans the same cases
+from P (another profile, or this checkout's cost model) and compares with those measurements, measuring nothing:
+
+    python benchmarks/fidelity.py --out-of-sample --profile fidelity_profile.json --save-rows rows.json
+    python benchmarks/fidelity.py --reprice rows.json --profile other_profile.json
+
 In sample (calibration: each world's collectives measured again next to its steps, predictions
 rescaled by the contention seen while measuring; the same as `meshplan validate`):
 
@@ -41,12 +47,19 @@ def main() -> int:
     ap.add_argument("--save-profile", help="write the calibration profile here")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--plot", help="write predicted against measured to this PNG (needs matplotlib)")
+    ap.add_argument("--save-rows", help="out of sample: write what each plan measured here (for --reprice)")
+    ap.add_argument("--reprice", metavar="ROWS", help="with --profile: price the cases of a --save-rows file, measuring nothing")
     args = ap.parse_args()
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    if args.out_of_sample:
+    if args.reprice:
+        if args.profile is None:
+            ap.error("--reprice needs --profile PATH (the profile to price the saved cases with)")
+        rows = fidelity.reprice(args.reprice, args.profile, log=log)
+        title, targets = f"re-priced from {args.profile}: the steps and peaks measured in {args.reprice}", OUT_OF_SAMPLE_TARGETS
+    elif args.out_of_sample:
         if args.profile is None:
             if args.save_profile is None:
                 ap.error("--out-of-sample needs --save-profile PATH (measure and save) or --profile PATH (plan from it)")
@@ -55,6 +68,8 @@ def main() -> int:
                   f"python benchmarks/fidelity.py --out-of-sample --profile {args.save_profile}")
             return 0
         rows = fidelity.run_out_of_sample(args.profile, quick=args.quick, steps=args.steps, log=log)
+        if args.save_rows:
+            fidelity.save_rows(rows, args.save_rows)
         title, targets = "out of sample: planned from a saved profile, no re-measurement, no rescaling", OUT_OF_SAMPLE_TARGETS
     else:
         profile = args.profile or fidelity.calibrate(quick=args.quick, out=args.save_profile, log=log)

@@ -93,9 +93,9 @@ def test_fidelity_out_of_sample_plans_from_a_profile_saved_by_another_process(tm
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert save.returncode == 0 and prof.exists(), save.stderr[-4000:]
     assert "| DP |" not in save.stdout  # saving measures the machine and plans nothing
-    png = tmp_path / "fidelity.png"
+    png, saved = tmp_path / "fidelity.png", tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, "benchmarks/fidelity.py", "--quick", "--out-of-sample", "--profile", str(prof), "--steps", "3",
-                           "--plot", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--plot", str(png), "--save-rows", str(saved)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
     assert out.startswith("out of sample: planned from a saved profile, no re-measurement, no rescaling"), out
@@ -105,3 +105,13 @@ def test_fidelity_out_of_sample_plans_from_a_profile_saved_by_another_process(tm
     assert re.search(r"3 plans. Spearman rank correlation of step times: -?[0-9.]+; absolute error: time median [0-9.]+%, max", out)
     assert len(re.findall(r"\(target [<>]= [0-9.]+\): (met|NOT met)", out)) == 5  # Spearman, time median and max, memory median and max
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the same measurements priced again from the profile: the same predictions, nothing measured
+    again = subprocess.run([sys.executable, "benchmarks/fidelity.py", "--reprice", str(saved), "--profile", str(prof)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert again.stdout.startswith(f"re-priced from {prof}"), again.stdout
+    assert _table_rows(again.stdout) == _table_rows(out) and "measuring" not in again.stderr, again.stdout
+
+
+def _table_rows(text: str) -> list[str]:
+    return re.findall(r"^\| (?:DP|PP|auto) \|.*$", text, re.M)

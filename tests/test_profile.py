@@ -158,6 +158,11 @@ def test_compute_profile_covers_every_candidate_shape(mlp_profile):
     # the one-device program ran and was compared with its ops' timings; on a CPU the host's work is the ops' timing
     assert prof.node_overhead_s is not None and 0 <= prof.node_overhead_s < 1e-2
     assert prof.host_op_run_s is None
+    # and its point for pricing other graphs by op size; merged profiles keep every program's
+    ((op_run, overhead),) = prof.program_overheads
+    assert overhead == prof.node_overhead_s and op_run > 0
+    other = dataclasses.replace(prof, program_overheads=((op_run * 2, overhead * 3),), node_overhead_s=overhead * 3)
+    assert prof.merged(other).program_overheads == ((op_run, overhead), (op_run * 2, overhead * 3))
 
 
 def test_plan_prices_ops_with_the_profile(mlp_profile):
@@ -180,6 +185,34 @@ def test_plan_prices_ops_with_the_profile(mlp_profile):
     hosted = meshplan.plan(model, 2, inputs, profile=dataclasses.replace(fake, host_op_run_s=2e-3), mesh_shape=(2,))
     expected = sum(2e-3 + 1e-4 + (4e-3 - 2e-3 + 1e-4 if any(n.requires_grad) else 0.0) for n in ops) * 1.5
     assert hosted.compute_s == pytest.approx(expected, rel=1e-9) and hosted.compute_s > plan.compute_s
+
+
+def test_a_plan_pays_the_in_program_overhead_measured_at_its_own_op_size(mlp_profile):
+    """A profile of several programs keeps each one's (mean isolated seconds per op run, overhead per run); a graph is
+    priced at the overhead interpolated at its own ops' mean, so a small model does not pay a large one's."""
+    from meshplan.cost_model.program_overhead import for_program, interpolated
+
+    assert interpolated([(1.0, 10.0), (3.0, 30.0)], 2.0) == 20.0
+    assert interpolated([(3.0, 30.0), (1.0, 10.0)], 0.5) == 10.0 and interpolated([(1.0, 10.0), (3.0, 30.0)], 9.0) == 30.0
+    graph, prof = mlp_profile
+    fake = dataclasses.replace(
+        prof, ops={k: OpTiming(forward_s=1e-3, backward_s=2e-3 if t.backward_s is not None else None) for k, t in prof.ops.items()},
+        contention={2: 1.5}, node_overhead_s=1e-4)
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    runs = sum(2 if any(n.requires_grad) else 1 for n in ops)
+    mean = sum(3e-3 if any(n.requires_grad) else 1e-3 for n in ops) / runs  # this graph's isolated seconds per op run
+    cluster = get_cluster("cpu").with_profile(dataclasses.replace(fake, program_overheads=((mean / 2, 1e-5), (mean * 2, 4e-5))))
+    at_mean = 1e-5 + 3e-5 * (mean - mean / 2) / (mean * 2 - mean / 2)
+    read = for_program(cluster, graph)
+    assert read.profile.node_overhead_s == pytest.approx(at_mean) and for_program(cluster, graph) is read
+    model, inputs = mlp_small()
+    plan = meshplan.plan(model, 2, inputs, cluster=cluster, mesh_shape=(2,))
+    expected = sum(1e-3 + at_mean + (2e-3 + at_mean if any(n.requires_grad) else 0.0) for n in ops) * 1.5
+    assert plan.compute_s == pytest.approx(expected, rel=1e-9)
+    # one program measured: its figure, as before
+    single = get_cluster("cpu").with_profile(dataclasses.replace(fake, program_overheads=((mean / 2, 1e-5),)))
+    assert for_program(single, graph) is single
+    assert Profile.from_json(cluster.profile.to_json()).program_overheads == cluster.profile.program_overheads
 
 
 def test_fit_alpha_beta_recovers_a_line():

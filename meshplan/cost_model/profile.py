@@ -144,7 +144,10 @@ class Profile:
     flow) beyond the ops' isolated timings: the model's one-device program, timed forward + backward,
     minus the sum of its ops' profiles, over the ops it ran. It is the per-op work of a real step
     that timing one op at a time misses (autograd's graph and engine, Python between ops,
-    allocator and cache state)."""
+    allocator and cache state). With `program_overheads` of two programs or more, a plan's graph is priced at the
+    figure read at its own ops' size instead (`cost_model/program_overhead.py`)."""
+    program_overheads: tuple[tuple[float, float], ...] = ()
+    """Per program measured: (its ops' mean isolated seconds per run, its `node_overhead_s`)."""
     host_op_run_s: float | None = None
     """On a GPU, the host's seconds per op run issuing the same one-device program (its median host time over the
     ops it ran): an op's price is at least its runs' share of it (`estimate.profiled_seconds`), since a step whose
@@ -165,6 +168,7 @@ class Profile:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", MappingProxyType(dict(self.ops)))
+        object.__setattr__(self, "program_overheads", tuple((float(x), float(y)) for x, y in self.program_overheads))
         object.__setattr__(self, "contention", MappingProxyType({int(k): float(v) for k, v in self.contention.items()}))
         for name in ("pipeline_action_s", "pipeline_step_s"):
             by_schedule = {str(k): MappingProxyType({int(w): float(x) for w, x in v.items()}) for k, v in getattr(self, name).items()}
@@ -223,6 +227,8 @@ class Profile:
             copy_seconds_per_byte=other.copy_seconds_per_byte or self.copy_seconds_per_byte,
             op_overhead_s=other.op_overhead_s or self.op_overhead_s,
             node_overhead_s=other.node_overhead_s if other.node_overhead_s is not None else self.node_overhead_s,
+            program_overheads=tuple(p for p in self.program_overheads if p[0] not in dict(other.program_overheads))
+            + other.program_overheads,
             host_op_run_s=other.host_op_run_s if other.host_op_run_s is not None else self.host_op_run_s,
             backend=other.backend or self.backend,
             threads=other.threads if other.ops else self.threads,
@@ -249,6 +255,7 @@ class Profile:
             "copy_seconds_per_byte": self.copy_seconds_per_byte,
             "op_overhead_s": self.op_overhead_s,
             "node_overhead_s": self.node_overhead_s,
+            "program_overheads": [list(p) for p in self.program_overheads],
             "host_op_run_s": self.host_op_run_s,
             "contention": {str(k): v for k, v in sorted(self.contention.items())},
             "pipeline_action_s": {k: {str(w): x for w, x in sorted(v.items())} for k, v in sorted(self.pipeline_action_s.items())},
@@ -277,6 +284,7 @@ class Profile:
                 copy_seconds_per_byte=_opt_float(d.get("copy_seconds_per_byte")),
                 op_overhead_s=_opt_float(d.get("op_overhead_s")),
                 node_overhead_s=_opt_float(d.get("node_overhead_s")),
+                program_overheads=tuple((_pos(x), _pos(y)) for x, y in d.get("program_overheads", [])),
                 host_op_run_s=_opt_float(d.get("host_op_run_s")),
                 contention={int(k): _pos(v) for k, v in d.get("contention", {}).items()},
                 pipeline_action_s=_by_schedule(d.get("pipeline_action_s", {})),

@@ -21,7 +21,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from meshplan.cost_model.estimate import host_floored, measured_seconds
+from meshplan.cost_model.estimate import host_floored
+from meshplan.cost_model.program_overhead import mean_op_run_s, op_runs
 from meshplan.profiling.op_profiler import (OPTIMIZERS, copy_rate, grad_call_overhead, make_tensor, op_overhead, optimizer_rate,
                                              time_function, time_op, time_program)
 from meshplan.cost_model.profile import OpTiming, Profile, device_name, op_key, profile_path, save_merged, torch_version
@@ -101,13 +102,13 @@ def profile_graph(
         if failed:
             log.warning("%d op shapes could not be timed (the roofline prices them): %s", len(failed), "; ".join(failed[:5]))
         overhead, copy = op_overhead(dev), copy_rate(dev)
-        node_overhead, host_op_run = program_overhead(graph, timings, dev)
+        node_overhead, host_op_run, op_run = program_overhead(graph, timings, dev)
         numels = [n.out.numel for n in graph.nodes if n.kind == "param" and n.grad(0)]
         optimizers = {name: optimizer_rate(name, dev, numels) for name in OPTIMIZERS}
     return Profile(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=used,
         ops=timings, copy_seconds_per_byte=copy, op_overhead_s=overhead, optimizer_steps=optimizers, node_overhead_s=node_overhead,
-        host_op_run_s=host_op_run,
+        host_op_run_s=host_op_run, program_overheads=() if op_run is None else ((op_run, node_overhead),),
     )
 
 
@@ -151,22 +152,16 @@ def time_region_kernels(graph: Graph, meshes: Iterable[MeshSpec], *, device: str
     return timings
 
 
-def program_overhead(graph: Graph, timings: dict, device: torch.device) -> tuple[float | None, float | None]:
-    """(`Profile.node_overhead_s`, `Profile.host_op_run_s`) of the graph's one-device program, timed forward + backward
-    on made-up inputs and parameters, the same way the op profiler makes its tensors: on a GPU, the host's seconds per
-    op run issuing it; the seconds per op run it takes beyond its ops' isolated timings (on a GPU, each no less than
-    its runs' share of the host's: `estimate.profiled_seconds`). None where an op of it was not timed or the program
-    cannot run on them."""
-    ops = []  # (isolated seconds, runs) per op
-    for node in graph.nodes:
-        if node.kind != "op":
-            continue
-        t = timings.get(op_key(node.target, [graph.meta(r) for r in node.inputs], node.outputs))
-        if t is None:
-            log.warning("in-program overhead not measured: op %s (%s) has no timing", node.name, node.target)
-            return None, None
-        backward = any(node.requires_grad)  # as the planner asks cost_model.estimate.compute_time
-        ops.append((measured_seconds(t, backward), 2 if backward else 1))
+def program_overhead(graph: Graph, timings: dict, device: torch.device) -> tuple[float | None, float | None, float | None]:
+    """(`Profile.node_overhead_s`, `Profile.host_op_run_s`, the ops' mean isolated seconds per run) of the graph's
+    one-device program, timed forward + backward on made-up inputs and parameters, the same way the op profiler makes
+    its tensors: on a GPU, the host's seconds per op run issuing it; the seconds per op run it takes beyond its ops'
+    isolated timings (on a GPU, each no less than its runs' share of the host's: `estimate.profiled_seconds`). None
+    where an op of it was not timed or the program cannot run on them."""
+    ops, missing = op_runs(graph, timings)  # (isolated seconds, runs) per op
+    if missing:
+        log.warning("in-program overhead not measured: op %s has no timing", missing[0])
+        return None, None, None
     runs = sum(r for _, r in ops)
     args = []
     for ph in graph.fx.gm.graph.nodes:
@@ -189,13 +184,13 @@ def program_overhead(graph: Graph, timings: dict, device: torch.device) -> tuple
         measured, host = time_program(gm, args)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:  # made-up values an op rejects
         log.warning("in-program overhead not measured: the one-device program failed on made-up inputs: %s", str(e).splitlines()[0][:200])
-        return None, None
+        return None, None, None
     host_op_run = host / max(runs, 1) if device.type == "cuda" else None
     iso = sum(host_floored(s, r, host_op_run) for s, r in ops)
     per_run = max(measured - iso, 0.0) / max(runs, 1)
     log.info("one-device program: %.2f ms measured (host %.2f ms), %.2f ms by its ops' profiles: %.1f us per op run (%d runs)",
              measured * 1e3, host * 1e3, iso * 1e3, per_run * 1e6, runs)
-    return per_run, host_op_run
+    return per_run, host_op_run, mean_op_run_s(ops)
 
 
 def profile_model(

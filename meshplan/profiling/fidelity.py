@@ -29,6 +29,7 @@ allocation and free torch's CPU allocator reports during the step (`torch.profil
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 import time
@@ -331,6 +332,42 @@ def run_out_of_sample(profile, *, quick: bool = False, steps: int = 16, warmup: 
     measured again, nothing rescaled), then measure each; return the rows."""
     return _run(out_of_sample_cases(quick), profile, batch=QUICK_BATCH if quick else BATCH, quick=quick, steps=steps,
                 warmup=warmup, refresh_comm=False, in_sample=False, log=log)
+
+
+def save_rows(rows: list[Row], path) -> None:
+    """What each plan measured (case, world, size, step and peak), for `reprice`."""
+    with open(path, "w") as f:
+        json.dump([{"name": r.case.name, "world": r.case.world, "size": r.case.size, "measured_s": r.measured_s,
+                    "measured_bytes": r.measured_bytes} for r in rows], f, indent=1)
+
+
+def reprice(rows_path, profile, log=print) -> list[Row]:
+    """The out-of-sample cases saved by `save_rows`, planned again from `profile` and set against the steps and peaks
+    measured then: how another profile, or another version of the cost model, prices the same measurements."""
+    import meshplan
+    from meshplan.cost_model.presets import get_cluster
+    from meshplan.cost_model.profile import resolve_profile
+
+    with open(rows_path) as f:
+        saved = json.load(f)
+    batch = BATCH if saved and saved[0]["size"] != "tiny" else QUICK_BATCH
+    by_key = {(c.name, c.world, c.size): c for c in out_of_sample_cases(quick=batch == QUICK_BATCH)}
+    measured_profile = resolve_profile(profile, None)
+    cluster = get_cluster(measured_profile.cluster if measured_profile else "cpu").with_profile(measured_profile)
+    rows = []
+    for s in saved:
+        case = by_key.get((s["name"], s["world"], s["size"]))
+        if case is None:
+            raise ValueError(f"{rows_path}: case {s['name']!r} on {s['world']} ({s['size']}) is not an out-of-sample case; "
+                             f"allowed: {sorted(by_key)}")
+        model, tokens = build(SIZES[case.size], batch)
+        plan = meshplan.plan(model, case.world, (tokens,), cluster=cluster, **dict(case.options))
+        log(f"planned {case.name} on {case.world}: predicted {plan.step_time_s * 1e3:.2f} ms, measured {s['measured_s'] * 1e3:.2f}")
+        parts = plan_parts(plan)
+        rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=s["measured_s"],
+                        predicted_bytes=solver_memory(plan), measured_bytes=s["measured_bytes"], parts_s=parts,
+                        pipeline=plan.pipeline.degree if plan.pipeline else 1))
+    return rows
 
 
 def plan_parts(plan) -> tuple[float, float, float]:
