@@ -29,6 +29,7 @@ allocation and free torch's CPU allocator reports during the step (`torch.profil
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import statistics
@@ -269,6 +270,8 @@ class Row:
     plan's schedule is all compute here)."""
     pipeline: int = 1
     """Pipeline degree (the world is `pipeline` x the mesh's devices)."""
+    layouts: str = ""
+    """`layouts_key` of the plan measured."""
 
     @property
     def time_error(self) -> float:
@@ -335,15 +338,28 @@ def run_out_of_sample(profile, *, quick: bool = False, steps: int = 16, warmup: 
 
 
 def save_rows(rows: list[Row], path) -> None:
-    """What each plan measured (case, world, size, step and peak), for `reprice`."""
+    """What each plan measured (case, world, size, the plan's layouts, step and peak), for `reprice`."""
     with open(path, "w") as f:
-        json.dump([{"name": r.case.name, "world": r.case.world, "size": r.case.size, "measured_s": r.measured_s,
+        json.dump([{"name": r.case.name, "world": r.case.world, "size": r.case.size, "layouts": r.layouts, "measured_s": r.measured_s,
                     "measured_bytes": r.measured_bytes} for r in rows], f, indent=1)
+
+
+def layouts_key(plan) -> str:
+    """Identifies what a plan runs: its file without the prices and the solver's figures (`*_s`, `solver`), so two
+    profiles that price one plan differently give the same key, and two plans give two."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if not k.endswith("_s") and k not in ("solver", "peak_bytes")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return hashlib.sha256(json.dumps(strip(plan.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def reprice(rows_path, profile, log=print) -> list[Row]:
     """The out-of-sample cases saved by `save_rows`, planned again from `profile` and set against the steps and peaks
-    measured then: how another profile, or another version of the cost model, prices the same measurements."""
+    measured then: how another profile, or another version of the cost model, prices the same measurements. A case
+    planned into another plan than the one measured (other layouts, stages or microbatches) has no measurement here:
+    it is left out, and logged."""
     import meshplan
     from meshplan.cost_model.presets import get_cluster
     from meshplan.cost_model.profile import resolve_profile
@@ -362,11 +378,11 @@ def reprice(rows_path, profile, log=print) -> list[Row]:
                              f"allowed: {sorted(by_key)}")
         model, tokens = build(SIZES[case.size], batch)
         plan = meshplan.plan(model, case.world, (tokens,), cluster=cluster, **dict(case.options))
+        if layouts_key(plan) != s["layouts"]:
+            log(f"left out {case.name} on {case.world} ({case.size}): this profile plans another plan than the one measured")
+            continue
         log(f"planned {case.name} on {case.world}: predicted {plan.step_time_s * 1e3:.2f} ms, measured {s['measured_s'] * 1e3:.2f}")
-        parts = plan_parts(plan)
-        rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=s["measured_s"],
-                        predicted_bytes=solver_memory(plan), measured_bytes=s["measured_bytes"], parts_s=parts,
-                        pipeline=plan.pipeline.degree if plan.pipeline else 1))
+        rows.append(_row(case, plan, s["measured_s"], s["measured_bytes"]))
     return rows
 
 
@@ -423,12 +439,19 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
                 # fits were measured under the load of calibration time, and waiting for peers scales
                 # with load the same way
                 parts = (compute * scale, comm * scale, opt * scale)
+                rows.append(_row(case, plan, got["time_s"], got["peak_bytes"], parts=parts, predicted_bytes=m))
             else:
-                parts = plan_parts(plan)
-                m = solver_memory(plan)
-            rows.append(Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=got["time_s"], predicted_bytes=m,
-                            measured_bytes=got["peak_bytes"], parts_s=parts, pipeline=plan.pipeline.degree if plan.pipeline else 1))
+                rows.append(_row(case, plan, got["time_s"], got["peak_bytes"]))
     return rows
+
+
+def _row(case: Case, plan, measured_s: float, measured_bytes: float, *, parts: tuple[float, float, float] | None = None,
+         predicted_bytes: float | None = None) -> Row:
+    """The plan's own figures (or the `parts` and `predicted_bytes` given) against what it measured."""
+    parts = plan_parts(plan) if parts is None else parts
+    return Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=measured_s,
+               predicted_bytes=solver_memory(plan) if predicted_bytes is None else predicted_bytes, measured_bytes=measured_bytes,
+               parts_s=parts, pipeline=plan.pipeline.degree if plan.pipeline else 1, layouts=layouts_key(plan))
 
 
 ROUNDS = 3
