@@ -27,6 +27,22 @@ def test_spearman():
 
 
 @pytest.mark.multiprocess
+def test_layouts_key_names_the_plan_not_its_prices():
+    import meshplan
+    from meshplan.cost_model.presets import get_cluster
+    from meshplan.cost_model.profile import Profile, torch_version
+    from meshplan.profiling.fidelity import FSDP, QUICK_BATCH, SIZES, build, layouts_key
+
+    model, tokens = build(SIZES["tiny"], QUICK_BATCH)
+    slower = get_cluster("cpu").with_profile(Profile(device="test-device", torch_version=torch_version(), cluster="cpu",
+                                                     op_overhead_s=1e-3, contention={2: 3.0}))
+    fsdp, fsdp_slower = (meshplan.plan(model, 2, (tokens,), cluster=c, **FSDP) for c in ("cpu", slower))  # layouts given
+    assert fsdp_slower.step_time_s > 2 * fsdp.step_time_s  # priced apart, one plan
+    # the same mode solved under the two prices: two plans (the presets keep the activations whole, the slow ops split)
+    dp, dp_slower = (meshplan.plan(model, 2, (tokens,), mode="data_parallel", cluster=c) for c in ("cpu", slower))
+    assert layouts_key(fsdp) == layouts_key(fsdp_slower) != layouts_key(dp) != layouts_key(dp_slower)
+
+
 def test_peak_counts_a_buffer_freed_unrecorded_as_freed_when_its_address_is_reused():
     """gloo lets a finished work's tensors go on its own thread, where the profiler records no free:
     counted as held to the end, one step of a dp x tp plan measured up to 0.56 MiB above another."""

@@ -345,11 +345,12 @@ def save_rows(rows: list[Row], path) -> None:
 
 
 def layouts_key(plan) -> str:
-    """Identifies what a plan runs: its file without the prices and the solver's figures (`*_s`, `solver`), so two
-    profiles that price one plan differently give the same key, and two plans give two."""
+    """Identifies what a plan runs: its file without the prices, the solver's figures and the candidates it ruled out
+    (`*_s`, `solver`, `alternatives`), so two profiles that price one plan differently give the same key, and two
+    plans give two."""
     def strip(x):
         if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if not k.endswith("_s") and k not in ("solver", "peak_bytes")}
+            return {k: strip(v) for k, v in x.items() if not k.endswith("_s") and k not in ("solver", "alternatives", "peak_bytes")}
         return [strip(v) for v in x] if isinstance(x, list) else x
 
     return hashlib.sha256(json.dumps(strip(plan.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
