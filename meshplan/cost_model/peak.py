@@ -14,6 +14,9 @@ every gradient resident at once, this walks the step as the runtime runs it:
   gradients and the tensors only it saved (autograd releases them before the next node runs); a move into it then
   runs its backward collective (its scratch while it runs) and frees the moved copy's gradient; parameter gradients
   stay until the optimizer step;
+- while an op runs, what its kernel holds beyond its tensors comes on top (`working_bytes`): on a CPU the flash
+  attention kernel's scratch (`cost_model/attention_memory.py`), and a region op's kernel's own
+  (`RegionOp.working_bytes`: a context-parallel ring's blocks in flight);
 - the optimizer step adds its per-parameter temporaries (`STEP_TEMPORARIES`);
 - a recomputed layer (`plan.recompute`, run under `torch.utils.checkpoint`) keeps only its inputs
   through forward; its backward starts by running its forward again, which brings back what its
@@ -29,6 +32,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from meshplan.cost_model.attention_memory import flash_cpu_bytes, on_cpu
 from meshplan.cost_model.compute import is_view
 from meshplan.cost_model.memory import MemoryBreakdown, OPTIMIZER_STATES, format_bytes
 from meshplan.cost_model.presets import get_cluster
@@ -55,6 +59,8 @@ listed are assumed to keep every input (conservative)."""
 SAVED_FOR_OTHER: dict[str, dict[int, int]] = {"mul": {0: 1, 1: 0}, "div": {0: 1}}
 """ATen op -> {input position: the input whose gradient needs it}: the input is saved only when that one needs a
 gradient (a product's factor serves the other factor's gradient alone: RoPE's `q * cos` keeps `cos`, not `q`)."""
+FLASH_ATTENTION = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu")
+"""Attention ops a CPU runs with ATen's flash kernel when no mask tensor is given (`working_bytes`)."""
 GLOO_SCRATCH = {"all_gather": 1, "reduce_scatter": 1}
 """Full-tensor copies gloo's `all_gather_into_tensor` / `reduce_scatter_tensor` allocate during the
 call (measured with torch.profiler on 2 and 4 ranks: exactly 1.0x the full tensor; `all_reduce`
@@ -129,6 +135,20 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
 
     def nbytes(meta, layout) -> int:
         return math.prod(local_shape(meta.shape, layout, shape)) * meta.itemsize if layout is not None else meta.nbytes
+
+    cluster = get_cluster(plan.cluster)
+    cpu = on_cpu(cluster)
+
+    def working_bytes(node, backward: bool) -> int:
+        """What the op's kernel holds while it runs beyond the tensors the walk counts there."""
+        strategy = strategy_of[node.name]
+        region = region_op(node.target)
+        if region is not None and getattr(strategy, "kernel", ""):
+            return region.working_bytes(node, [graph.meta(r) for r in node.inputs], strategy, shape, cluster, backward=backward)
+        if cpu and _name(node.target) in FLASH_ATTENTION and len(node.inputs) == 3:  # no mask tensor: the flash kernel
+            q, k = (local_shape(graph.meta(r).shape, p, shape) for r, p in zip(node.inputs[:2], strategy.inputs[:2]))
+            return flash_cpu_bytes(math.prod(q[:-3]), q[-3], q[-2], k[-2], q[-1], backward=backward) if len(q) >= 3 else 0
+        return 0
 
     ops = [n for n in graph.nodes if n.kind == "op" and (nodes is None or n.name in nodes)]
     read = {ref.node for n in ops for ref in n.inputs}
@@ -245,7 +265,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     peak, where, grads_at_peak, copies_at_peak = 0, "forward", 0, 0
     no_grads, no_grads_copies = 0, 0  # the highest point without parameter gradients (`PeakMemory.accumulating` adds all)
     for i in range(len(ops)):  # forward
-        scratch = 0
+        scratch = working_bytes(ops[i], False)  # the op's kernel, once its moved inputs and its outputs exist
         for key in born_at.get(i, ()):
             scratch = max(scratch, scratch_fwd.get(key, 0))  # while the move runs, its result already allocated
             hold(key)
@@ -292,10 +312,11 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
             level += grad_of(key, ref)
             if key[0] == "move":
                 sent_back.append(key)
-        if base + level + param_grads > peak:
-            peak, where, grads_at_peak, copies_at_peak = base + level + param_grads, "backward", param_grads, copies
-        if base + level > no_grads:
-            no_grads, no_grads_copies = base + level, copies
+        running = working_bytes(node, True)  # the op's backward kernel, its input gradients allocated
+        if base + level + running + param_grads > peak:
+            peak, where, grads_at_peak, copies_at_peak = base + level + running + param_grads, "backward", param_grads, copies
+        if base + level + running > no_grads:
+            no_grads, no_grads_copies = base + level + running, copies
         for key in [("ref", node.name, j) for j in range(len(node.outputs))]:
             if key in grads:  # consumed by this op's backward
                 level -= grads.pop(key)

@@ -87,6 +87,12 @@ class RegionOp:
         keeps (`cost_model/peak.py`'s `SAVED`): a context-parallel kernel's gathered keys and values."""
         return 0
 
+    def working_bytes(self, node, in_metas, strategy, mesh_shape: tuple[int, ...], cluster, *, backward: bool) -> int:
+        """Bytes one device's kernel holds while it runs beyond what the peak walk counts there (`cost_model/peak.py`:
+        in forward its inputs, outputs and `kept_bytes`; in backward the gradients of its inputs): buffers in flight,
+        partial results, the kernels' own scratch. 0: nothing beyond them."""
+        return 0
+
     def flops(self, node, in_metas) -> float | None:
         """Forward FLOPs on whole tensors where the op's arguments do not tell them, else None."""
         return None

@@ -1,0 +1,112 @@
+"""What attention kernels hold while they run, against the profiler's allocator events.
+
+The CPU flash kernel's scratch (`cost_model/attention_memory.py`) and the context-parallel rings' buffers
+(`ContextParallel.working_bytes`) are added by the peak walk on top of the tensors it counts. The rings run here under
+a fake process group: one process plays one rank, the collectives return at once, and every buffer is freed on the
+thread the profiler records (under gloo its worker threads free some unseen, so gloo's figures are upper bounds)."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshplan.cost_model.attention_memory import flash_cpu_bytes, q_split
+from meshplan.cost_model.presets import get_cluster
+from meshplan.ir.graph import TensorMeta
+from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.placement import Shard
+from meshplan.profiling.fidelity import peak_during
+from meshplan.regions.context_parallel import CONTEXT_PARALLEL_REGION, ContextParallelAttention, kernel_name
+from meshplan.runtime.collectives import MeshComm
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_query_blocks_follow_the_kernels_thresholds():
+    assert [q_split(r) for r in (16, 100, 191, 192, 767, 768, 4096)] == [16, 32, 32, 64, 64, 256, 256]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch,heads,rows,keys,dim,causal", [(1, 4, 100, 100, 16, True), (2, 4, 512, 512, 16, False),
+                                                              (1, 2, 1024, 1024, 32, True), (1, 4, 256, 2048, 8, False)])
+def test_the_cpu_flash_kernels_scratch(threads, batch, heads, rows, keys, dim, causal):
+    q, k, v = torch.randn(batch, heads, rows, dim), torch.randn(batch, heads, keys, dim), torch.randn(batch, heads, keys, dim)
+    kept = {}
+    with _threads(threads):
+        out, lse = FLASH(q, k, v, 0.0, causal)
+        grad = torch.ones_like(out)
+
+        def forward():
+            kept["f"] = FLASH(q, k, v, 0.0, causal)
+
+        def backward():
+            kept["b"] = FLASH_BACKWARD(grad, q, k, v, out, lse, 0.0, causal)
+
+        forward(), backward()  # warm
+        kept.clear()
+        held_forward = peak_during(forward) - out.nbytes - lse.nbytes  # beyond the output and log-sum-exp it returns
+        held_backward = peak_during(backward) - q.nbytes - k.nbytes - v.nbytes  # beyond the three gradients
+    assert abs(held_forward - flash_cpu_bytes(batch, heads, rows, keys, dim, backward=False, threads=threads)) <= 2048
+    assert abs(held_backward - flash_cpu_bytes(batch, heads, rows, keys, dim, backward=True, threads=threads)) <= 2048
+
+
+def _ring_peaks(variant: str, rank: int, world: int, heads: int, kv_heads: int, rows: int, dim: int) -> tuple[int, int]:
+    """(forward, backward) peak bytes one rank's kernel allocates, under a fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        comm = MeshComm(MeshSpec((world,), ("cp",)), rank)
+        comm.create_groups([(0,)])
+        attention = ContextParallelAttention(variant, True, 0, comm)
+        q = torch.randn(1, heads, rows, dim, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, rows, dim, requires_grad=True) for _ in range(2))
+        grad, kept = torch.ones(1, heads, rows, dim), {}
+
+        def forward():
+            kept["out"] = attention(q, k, v, enable_gqa=kv_heads != heads)
+
+        def backward():
+            kept["out"].backward(grad)
+
+        forward(), backward()
+        q.grad = k.grad = v.grad = None
+        return peak_during(forward), peak_during(backward)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("variant", ["ring", "ring_balanced"])
+@pytest.mark.parametrize("world,heads,kv_heads,rows,dim", [(2, 4, 4, 512, 16), (4, 4, 4, 256, 16), (4, 4, 2, 512, 16),
+                                                           (2, 8, 2, 1024, 8)])
+def test_the_rings_working_memory_on_their_busiest_rank(variant, world, heads, kv_heads, rows, dim):
+    """What the walk holds at the kernel (its output in forward, the input gradients in backward, plus
+    `working_bytes`) against what the kernel allocates on every rank: exact for the ring, above by at most 20 % for
+    the balanced ring (its chunks' segments), never below."""
+    with _threads(1):
+        measured = [_ring_peaks(variant, r, world, heads, kv_heads, rows, dim) for r in range(world)]
+    q = TensorMeta((1, heads, rows * world, dim), "float32")
+    k = TensorMeta((1, kv_heads, rows * world, dim), "float32")
+    strategy = SimpleNamespace(kernel=kernel_name(variant, True), inputs=((Shard(2),),) * 3)  # what working_bytes reads
+    local_q, block = heads * rows * dim * 4, 2 * kv_heads * rows * dim * 4
+    cpu = get_cluster("cpu")
+    walked_forward = local_q + CONTEXT_PARALLEL_REGION.working_bytes(None, [q, k, k], strategy, (world,), cpu, backward=False)
+    walked_backward = local_q + block + CONTEXT_PARALLEL_REGION.working_bytes(None, [q, k, k], strategy, (world,), cpu, backward=True)
+    for walked, peak in ((walked_forward, max(f for f, _ in measured)), (walked_backward, max(b for _, b in measured))):
+        assert walked >= peak - 2048, (walked, peak)
+        assert walked <= (1.0 if variant == "ring" else 1.2) * peak + 2048, (walked, peak)
