@@ -369,10 +369,9 @@ class _Planning:
             elif node.kind in ("param", "buffer"):
                 layout = s.outputs[0]
                 trainable = node.kind == "param" and node.grad(0)
-                if trainable:
-                    trained.add(node.name)
                 step = 0.0  # ParamChoice.time_s keeps the gradient sync (+ the host step when offloaded)
                 if trainable:
+                    trained.add(node.name)
                     device_step = tables.optimizer_s[r][i]
                     if node.name in offloaded:  # the cost holds the host step in place of the device's
                         cost += device_step

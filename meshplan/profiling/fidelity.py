@@ -344,13 +344,17 @@ def save_rows(rows: list[Row], path) -> None:
                     "measured_bytes": r.measured_bytes} for r in rows], f, indent=1)
 
 
+STATED = ("memory", "peak_bytes", "solver", "alternatives")
+"""Plan file fields other than `*_s` that say what the cost model predicts, not what runs (`layouts_key`)."""
+
+
 def layouts_key(plan) -> str:
-    """Identifies what a plan runs: its file without the prices, the solver's figures and the candidates it ruled out
-    (`*_s`, `solver`, `alternatives`), so two profiles that price one plan differently give the same key, and two
-    plans give two."""
+    """Identifies what a plan runs: its file without what the cost model states about it (prices, memory, the solver's
+    figures, the candidates it ruled out: `*_s`, `memory`, `peak_bytes`, `solver`, `alternatives`), so two cost models
+    that price one plan differently give the same key, and two plans give two."""
     def strip(x):
         if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if not k.endswith("_s") and k not in ("solver", "alternatives", "peak_bytes")}
+            return {k: strip(v) for k, v in x.items() if not k.endswith("_s") and k not in STATED}
         return [strip(v) for v in x] if isinstance(x, list) else x
 
     return hashlib.sha256(json.dumps(strip(plan.to_dict()), sort_keys=True).encode()).hexdigest()[:16]
