@@ -551,20 +551,22 @@ class ContextParallel(RegionOp):
         return kept
 
     def working_bytes(self, node, in_metas, strategy, mesh_shape, cluster, *, backward: bool) -> int:
-        """What the rings hold while they run, on the busiest rank (every key block attended), beyond the output
+        """What the rings and Ulysses hold while they run, on the busiest rank (every key block attended), beyond the output
         (forward) or the input gradients (backward), read off `RingAttention`: in forward the K/V block held and the
         one arriving, one output and fp32 log-sum-exp per key block until they merge, the merge's fp32 terms and
         running sum; in backward the query gradient in fp32, five K/V-block buffers (held, arriving, this
         rank's share, the sum arriving, the sum sent: four on two ranks), the last block's and this block's three
         gradients, and on a CPU the flash kernel's scratch (`flash_cpu_bytes`); grouped-query heads repeated per
-        block. The balanced ring adds its borrowed queries' copy and runs the blocks on half-length chunks.
-        Measured with a fake process group (every buffer freed where the profiler sees it): the ring exactly, the
-        balanced ring 4-17 % above (tests/test_context_parallel.py). The other kernels: 0 (not modeled,
-        docs/long_context.md)."""
+        block. The balanced ring adds its borrowed queries' copy and runs the blocks on half-length chunks. Ulysses
+        holds its q, k, v and output made again by the all-to-alls while the plain op runs on the whole sequence,
+        with that op's scratch (or an all-to-all's three copies), and in backward the output gradient made again.
+        Measured with a fake process group (every buffer freed where the profiler sees it;
+        tests/test_attention_memory.py): the ring exactly, the balanced ring 0-17 % above, Ulysses exactly forward and
+        at most one query-sized buffer above backward. The all-gather kernels: 0 (not modeled, docs/long_context.md)."""
         if not strategy.kernel:
             return 0
         variant, _ = parse_kernel(strategy.kernel)
-        if variant not in RINGS:
+        if variant not in RINGS + ("ulysses",):
             return 0
         n = mesh_shape[cp_axis(strategy)]
         q, k = (TensorMeta(local_shape(m.shape, p, mesh_shape), m.dtype) for m, p in zip(in_metas[:2], strategy.inputs[:2]))
@@ -572,11 +574,18 @@ class ContextParallel(RegionOp):
         batch = math.prod(lead[:-1]) if len(lead) > 1 else 1
         heads = lead[-1]
         qb, q32, lse = q.nbytes, math.prod(q.shape) * 4, batch * heads * rows * 4
+        cpu = on_cpu(cluster)
+        if variant == "ulysses":  # the plain op on the whole sequence and 1/n of the heads, between all-to-alls
+            whole = dict(batch=batch, heads=heads // n, rows=rows * n, keys=rows * n, head_dim=dim)
+            if not backward:  # its q, k, v and output made again (as big as the local ones), the op's scratch or an all-to-all's
+                scratch = flash_cpu_bytes(**whole, backward=False) if cpu else 0
+                return qb + 2 * k.nbytes + lse + max(scratch, 3 * qb)
+            # the output gradient made again, with the op's scratch; or an all-to-all's three copies of a gradient
+            return max(qb + (flash_cpu_bytes(**whole, backward=True) if cpu else 0), 3 * qb)
         block = 2 * k.nbytes  # one K/V block, as it travels
         repeated = 2 * qb if k.shape[-3] != heads else 0  # grouped-query K and V repeated to the query heads, per block
         chunk = rows // 2 if variant == "ring_balanced" else rows
         borrowed = qb if variant == "ring_balanced" else 0
-        cpu = on_cpu(cluster)
         if not backward:
             scratch = flash_cpu_bytes(batch, heads, chunk, chunk, dim, backward=False) if cpu else 0
             held = max(block + n * (qb + lse) + 3 * q32 + lse, 2 * block + n * (qb + lse) + scratch)
