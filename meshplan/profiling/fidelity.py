@@ -337,6 +337,14 @@ def run_out_of_sample(profile, *, quick: bool = False, steps: int = 16, warmup: 
                 warmup=warmup, refresh_comm=False, in_sample=False, log=log)
 
 
+def plan_case(case: Case, cluster, batch: int):
+    """(model, tokens, plan) of `case`: its model at `batch`, planned on `cluster` with the case's options."""
+    import meshplan
+
+    model, tokens = build(SIZES[case.size], batch)
+    return model, tokens, meshplan.plan(model, case.world, (tokens,), cluster=cluster, **dict(case.options))
+
+
 def save_rows(rows: list[Row], path) -> None:
     """What each plan measured (case, world, size, the plan's layouts, step and peak), for `reprice`."""
     with open(path, "w") as f:
@@ -365,7 +373,6 @@ def reprice(rows_path, profile, log=print) -> list[Row]:
     measured then: how another profile, or another version of the cost model, prices the same measurements. A case
     planned into another plan than the one measured (other layouts, stages or microbatches) has no measurement here:
     it is left out, and logged."""
-    import meshplan
     from meshplan.cost_model.presets import get_cluster
     from meshplan.cost_model.profile import resolve_profile
 
@@ -381,8 +388,7 @@ def reprice(rows_path, profile, log=print) -> list[Row]:
         if case is None:
             raise ValueError(f"{rows_path}: case {s['name']!r} on {s['world']} ({s['size']}) is not an out-of-sample case; "
                              f"allowed: {sorted(by_key)}")
-        model, tokens = build(SIZES[case.size], batch)
-        plan = meshplan.plan(model, case.world, (tokens,), cluster=cluster, **dict(case.options))
+        plan = plan_case(case, cluster, batch)[2]
         if layouts_key(plan) != s["layouts"]:
             log(f"left out {case.name} on {case.world} ({case.size}): this profile plans another plan than the one measured")
             continue
@@ -405,7 +411,6 @@ def solver_memory(plan) -> float:
 
 def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int, warmup: int, refresh_comm: bool,
          in_sample: bool, log) -> list[Row]:
-    import meshplan
     from meshplan.cost_model.presets import get_cluster
     from meshplan.cost_model.profile import resolve_profile
     from meshplan.ir.trace import trace
@@ -421,8 +426,7 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
         cluster = get_cluster(world_profile.cluster if world_profile else "cpu").with_profile(world_profile)
         mine = []
         for case in (c for c in all_cases if c.world == world):
-            model, tokens = build(SIZES[case.size], batch)
-            plan = meshplan.plan(model, case.world, (tokens,), cluster=cluster, **dict(case.options))
+            model, tokens, plan = plan_case(case, cluster, batch)
             mine.append((case, plan))
             if in_sample and case.size not in graphs:
                 graphs[case.size] = trace(model, (tokens,))

@@ -324,33 +324,26 @@ def optimizer_rate(name: str = "adam", device: torch.device | str = "cpu", numel
 
 def dtensor_optimizer_overhead(name: str, mesh, runs: int = 9) -> float:
     """Extra seconds per parameter tensor of `optimizer.step()` when the parameters are DTensors on `mesh`
-    (each of torch's foreach ops then dispatches through DTensor's sharding propagation): 32 tiny
-    parameters sharded over the mesh's first axis against 32 plain ones of the same local size, the
-    fastest run of each. Runs on this rank alone (an optimizer step over DTensors communicates nothing)."""
+    (each of torch's foreach ops then dispatches through DTensor's sharding propagation): `TWINS` tiny
+    parameters sharded over the mesh against as many plain ones of the same local size, the fastest run of each. Runs on this rank alone (an optimizer step over DTensors communicates nothing)."""
     _check_optimizer(name)
-    device = torch.device(mesh.device_type)
-    timer = Timer(device)
-    plain = [torch.nn.Parameter(torch.randn(16, device=device)) for _ in range(32)]
-    sharded = [torch.nn.Parameter(DTensor.from_local(torch.randn(16, device=device), mesh, [Shard(0)] * mesh.ndim, run_check=False))
-               for _ in range(32)]
+    timer = Timer(torch.device(mesh.device_type))
+    plain, sharded = _plain_and_sharded(mesh)
     for p in plain + sharded:
         p.grad = torch.ones_like(p)  # not random: DTensor warns about random ops on a CPU mesh
-    return max(_fastest_step(name, sharded, timer, runs) - _fastest_step(name, plain, timer, runs), 0.0) / 32
+    return max(_fastest_step(name, sharded, timer, runs) - _fastest_step(name, plain, timer, runs), 0.0) / TWINS
 
 
 def dtensor_view_overhead(mesh, runs: int = 9) -> float:
     """Extra seconds per trainable parameter of one forward + backward when the parameters are DTensors on `mesh`:
     the per-rank program reads each through `runtime.local_view` (an autograd Function whose backward wraps the
-    gradient as a DTensor), and the gradient lands in a DTensor `.grad`. 32 tiny parameters sharded over the mesh's
-    first axis against 32 plain ones, each used once by a tiny op and summed; the fastest run of each. Runs on this
+    gradient as a DTensor), and the gradient lands in a DTensor `.grad`. `TWINS` tiny parameters sharded over the mesh
+    against as many plain ones, each used once by a tiny op and summed; the fastest run of each. Runs on this
     rank alone (nothing communicates)."""
     from meshplan.runtime.local_view import local_view
 
-    device = torch.device(mesh.device_type)
-    timer = Timer(device)
-    plain = [torch.nn.Parameter(torch.ones(16, device=device)) for _ in range(32)]
-    sharded = [torch.nn.Parameter(DTensor.from_local(torch.ones(16, device=device), mesh, [Shard(0)] * mesh.ndim, run_check=False))
-               for _ in range(32)]
+    timer = Timer(torch.device(mesh.device_type))
+    plain, sharded = _plain_and_sharded(mesh)
 
     def fastest(params, view) -> float:
         def step() -> None:
@@ -359,7 +352,21 @@ def dtensor_view_overhead(mesh, runs: int = 9) -> float:
             torch.stack([(view(p) * 2.0).sum() for p in params]).sum().backward()
         return min([timer(step) for _ in range(runs + 2)][2:])
 
-    return max(fastest(sharded, local_view) - fastest(plain, lambda p: p), 0.0) / 32
+    return max(fastest(sharded, local_view) - fastest(plain, lambda p: p), 0.0) / TWINS
+
+
+TWINS = 32
+"""Tiny parameters of each kind the DTensor overheads are timed on (`_plain_and_sharded`)."""
+
+
+def _plain_and_sharded(mesh) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """`TWINS` plain parameters of 16 elements, and as many DTensor parameters of that local size sharded over every
+    axis of `mesh` (filled with ones: DTensor warns about random ops on a CPU mesh)."""
+    device = torch.device(mesh.device_type)
+    plain = [torch.nn.Parameter(torch.ones(16, device=device)) for _ in range(TWINS)]
+    sharded = [torch.nn.Parameter(DTensor.from_local(torch.ones(16, device=device), mesh, [Shard(0)] * mesh.ndim, run_check=False))
+               for _ in range(TWINS)]
+    return plain, sharded
 
 
 def _check_optimizer(name: str) -> None:
