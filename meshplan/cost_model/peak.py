@@ -143,7 +143,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
         """What the op's kernel holds while it runs beyond the tensors the walk counts there."""
         strategy = strategy_of[node.name]
         region = region_op(node.target)
-        if region is not None and getattr(strategy, "kernel", ""):
+        if region is not None and strategy.kernel:
             return region.working_bytes(node, [graph.meta(r) for r in node.inputs], strategy, shape, cluster, backward=backward)
         if cpu and _name(node.target) in FLASH_ATTENTION and len(node.inputs) == 3:  # no mask tensor: the flash kernel
             q, k = (local_shape(graph.meta(r).shape, p, shape) for r, p in zip(node.inputs[:2], strategy.inputs[:2]))
