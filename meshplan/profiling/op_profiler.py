@@ -325,7 +325,8 @@ def optimizer_rate(name: str = "adam", device: torch.device | str = "cpu", numel
 def dtensor_optimizer_overhead(name: str, mesh, runs: int = 9) -> float:
     """Extra seconds per parameter tensor of `optimizer.step()` when the parameters are DTensors on `mesh`
     (each of torch's foreach ops then dispatches through DTensor's sharding propagation): `TWINS` tiny
-    parameters sharded over the mesh against as many plain ones of the same local size, the fastest run of each. Runs on this rank alone (an optimizer step over DTensors communicates nothing)."""
+    parameters sharded over the mesh against as many plain ones of the same local size, the fastest run of each.
+    Runs on this rank alone (an optimizer step over DTensors communicates nothing)."""
     _check_optimizer(name)
     timer = Timer(torch.device(mesh.device_type))
     plain, sharded = _plain_and_sharded(mesh)
