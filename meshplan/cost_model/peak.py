@@ -16,7 +16,7 @@ every gradient resident at once, this walks the step as the runtime runs it:
   stay until the optimizer step;
 - while an op runs, what its kernel holds beyond its tensors comes on top (`working_bytes`): on a CPU the flash
   attention kernel's scratch (`cost_model/attention_memory.py`), and a region op's kernel's own
-  (`RegionOp.working_bytes`: a context-parallel ring's blocks in flight);
+  (`RegionOp.working_bytes`: a context-parallel ring's blocks in flight, an all-gather kernel's gathered copies);
 - the optimizer step adds its per-parameter temporaries (`STEP_TEMPORARIES`);
 - a recomputed layer (`plan.recompute`, run under `torch.utils.checkpoint`) keeps only its inputs
   through forward; its backward starts by running its forward again, which brings back what its

@@ -384,6 +384,49 @@ def _local_bytes(meta: TensorMeta, layout, mesh_shape) -> int:
     return meta.itemsize * math.prod(local_shape(meta.shape, layout, mesh_shape))
 
 
+def _gathered_working_bytes(balanced: bool, causal: bool, n: int, batch: int, heads: int, repeat: int, rows: int, dim: int,
+                            kb: int, itemsize: int, cpu: bool, *, backward: bool) -> int:
+    """What the all-gather kernels hold on their busiest rank beyond the output (forward) or the input gradients
+    (backward) and what they keep (`kept_bytes`), read off `ContextParallelAttention` and the allocator's events:
+    the largest of the kernel's phases. `kb`: the local k bytes; `repeat`: query heads per KV head.
+
+    Forward: the gather (the stacked local K and V, the collective's buffer, and its copy into sequence order, as the
+    gather is not on dim 0); grouped-query heads repeated (the gathered and the repeated K/V together); the blocks on
+    the kept K/V as the ring's (each block's output and log-sum-exp until they merge and the merge's fp32 terms, or a
+    block's kernel scratch), the balanced kernel's on half-length chunks beside the borrowed queries and its own
+    chunk's output and log-sum-exp, and at its end both outputs, the one swapped back, and the joined output.
+    Backward: every key's gradients on the busiest rank, the fp32 query gradient and two blocks' query gradients, with
+    the kernel's scratch (the balanced kernel's own chunk runs after the borrowed chunk's gradients are summed to
+    full-length K/V gradients); then, once the kept K/V are freed, the gradients stacked and copied into the
+    reduce-scatter's order beside its output. Measured: tests/test_attention_memory.py."""
+    qb, q32, lse = batch * heads * rows * dim * itemsize, batch * heads * rows * dim * 4, batch * heads * rows * 4
+    gathered = 2 * n * kb  # every rank's K and V
+    kept = gathered * repeat  # as many heads as the queries
+    keys, half = n * rows, qb // 2
+
+    def scratch(chunk: int, grad: bool) -> int:
+        return flash_cpu_bytes(batch, heads, chunk, keys, dim, backward=grad) if cpu else 0
+
+    if not backward:
+        def blocks(count: int, chunk: int) -> int:  # one query chunk's blocks until they merge (as the ring's)
+            qc, q32c, lsec = qb * chunk // rows, q32 * chunk // rows, lse * chunk // rows
+            return max(count * (qc + lsec) + 3 * q32c + lsec, (count - 1) * (qc + lsec) + qc + lsec + scratch(chunk, False))
+
+        gather = 2 * kb + 2 * gathered
+        widen = gathered + kept if repeat > 1 else 0
+        if balanced:
+            attend = kept + half + max(half + lse // 2 + blocks(2, rows // 2), 3 * qb)
+        else:
+            attend = kept + blocks(2 if causal and n > 1 else 1, rows)
+        return max(0, max(gather, widen, attend) - qb - (kept - 2 * kb) - (half if balanced else 0))
+    if balanced:  # the last rank's own chunk (2n-2 of 2n) attends 2n-1 chunks of keys
+        blocks = kept + kept * (2 * n - 1) // (2 * n) + q32 // 2 + qb + half + scratch(rows // 2, True)
+    else:
+        blocks = kept + q32 + 2 * qb + scratch(rows, True)
+    home = qb + max(2 * kept, kept + gathered, 2 * gathered + 2 * kb) - kept
+    return max(0, max(blocks, home) - qb - 2 * kb)
+
+
 class ContextParallel(RegionOp):
     name = "context_parallel_attention"
     ops = (SDPA,)
@@ -560,14 +603,13 @@ class ContextParallel(RegionOp):
         block. The balanced ring adds its borrowed queries' copy and runs the blocks on half-length chunks. Ulysses
         holds its q, k, v and output made again by the all-to-alls while the plain op runs on the whole sequence,
         with that op's scratch (or an all-to-all's three copies), and in backward the output gradient made again.
+        The all-gather kernels: `_gathered_working_bytes`.
         Measured with a fake process group (every buffer freed where the profiler sees it;
         tests/test_attention_memory.py): the ring exactly, the balanced ring 0-17 % above, Ulysses exactly forward and
-        at most one query-sized buffer above backward. The all-gather kernels: 0 (not modeled, docs/long_context.md)."""
+        at most one query-sized buffer above backward."""
         if not strategy.kernel:
             return 0
-        variant, _ = parse_kernel(strategy.kernel)
-        if variant not in RINGS + ("ulysses",):
-            return 0
+        variant, causal = parse_kernel(strategy.kernel)
         n = mesh_shape[cp_axis(strategy)]
         q, k = (TensorMeta(local_shape(m.shape, p, mesh_shape), m.dtype) for m, p in zip(in_metas[:2], strategy.inputs[:2]))
         *lead, rows, dim = q.shape
@@ -575,6 +617,9 @@ class ContextParallel(RegionOp):
         heads = lead[-1]
         qb, q32, lse = q.nbytes, math.prod(q.shape) * 4, batch * heads * rows * 4
         cpu = on_cpu(cluster)
+        if variant not in RINGS + ("ulysses",):
+            return _gathered_working_bytes(variant == "balanced", causal, n, batch, heads, heads // k.shape[-3], rows, dim,
+                                           k.nbytes, q.itemsize, cpu, backward=backward)
         if variant == "ulysses":  # the plain op on the whole sequence and 1/n of the heads, between all-to-alls
             whole = dict(batch=batch, heads=heads // n, rows=rows * n, keys=rows * n, head_dim=dim)
             if not backward:  # its q, k, v and output made again (as big as the local ones), the op's scratch or an all-to-all's
