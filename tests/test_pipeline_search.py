@@ -306,3 +306,22 @@ def test_a_stage_plan_weighs_its_once_per_step_costs_by_its_microbatches():
     weighed = make_plan(graph, mesh, cluster, PlanOptions(memory_budget=UNBOUNDED, alternatives=False, microbatches=m))
     unweighed = make_plan(graph, mesh, cluster, PlanOptions(memory_budget=UNBOUNDED, alternatives=False))
     assert pipeline_step(weighed) < 0.95 * pipeline_step(unweighed)
+
+
+def test_stages_computing_side_by_side_share_the_cores():
+    """On ranks that share a CPU's cores (measured contention > 1) stages priced at their own sub-mesh's contention
+    slow to that of the ranks computing at once, p (1 - bubble fraction) stages of them on average: one microbatch
+    through two stages runs one stage at a time (unchanged); four microbatches keep 1.6 stages (3.2 ranks) busy."""
+    import dataclasses
+
+    from meshplan.cost_model.profile import Profile, torch_version
+
+    shared = Profile(device="test", torch_version=torch_version(), cluster="cpu", contention={2: 1.0, 4: 2.0})
+    alone = dataclasses.replace(shared, contention={})
+    for m, factor in ((1, 1.0), (4, 1.6)):
+        shared_pipe, alone_pipe = (evaluate(units(4), p=2, d=2, t=1, m=m, schedule="gpipe", cluster=get_cluster("cpu").with_profile(prof),
+                                            budget=1e12, dp_in_profile=True) for prof in (shared, alone))
+        assert alone_pipe.bubble_fraction == shared_pipe.bubble_fraction == pytest.approx(1 / (m + 1))
+        # nothing outside the schedule here (no syncs, ties or measured per-step work): the step is the schedule's
+        assert shared_pipe.step_s == pytest.approx(factor * alone_pipe.step_s)
+        assert shared_pipe.bubble_s == pytest.approx(factor * alone_pipe.bubble_s)

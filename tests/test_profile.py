@@ -31,6 +31,13 @@ def _profile(**kw) -> Profile:
     return Profile(**{**base, **kw})
 
 
+def test_contention_between_measured_worlds_is_interpolated():
+    """A pipeline's ranks computing at once may average a fraction (`planner.pipeline._sharing_cores`): between two
+    measured worlds the contention is linear; below the smallest measured 1, above the largest the largest's."""
+    p = _profile(contention={2: 1.0, 4: 2.0, 8: 4.0})
+    assert [p.slowdown(w) for w in (1, 1.6, 2, 3, 3.2, 4, 6, 8, 16)] == pytest.approx([1.0, 1.0, 1.0, 1.5, 1.6, 2.0, 3.0, 4.0, 4.0])
+
+
 def test_presets_cover_gpus_and_this_cpu():
     assert {"cpu", "a100", "h100", "h200"} <= set(CLUSTERS)
     assert {"A100-80GB", "H100-SXM", "H200", "cpu"} <= set(DEVICES)

@@ -181,9 +181,16 @@ class Profile:
     def op(self, target: str, inputs: Sequence[TensorMeta | None], outputs: Sequence[TensorMeta | None]) -> OpTiming | None:
         return self.ops.get(op_key(target, inputs, outputs))
 
-    def slowdown(self, world: int) -> float:
-        """Compute contention at `world` ranks: measured, else the nearest smaller measured world, else 1."""
-        return _at_world(self.contention, world, 1.0)
+    def slowdown(self, world: float) -> float:
+        """Compute contention at `world` ranks (a pipeline's average count of ranks computing at once may be
+        fractional): measured, else linear between the two measured worlds around it, else the nearest smaller
+        measured world, else 1."""
+        below = [w for w in self.contention if w <= world]
+        above = [w for w in self.contention if w > world]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return self.contention[lo] + (self.contention[hi] - self.contention[lo]) * (world - lo) / (hi - lo)
+        return self.contention[max(below)] if below else 1.0
 
     def pipeline_action(self, world: int, schedule: str) -> float:
         """Seconds per action of `schedule` at `world` ranks: measured, else the nearest smaller measured world, else 0;
