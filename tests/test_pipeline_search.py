@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshplan.cost_model.presets import get_cluster
-from meshplan.cost_model.schedules import bubble_fraction
+from meshplan.cost_model.schedules import bubble_fraction, rank_shares, schedule_time
 from meshplan.models import GPT, GPTConfig
 from meshplan.planner.pipeline import PipelineOptions, evaluate, partition, plan_pipeline
 from meshplan.planner.stage_profile import Unit
@@ -34,14 +34,19 @@ def test_stage_memory_follows_schedule_formula():
     us = units(8)
     for sched in ("gpipe", "1f1b"):
         pipe = evaluate(us, p=4, d=1, t=1, m=8, schedule=sched, cluster=get_cluster("h100"), budget=1e12, dp_in_profile=True)
-        assert pipe.bubble_fraction == pytest.approx(bubble_fraction(sched, 4, 8)) == pytest.approx(3 / 11)
+        # each rank at its own stage's seconds (2.5, 2, 2, 2.5): the schedule of those, below the equal ranks' 3 / 11
+        secs = [st.time_s for st in pipe.stages]
+        assert pipe.bubble_fraction == pytest.approx(schedule_time(sched, 4, 8, max(secs) / 3, shares=rank_shares(secs)).bubble_fraction)
+        assert pipe.bubble_fraction < bubble_fraction(sched, 4, 8) == pytest.approx(3 / 11)
         for st in pipe.stages:
             acts = sum(u.act_bytes for u in us if u.name in st.units)
             held = 8 if sched == "gpipe" else 4 - st.device  # GPipe: every microbatch; 1F1B: p - s on stage s
             assert st.memory.activations == held * acts
     pipe = evaluate(us, p=4, d=1, t=1, m=8, schedule="interleaved_1f1b", cluster=get_cluster("h100"), budget=1e12, dp_in_profile=True)
     assert pipe.chunks == 2 and len(pipe.stages) == 8
-    assert pipe.bubble_fraction == pytest.approx(3 / (2 * 8 + 3), rel=0.05)  # equal up to the imbalance of pre/post chunks
+    per_rank = [sum(st.time_s for st in pipe.stages if st.device == r) for r in range(4)]  # each rank's two chunks
+    priced = schedule_time("interleaved_1f1b", 4, 8, max(per_rank) / 3, shares=rank_shares(per_rank))
+    assert pipe.bubble_fraction == pytest.approx(priced.bubble_fraction) and pipe.bubble_fraction < 3 / (2 * 8 + 3)
 
 
 def test_measured_action_cost_prices_every_stage_action_and_the_cut_bytes_only():
@@ -116,7 +121,8 @@ def test_searched_plan_prints_bubble_and_stage_memory(gpt_plan):
     pipe = plan.pipeline
     assert (gpt_plan.best.tensor, gpt_plan.best.pipeline, gpt_plan.best.data) == (2, 2, 1)
     assert pipe.microbatches == 4 and pipe.degree == 2
-    assert pipe.bubble_fraction == pytest.approx(bubble_fraction(pipe.schedule, 2, 4))
+    secs = [st.time_s for st in pipe.stages]  # one stage per rank, each at its own seconds
+    assert pipe.bubble_fraction == pytest.approx(schedule_time(pipe.schedule, 2, 4, max(secs) / 3, shares=rank_shares(secs)).bubble_fraction)
     assert pipe.stage_of("layers.0") == 0 and pipe.stage_of("layers.2") == 1
     text = str(plan)
     assert f"bubble {pipe.bubble_fraction:.1%}" in text

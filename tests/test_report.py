@@ -111,10 +111,11 @@ def pipelined(report, tmp_path_factory):
                       memory=MemoryBreakdown(params=1000 * (k + 1), grads=1000, optimizer=2000, activations=5000 * (2 - k)))
         for k, units in enumerate((("pre", "layers.0"), ("layers.1", "post")))
     )
-    # priced as the planner does: the slower rank's 2 ms per microbatch, 1F1B with p=2, m=4: a 10 ms schedule, 2 ms bubble;
-    # the step adds 2 ms of gradient all-reduce after it
-    pipe = PipelinePlan(degree=2, schedule="1f1b", microbatches=4, chunks=1, stages=stages, step_s=0.012, bubble_s=0.002,
-                        bubble_fraction=0.2, p2p_s=2e-5)
+    # priced as the planner does: each rank at its own stage's 1 or 2 ms per microbatch, 1F1B with p=2, m=4: a 9 ms
+    # schedule (the slower rank's 8 ms of work and 1 ms waiting for the first forward); the step adds 2 ms of gradient
+    # all-reduce after it
+    pipe = PipelinePlan(degree=2, schedule="1f1b", microbatches=4, chunks=1, stages=stages, step_s=0.011, bubble_s=0.001,
+                        bubble_fraction=1 / 11, p2p_s=2e-5)
     plan = dataclasses.replace(plan, pipeline=pipe)
     return plan, plan.report(str(tmp_path_factory.mktemp("pipelined") / "plan.html"))
 
@@ -124,8 +125,8 @@ def test_report_of_a_pipelined_plan_shows_its_stages_bubble_and_per_stage_memory
     text = open(path, encoding="utf-8").read()
     assert "No pipeline stages" not in text
     assert "2 pipeline ranks x 4 devices each, schedule 1f1b, 4 microbatches" in text
-    assert "bubble 20.0% (2.000 ms of a 12.000 ms step)" in text
-    assert "bubble 2.000 ms" in text and "working 10.000 ms" in text  # the step bar: the schedule's step, not one microbatch
+    assert "bubble 9.1% (1.000 ms of a 11.000 ms step)" in text
+    assert "bubble 1.000 ms" in text and "working 10.000 ms" in text  # the step bar: the schedule's step, not one microbatch
     assert "stage 0 (pipeline rank 0)" in text and "stage 1 (pipeline rank 1)" in text  # one memory bar per stage
     assert "Peak 13.7 KiB per device" in text  # the fullest rank: stage 0 alone (1000 + 1000 + 2000 + 10000 bytes)
     assert text.count("<td>1f1b</td>") == 0 and text.count("</td><td>yes</td>") == 1
@@ -153,7 +154,7 @@ def _timeline_rows(text: str) -> dict[int, list[tuple[str, str]]]:
 
 def test_report_draws_the_pipeline_schedule_as_a_timeline(pipelined):
     """One row per pipeline rank with the blocks of the schedule that prices the plan (PipelinePlan.timeline()), an
-    axis in ms, a legend and the bubble fraction; 1F1B, p=2, m=4 under the fixture's 2 ms per microbatch."""
+    axis in ms, a legend and the bubble fraction; 1F1B, p=2, m=4 under the fixture's 1 and 2 ms per microbatch."""
     plan, path = pipelined
     text = open(path, encoding="utf-8").read()
     rows = _timeline_rows(text)
@@ -165,10 +166,10 @@ def test_report_draws_the_pipeline_schedule_as_a_timeline(pipelined):
     assert sum(k == "send" for r in (0, 1) for k, _ in rows[r]) == 8  # rank 0's four activations, rank 1's four gradients
     assert rows[1][0] == ("bubble", "")  # rank 1 waits for the first forward
     tl = plan.pipeline.timeline()
-    assert tl.makespan_s == pytest.approx(0.010) and tl.bubble_s == pytest.approx(plan.pipeline.bubble_s)
-    assert "schedule 10.000 ms, each rank idle 2.000 ms: bubble 20.0%" in text
+    assert tl.makespan_s == pytest.approx(0.009) and tl.bubble_s == pytest.approx(plan.pipeline.bubble_s)
+    assert "ranks run 1.000 / 2.000 ms per microbatch (their stages' own); schedule 9.000 ms, the busiest rank idle 1.000 ms: bubble 11.1%" in text
     assert "adds 2.000 ms after it (gradient all-reduces)" in text
-    assert re.search(r'<text x="[0-9.]+" y="[0-9.]+" text-anchor="middle">10</text>', text)  # the axis reaches 10 ms
+    assert re.search(r'<text x="[0-9.]+" y="[0-9.]+" text-anchor="middle">8</text>', text)  # the axis: every 2 ms to 8
     for name in ("forward", "backward", "send to the neighbouring rank", "bubble (idle)"):
         assert f"</svg> {name}</span>" in text
     assert "backward for weights" not in text  # 1F1B runs the whole backward at once

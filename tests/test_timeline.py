@@ -167,3 +167,26 @@ def test_a_planned_pipelines_timeline_is_its_priced_schedule(schedule):
     assert tl.makespan_s == pytest.approx(pipe.step_s, rel=1e-12)
     assert tl.bubble_s == pytest.approx(pipe.bubble_s, rel=1e-9)
     assert tl.send_s == pipe.p2p_s / 2 > 0 and any(b.kind == "send" for b in tl.blocks)
+
+
+def test_ranks_of_unequal_speed_fill_and_drain_at_their_own_times():
+    """A pipeline's first and last stages carry the embedding and the head: each rank runs its own seconds (`shares`).
+    One microbatch through GPipe is the ranks' sum, not p times the slowest; the timeline is the priced schedule;
+    beyond `SIMULATED_ACTIONS` the closed form (Alpa's sum of stages + (m - 1) x the slowest) is the simulation
+    for GPipe and at most 1 % of the step above it for 1F1B."""
+    from meshplan.cost_model.schedules import SIMULATED_ACTIONS, rank_shares
+
+    assert rank_shares([1.0, 2.0]) == (0.5, 1.0) and rank_shares([2.0, 2.0]) is None
+    one = schedule_time("gpipe", 2, 1, 1.0, shares=(0.5, 1.0))  # the slower rank's 3 s, the other's 1.5
+    assert one.step_s == pytest.approx(4.5) and one.bubble_s == pytest.approx(1.5) and one.busy_s == pytest.approx(4.5)
+    small = schedule_time("1f1b", 3, 4, 1.0, shares=(1.0, 0.5, 0.8))
+    assert small.step_s == pytest.approx(timeline("1f1b", 3, 4, 1.0, shares=(1.0, 0.5, 0.8)).makespan_s)
+    shares = (0.6, 1.0, 0.7, 0.9, 0.5, 0.8, 0.75, 0.65)
+    m = SIMULATED_ACTIONS // (2 * len(shares)) + 8  # beyond the simulated size
+    for schedule, room in (("gpipe", 0.0), ("1f1b", 0.01)):
+        closed = schedule_time(schedule, len(shares), m, 1.0, shares=shares)
+        simulated = makespan(schedule, len(shares), m, 1.0, 1.0, 1.0, shares=shares)
+        assert closed.step_s == pytest.approx(m * 3.0 + (sum(shares) - 1.0) * 3.0)
+        assert simulated - 1e-9 <= closed.step_s <= simulated * (1 + room) + 1e-9
+    with pytest.raises(ValueError, match="shares must give each of the 2 devices"):
+        schedule_time("gpipe", 2, 1, 1.0, shares=(0.5,))

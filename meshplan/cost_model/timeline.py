@@ -6,10 +6,11 @@ against torch's own action lists in `tests/test_timeline.py`): GPipe and 1F1B as
 `_calculate_single_rank_operations` list them. Each rank runs its list in order; an action starts
 when the rank is free and its inputs are there (a forward after the previous stage's forward of the
 same microbatch, a backward after the next stage's backward, a weight backward after its own input
-backward). Every chunk action takes its share of the slowest rank's per-microbatch seconds, t_f / v,
-t_b / v or t_w / v (a full backward t_b + t_w), as in `schedule_time`, so the timeline is the schedule
-`schedule_time` prices: its makespan is `schedule_time(...).step_s` and every rank idles `bubble_s`.
-`schedule_time` takes the step from `makespan` where its closed forms do not hold.
+backward). Every chunk action takes its share of its rank's per-microbatch seconds, t_f / v, t_b / v or
+t_w / v (a full backward t_b + t_w) of the slowest rank, times the rank's own share of the slowest's (`shares`: a
+pipeline's first and last stages carry the embedding and the head), as in `schedule_time`, so the timeline is the
+schedule `schedule_time` prices: its makespan is `schedule_time(...).step_s`, and with equal ranks every rank
+idles `bubble_s`. `schedule_time` takes the step from `makespan` where its closed forms do not hold.
 
 A block's seconds include the stage's point-to-point sends (the planner adds them to the stage's
 time); `send_s` only draws the tail of a forward or backward whose output goes to another rank as a
@@ -61,6 +62,8 @@ class Timeline:
     t_f: float
     t_b: float
     t_w: float
+    shares: tuple[float, ...] | None
+    """Each rank's seconds as a share of the slowest rank's `t_f`, `t_b`, `t_w` (None: every rank the slowest's)."""
     send_s: float
     rows: tuple[tuple[Block, ...], ...]
     """Per rank, its blocks in time order, bubbles included: together they cover 0 .. `makespan_s`."""
@@ -69,8 +72,9 @@ class Timeline:
 
     @property
     def bubble_s(self) -> float:
-        """Idle seconds of the most idle rank (every rank idles the same when all run the slowest rank's times)."""
-        return max(self.idle_s(r) for r in range(self.stages))
+        """Idle seconds of the busiest rank: what the schedule spends beyond the slowest rank's work, as
+        `ScheduleCost.bubble_s` (every rank idles the same when all run the slowest rank's times)."""
+        return min(self.idle_s(r) for r in range(self.stages))
 
     @property
     def bubble_fraction(self) -> float:
@@ -174,8 +178,10 @@ def _zbv_order(r: int, p: int, m: int) -> list[Op]:
     return [op for op in ops if op[2] < m]
 
 
-def _simulate(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float) -> tuple[list[list[Op]], dict[Op, tuple[float, float]]]:
-    """Start and end of every action: each rank runs its order, an action as soon as the rank and its inputs are ready."""
+def _simulate(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float,
+              shares: tuple[float, ...] | None = None) -> tuple[list[list[Op]], dict[Op, tuple[float, float]]]:
+    """Start and end of every action: each rank runs its order, an action as soon as the rank and its inputs are ready.
+    `shares`: each rank's seconds as a share of the slowest rank's (None: every rank the slowest's)."""
     orders = rank_orders(schedule, p, m, v)
     n_stages = p * v
     back = "I" if schedule in ("interleaved_zb", "zbv") else "B"
@@ -198,7 +204,7 @@ def _simulate(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w
                 if any(d not in when for d in deps):
                     break
                 start = max([t, *(when[d][1] for d in deps)])
-                t = start + secs[op]
+                t = start + secs[op] * (shares[r] if shares else 1.0)
                 when[ops[k]] = (start, t)
                 k += 1
             moved += k - pos[r]
@@ -211,33 +217,35 @@ def _simulate(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w
 
 
 @functools.lru_cache(maxsize=4096)
-def _makespan(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float) -> float:
-    _, when = _simulate(schedule, p, m, v, t_f, t_b, t_w)
+def _makespan(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: float, shares: tuple[float, ...] | None) -> float:
+    _, when = _simulate(schedule, p, m, v, t_f, t_b, t_w, shares)
     return max(end for _, end in when.values())
 
 
-def makespan(schedule: str, p: int, m: int, t_f: float, t_b: float, t_w: float, *, virtual: int = 2) -> float:
-    """Seconds from the first forward to the last backward of the simulated schedule (cached per time ratio)."""
+def makespan(schedule: str, p: int, m: int, t_f: float, t_b: float, t_w: float, *, virtual: int = 2,
+             shares: tuple[float, ...] | None = None) -> float:
+    """Seconds from the first forward to the last backward of the simulated schedule (cached per time ratio);
+    `shares`: each rank's seconds as a share of the slowest rank's `t_f`, `t_b`, `t_w` (None: all the slowest's)."""
     v = chunks_per_device(schedule, virtual)
     check_microbatches(schedule, p, m, v)
     scale = max(t_f, t_b, t_w)
     if scale <= 0:
         return 0.0
-    return scale * _makespan(schedule, p, m, v, t_f / scale, t_b / scale, t_w / scale)
+    return scale * _makespan(schedule, p, m, v, t_f / scale, t_b / scale, t_w / scale, shares)
 
 
 def timeline(schedule: str, stages: int, microbatches: int, t_f: float, t_b: float | None = None, t_w: float | None = None, *,
-             virtual: int = 2, send_s: float = 0.0) -> Timeline:
+             virtual: int = 2, send_s: float = 0.0, shares: tuple[float, ...] | None = None) -> Timeline:
     """Every rank's blocks (forward, backward, weight, send, bubble) of `schedule` with `stages` ranks and `microbatches`
-    microbatches, where the slowest rank spends `t_f` + `t_b` + `t_w` seconds per microbatch (all its chunks), as
-    `schedule_time` takes them. `send_s`: seconds of one send, drawn at the end of a forward (backward) whose
-    activation (gradient) goes to another rank, inside the block's time."""
+    microbatches, where the slowest rank spends `t_f` + `t_b` + `t_w` seconds per microbatch (all its chunks) and rank
+    r `shares[r]` times that, as `schedule_time` takes them. `send_s`: seconds of one send, drawn at the end of a
+    forward (backward) whose activation (gradient) goes to another rank, inside the block's time."""
     t_b = t_f if t_b is None else t_b
     t_w = t_f if t_w is None else t_w
     p, m = stages, microbatches
     v = chunks_per_device(schedule, virtual)
     check_microbatches(schedule, p, m, v)
-    orders, when = _simulate(schedule, p, m, v, t_f, t_b, t_w)
+    orders, when = _simulate(schedule, p, m, v, t_f, t_b, t_w, shares)
     span = max((end for _, end in when.values()), default=0.0)
     n_stages = p * v
     eps = 1e-12 * span
@@ -260,5 +268,5 @@ def timeline(schedule: str, stages: int, microbatches: int, t_f: float, t_b: flo
         if span - t > eps:
             blocks.append(Block(r, "bubble", None, None, None, t, span))
         rows.append(tuple(blocks))
-    return Timeline(schedule=schedule, stages=p, microbatches=m, chunks=v, t_f=t_f, t_b=t_b, t_w=t_w, send_s=send_s,
+    return Timeline(schedule=schedule, stages=p, microbatches=m, chunks=v, t_f=t_f, t_b=t_b, t_w=t_w, shares=shares, send_s=send_s,
                     rows=tuple(rows), makespan_s=span)

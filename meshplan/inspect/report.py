@@ -298,6 +298,14 @@ def _timeline_svg(tl: Timeline) -> str:
     return "".join(out)
 
 
+def _per_microbatch(tl: Timeline) -> str:
+    """What each rank of the timeline spends per microbatch, in words."""
+    slowest = (tl.t_f + tl.t_b + tl.t_w) * 1e3
+    if not tl.shares:
+        return f"every rank runs the slowest rank's {slowest:.3f} ms per microbatch"
+    return "ranks run " + " / ".join(f"{slowest * x:.3f}" for x in tl.shares) + " ms per microbatch (their stages' own)"
+
+
 def _timeline_section(tl: Timeline, step_s: float) -> str:
     e = html.escape
     outside = step_s - tl.makespan_s
@@ -313,8 +321,8 @@ def _timeline_section(tl: Timeline, step_s: float) -> str:
     note = (f" {count} blocks: drawn at pixel resolution, without microbatch numbers." if dense else " Numbers are microbatches.")
     return (
         f'<div class="muted" id="pipeline-timeline-caption">Timeline of one step under {e(tl.schedule)}, from the model that prices it: '
-        f"every rank runs the slowest rank's {(tl.t_f + tl.t_b + tl.t_w) * 1e3:.3f} ms per microbatch; schedule "
-        f"{tl.makespan_s * 1e3:.3f} ms, each rank idle {tl.bubble_s * 1e3:.3f} ms: bubble {tl.bubble_fraction:.1%}{e(rest)}."
+        f"{_per_microbatch(tl)}; schedule {tl.makespan_s * 1e3:.3f} ms, {'the busiest' if tl.shares else 'each'} rank idle "
+        f"{tl.bubble_s * 1e3:.3f} ms: bubble {tl.bubble_fraction:.1%}{e(rest)}."
         f"{chunks}{note}</div>"
         + _timeline_svg(tl)
         + _legend([(names[k], TIMELINE_COLOURS[k]) for k in kinds])

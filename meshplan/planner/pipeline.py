@@ -40,7 +40,7 @@ from meshplan.cost_model.estimate import GRAD_BUCKET_BYTES, group_collective_tim
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes
 from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
 from meshplan.cost_model.schedule_kinds import SCHEDULES, actions_per_microbatch, check_schedule, chunks_per_device
-from meshplan.cost_model.schedules import ScheduleCost, in_flight, schedule_time
+from meshplan.cost_model.schedules import ScheduleCost, in_flight, rank_shares, schedule_time
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import CP_AXIS, MeshSpec
 from meshplan.ir.precision import MixedPrecision
@@ -311,7 +311,10 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
     if not dp_in_profile:
         dev_sync = [s + dp_sync_s(g, d, mesh, 1, cluster) for s, g in zip(dev_sync, dev_grad)]
     slow = max(dev_time)
-    sched = schedule_time(schedule, p, m, slow / 3.0, virtual=virtual) if p > 1 else schedule_time("1f1b", 1, m, slow / 3.0)
+    if p > 1:  # every device at its own stages' seconds: the first and last carry the embedding and the head
+        sched = schedule_time(schedule, p, m, slow / 3.0, virtual=virtual, shares=rank_shares(dev_time))
+    else:
+        sched = schedule_time("1f1b", 1, m, slow / 3.0)
     sched = _sharing_cores(sched, d * t, cluster)
     if p > 1:  # tied parameters living on several stages (embedding and head) sum their gradients between them
         shared = tied_grad_bytes(units)
@@ -328,18 +331,18 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
 def _sharing_cores(sched: ScheduleCost, ranks_per_stage: int, cluster: ClusterPreset) -> ScheduleCost:
     """`sched` with its stages' compute slowed to the contention of the ranks that compute at once. A stage's ops
     are priced at its own sub-mesh's contention (`Profile.slowdown`, measured on ranks sharing a CPU's cores; 1 on
-    GPUs), but the stages run side by side: on average p (1 - bubble fraction) of them at a time, so as many times
-    the sub-mesh's ranks share the cores (one microbatch through two stages: one stage at a time, no change; four
-    microbatches: 1.6 stages). Their gradient syncs and the step's work outside the schedule are priced at the
-    whole world's already."""
+    GPUs), but the stages run side by side: on average busy / step of them at a time (their compute seconds summed
+    over the makespan), so as many times the sub-mesh's ranks share the cores (one microbatch through two stages:
+    one stage at a time, no change; four microbatches through two equal stages: 1.6 stages). Their gradient syncs
+    and the step's work outside the schedule are priced at the whole world's already."""
     prof = cluster.profile
-    if prof is None or sched.stages == 1:
+    if prof is None or sched.stages == 1 or sched.step_s <= 0:
         return sched
-    busy = ranks_per_stage * sched.stages * (1.0 - sched.bubble_fraction)
+    busy = ranks_per_stage * sched.busy_s / sched.step_s
     factor = prof.slowdown(busy) / prof.slowdown(ranks_per_stage)
     if factor == 1.0:
         return sched
-    return replace(sched, step_s=sched.step_s * factor, bubble_s=sched.bubble_s * factor)
+    return replace(sched, step_s=sched.step_s * factor, bubble_s=sched.bubble_s * factor, busy_s=sched.busy_s * factor)
 
 
 def _what(c: Candidate) -> str:

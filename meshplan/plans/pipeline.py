@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes
+from meshplan.cost_model.schedules import rank_shares
 from meshplan.cost_model.timeline import Timeline, timeline
 
 
@@ -73,16 +74,16 @@ class PipelinePlan:
         return max(m.total for m in self.rank_memory())
 
     def timeline(self) -> Timeline:
-        """The schedule this plan is priced with, rank by rank: every rank runs the slowest rank's seconds per
-        microbatch (the sum of its stages' `time_s`) split into equal forward, backward and weight thirds, and each
-        cut's send is drawn as `p2p_s / 2` (one direction) at the end of the block that sends. Its makespan is the
-        schedule's share of `step_s` (`step_s` adds the gradient all-reduce) and its idle time `bubble_s`."""
+        """The schedule this plan is priced with, rank by rank: every rank runs its seconds per microbatch (the sum
+        of its stages' `time_s`) split into equal forward, backward and weight thirds, and each cut's send is drawn
+        as `p2p_s / 2` (one direction) at the end of the block that sends. Its makespan is the schedule's share of
+        `step_s` (`step_s` adds the gradient all-reduce, and on ranks sharing a CPU's cores their contention)."""
         per_rank = [0.0] * self.degree
         for s in self.stages:  # summed in stage order, as the planner does
             per_rank[s.device] += s.time_s
         schedule = self.schedule if self.degree > 1 else "1f1b"
         return timeline(schedule, self.degree, self.microbatches, max(per_rank) / 3.0, virtual=max(self.chunks, 2),
-                        send_s=self.p2p_s / 2)
+                        send_s=self.p2p_s / 2, shares=rank_shares(per_rank))
 
     def stage_of(self, unit: str) -> int:
         for s in self.stages:
