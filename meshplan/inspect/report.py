@@ -303,7 +303,9 @@ def _per_microbatch(tl: Timeline) -> str:
     slowest = (tl.t_f + tl.t_b + tl.t_w) * 1e3
     if not tl.shares:
         return f"every rank runs the slowest rank's {slowest:.3f} ms per microbatch"
-    return "ranks run " + " / ".join(f"{slowest * x:.3f}" for x in tl.shares) + " ms per microbatch (their stages' own)"
+    each = [slowest * x for x in tl.shares]
+    spread = " / ".join(f"{x:.3f}" for x in each) if len(each) <= 8 else f"{min(each):.3f} to {max(each):.3f}"
+    return f"ranks run {spread} ms per microbatch (their stages' own)"
 
 
 def _timeline_section(tl: Timeline, step_s: float) -> str:
