@@ -59,7 +59,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import meshplan  # noqa: E402
-from meshplan.cost_model.presets import get_cluster  # noqa: E402
+from meshplan.cost_model.presets import cluster_of  # noqa: E402
 from meshplan.cost_model.profile import resolve_profile  # noqa: E402
 from meshplan.ir.mesh import CP_AXIS, MeshSpec  # noqa: E402
 from meshplan.ir.placement import Shard, fmt  # noqa: E402
@@ -395,18 +395,15 @@ def main() -> int:
     if args.big:
         big(args.seq or [LONGEST, 2048])
         return 0
+    cluster = cluster_of(resolve_profile(args.profile, None))
     if args.longest:
         if args.granule % (2 * args.world) or args.budget_mib <= 0:
             raise ValueError(f"--granule must be a multiple of 2 x --world ({2 * args.world}) and --budget-mib positive; "
                              f"got {args.granule} and {args.budget_mib}")
-        profile = resolve_profile(args.profile, None)
-        cluster = get_cluster(profile.cluster if profile else "cpu").with_profile(profile)
         print(f"world {args.world} gloo ranks, planned from {args.profile}, budget {args.budget_mib:g} MiB per rank")
         longest(args.world, cluster, int(args.budget_mib * 2**20), args.start, args.granule, args.limit, args.warmup, args.steps)
         return 0
     args.seq = args.seq or [2048, 4096]
-    profile = resolve_profile(args.profile, None)
-    cluster = get_cluster(profile.cluster if profile else "cpu").with_profile(profile)
     print(f"world {args.world} gloo ranks, planned from {args.profile}")
     print("| seq | plan | mesh | attention | predicted ms | measured ms | error | predicted MiB | measured MiB |")
     print("|---:|---|---|---|---:|---:|---:|---:|---:|")

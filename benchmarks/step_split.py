@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import meshplan  # noqa: E402
-from meshplan.cost_model.presets import get_cluster  # noqa: E402
+from meshplan.cost_model.presets import cluster_of  # noqa: E402
 from meshplan.cost_model.profile import resolve_profile  # noqa: E402
 from meshplan.profiling import fidelity  # noqa: E402
 from meshplan.runtime import collectives, grad_buckets  # noqa: E402
@@ -105,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=str(Path(__file__).resolve().parent / "data" / "fidelity_profile.json"))
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
-    profile = resolve_profile(args.profile, None)
-    cluster = get_cluster(profile.cluster).with_profile(profile)
+    cluster = cluster_of(resolve_profile(args.profile, None))
     cores = os.cpu_count()
     print(f"{cores} cores; times in ms; measured: median over {STEPS} steps, largest over ranks\n")
     print("| plan | model | world | predicted compute / comm / optimizer | measured compute / comm / optimizer | step predicted / "

@@ -220,6 +220,11 @@ DEVICES: Mapping[str, DevicePreset] = MappingProxyType(
 """Device presets by short name (each is also the device of the cluster preset of its kind)."""
 
 
+def cluster_of(profile: Profile | None) -> ClusterPreset:
+    """The preset `profile` calibrates, with it (the CPU preset without a profile)."""
+    return get_cluster(profile.cluster if profile is not None else "cpu").with_profile(profile)
+
+
 def get_cluster(name_or_preset: str | ClusterPreset) -> ClusterPreset:
     """A preset by name in any case (`"a100"`, `"H100"`, `"h200"`, `"cpu"`), or the given preset unchanged."""
     if isinstance(name_or_preset, ClusterPreset):

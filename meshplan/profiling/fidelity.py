@@ -374,7 +374,7 @@ def reprice(rows_path, profile, log=print) -> list[Row]:
     measured then: how another profile, or another version of the cost model, prices the same measurements. A case
     planned into another plan than the one measured (other layouts, stages or microbatches) has no measurement here:
     it is left out, and logged."""
-    from meshplan.cost_model.presets import get_cluster
+    from meshplan.cost_model.presets import cluster_of
     from meshplan.cost_model.profile import resolve_profile
 
     with open(rows_path) as f:
@@ -382,7 +382,7 @@ def reprice(rows_path, profile, log=print) -> list[Row]:
     batch = BATCH if saved and saved[0]["size"] != "tiny" else QUICK_BATCH
     by_key = {(c.name, c.world, c.size): c for c in out_of_sample_cases(quick=batch == QUICK_BATCH)}
     measured_profile = resolve_profile(profile, None)
-    cluster = get_cluster(measured_profile.cluster if measured_profile else "cpu").with_profile(measured_profile)
+    cluster = cluster_of(measured_profile)
     rows = []
     for s in saved:
         case = by_key.get((s["name"], s["world"], s["size"]))
@@ -412,7 +412,7 @@ def solver_memory(plan) -> float:
 
 def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int, warmup: int, refresh_comm: bool,
          in_sample: bool, log) -> list[Row]:
-    from meshplan.cost_model.presets import get_cluster
+    from meshplan.cost_model.presets import cluster_of
     from meshplan.cost_model.profile import resolve_profile
     from meshplan.ir.trace import trace
 
@@ -424,7 +424,7 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
         if refresh_comm and measured_profile is not None:
             log(f"measuring collectives and contention on {world} local processes again, next to the timed steps")
             world_profile = measured_profile.merged(_comm_profile((world,), quick))
-        cluster = get_cluster(world_profile.cluster if world_profile else "cpu").with_profile(world_profile)
+        cluster = cluster_of(world_profile)
         mine = []
         for case in (c for c in all_cases if c.world == world):
             model, tokens, plan = plan_case(case, cluster, batch)
