@@ -317,7 +317,8 @@ def test_a_stage_plan_weighs_its_once_per_step_costs_by_its_microbatches():
 def test_stages_computing_side_by_side_share_the_cores():
     """On ranks that share a CPU's cores (measured contention > 1) stages priced at their own sub-mesh's contention
     slow to that of the ranks computing at once, p (1 - bubble fraction) stages of them on average: one microbatch
-    through two stages runs one stage at a time (unchanged); four microbatches keep 1.6 stages (3.2 ranks) busy."""
+    through two stages runs one stage at a time (unchanged); four microbatches keep 1.6 stages (3.2 ranks) busy.
+    The search's profiles, priced on the tensor-parallel width, take the data-parallel ranks' contention as well."""
     import dataclasses
 
     from meshplan.cost_model.profile import Profile, torch_version
@@ -330,4 +331,11 @@ def test_stages_computing_side_by_side_share_the_cores():
         assert alone_pipe.bubble_fraction == shared_pipe.bubble_fraction == pytest.approx(1 / (m + 1))
         # nothing outside the schedule here (no syncs, ties or measured per-step work): the step is the schedule's
         assert shared_pipe.step_s == pytest.approx(factor * alone_pipe.step_s)
+        assert shared_pipe.bubble_s == pytest.approx(factor * alone_pipe.bubble_s)
+    # the search's units are priced on the tensor-parallel width alone (t = 1 here: contention 1): its price of a
+    # stage on a data-parallel pair takes the pair's contention too, as the returned stage plan's does
+    shared = dataclasses.replace(shared, contention={2: 1.5, 4: 3.0})
+    for in_profile, factor in ((False, 1.5), (True, 1.0)):  # the schedule's part (its bubble) scales; the dp sync does not
+        shared_pipe, alone_pipe = (evaluate(units(4), p=2, d=2, t=1, m=1, schedule="gpipe", cluster=get_cluster("cpu").with_profile(prof),
+                                            budget=1e12, dp_in_profile=in_profile) for prof in (shared, alone))
         assert shared_pipe.bubble_s == pytest.approx(factor * alone_pipe.bubble_s)

@@ -315,7 +315,8 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
         sched = schedule_time(schedule, p, m, slow / 3.0, virtual=virtual, shares=rank_shares(dev_time))
     else:
         sched = schedule_time("1f1b", 1, m, slow / 3.0)
-    sched = _sharing_cores(sched, d * t, cluster)
+    # the search's units are priced on the tensor-parallel width (t,), a stage plan's on its whole sub-mesh (d, t)
+    sched = _sharing_cores(sched, d * t, d * t if dp_in_profile else t, cluster)
     if p > 1:  # tied parameters living on several stages (embedding and head) sum their gradients between them
         shared = tied_grad_bytes(units)
         tie = measured_collective_time("all_reduce", shared, 2, p * d * t, link, cluster)
@@ -328,18 +329,19 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
                         step_s=step, bubble_s=sched.bubble_s, bubble_fraction=sched.bubble_fraction, p2p_s=p2p)
 
 
-def _sharing_cores(sched: ScheduleCost, ranks_per_stage: int, cluster: ClusterPreset) -> ScheduleCost:
+def _sharing_cores(sched: ScheduleCost, ranks_per_stage: int, priced_at: int, cluster: ClusterPreset) -> ScheduleCost:
     """`sched` with its stages' compute slowed to the contention of the ranks that compute at once. A stage's ops
-    are priced at its own sub-mesh's contention (`Profile.slowdown`, measured on ranks sharing a CPU's cores; 1 on
-    GPUs), but the stages run side by side: on average busy / step of them at a time (their compute seconds summed
-    over the makespan), so as many times the sub-mesh's ranks share the cores (one microbatch through two stages:
-    one stage at a time, no change; four microbatches through two equal stages: 1.6 stages). Their gradient syncs
+    are priced at the contention of `priced_at` ranks (`Profile.slowdown`, measured on ranks sharing a CPU's cores;
+    1 on GPUs): its own sub-mesh's, or the tensor-parallel width's in the search's profiles. But a stage runs on
+    `ranks_per_stage` ranks and the stages run side by side: on average busy / step of them at a time (their compute
+    seconds summed over the makespan), so as many times the sub-mesh's ranks share the cores (one microbatch through
+    two stages: one stage at a time; four microbatches through two equal stages: 1.6 stages). Their gradient syncs
     and the step's work outside the schedule are priced at the whole world's already."""
     prof = cluster.profile
     if prof is None or sched.stages == 1 or sched.step_s <= 0:
         return sched
     busy = ranks_per_stage * sched.busy_s / sched.step_s
-    factor = prof.slowdown(busy) / prof.slowdown(ranks_per_stage)
+    factor = prof.slowdown(busy) / prof.slowdown(priced_at)
     if factor == 1.0:
         return sched
     return replace(sched, step_s=sched.step_s * factor, bubble_s=sched.bubble_s * factor, busy_s=sched.busy_s * factor)
