@@ -112,10 +112,10 @@ def schedule_time(schedule: str, stages: int, microbatches: int, t_f: float, t_b
             bubble = (p - 1) * (t_f + t_b - t_w) / v
         else:  # zbv: the last rank waits for microbatch 0 to come down p - 1 chunks
             bubble = (p - 1) * t_f / 2
+        if shares:  # too many actions to simulate: the fill and drain at the other devices' own times
+            bubble *= (sum(shares) - 1.0) / (p - 1)
     else:
         bubble = max(0.0, makespan(schedule, p, m, t_f, t_b, t_w, virtual=virtual) - m * t)
-    if shares and closed and 2 * p * m * v > SIMULATED_ACTIONS:  # the fill and drain at the other devices' own times
-        bubble *= (sum(shares) - 1.0) / (p - 1)
     return ScheduleCost(schedule=schedule, stages=p, microbatches=m, chunks=v, step_s=m * t + bubble, bubble_s=bubble, busy_s=busy)
 
 
