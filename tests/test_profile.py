@@ -23,7 +23,8 @@ from meshplan.ir.trace import trace
 from meshplan.models import mlp_small
 from meshplan.profiling.calibrate import op_workload, profile_graph
 from meshplan.profiling.comm_profiler import fit_alpha_beta
-from meshplan.profiling.op_profiler import Timer, time_op
+from meshplan.profiling import op_profiler
+from meshplan.profiling.op_profiler import Timer, last_level_cache_bytes, time_op
 
 
 def _profile(**kw) -> Profile:
@@ -146,6 +147,26 @@ def test_timer_keeps_the_host_seconds_of_its_last_call():
     took = timer(lambda: time.sleep(0.01))
     assert took == timer.host_s and 0.01 <= took < 0.5
 
+
+
+def test_last_level_cache_is_the_largest_cache_sysfs_lists(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "1024K"), ("index3", "32768K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(torch.device("cpu"), tmp_path) == 32 * 2**20
+    assert last_level_cache_bytes(torch.device("cpu"), tmp_path / "absent") == 32 * 2**20
+
+
+def test_optimizer_steps_are_timed_with_the_caches_evicted_before_each(monkeypatch):
+    """In a training step the optimizer's state comes from memory: every timed step starts after an eviction."""
+    events = []
+    monkeypatch.setattr(op_profiler.CacheEvictor, "__call__", lambda self: events.append("evict"))
+    monkeypatch.setattr(op_profiler.Timer, "__call__", lambda self, fn: (events.append("step"), fn(), 1e-3)[-1])
+    per_tensor, per_element = op_profiler.optimizer_rate("adam", "cpu", numels=[64, 256], runs=3)
+    steps = [i for i, e in enumerate(events) if e == "step"]
+    assert len(steps) == 3 * (3 + 2), "3 configurations of 3 timed runs after 2 warm-ups"
+    assert all(events[i - 1] == "evict" for i in steps)
+    assert per_tensor == pytest.approx(1e-3 / 32)
 
 @pytest.fixture(scope="module")
 def mlp_profile():

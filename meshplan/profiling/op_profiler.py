@@ -26,6 +26,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -302,24 +303,58 @@ def optimizer_rate(name: str = "adam", device: torch.device | str = "cpu", numel
     """(seconds per parameter tensor, seconds per element) of `optimizer.step()` with torch's
     default implementation for the device. The per-tensor cost comes from 32 tiny tensors, the
     per-element cost from tensors of the sizes given (a model's parameters: `numels`) and of a
-    quarter of them (sharded), so that cache behaviour matches; 8 x 64 Ki elements without them.
-    Each configuration keeps its fastest run: a step of several ms spans several scheduler time
-    slices, and what the profile holds is the undisturbed time (contention is applied on top)."""
+    quarter of them (sharded); 8 x 64 Ki elements without them. Each configuration keeps the median
+    of `runs` steps, each started with the caches evicted (`CacheEvictor`): in a training step the
+    optimizer's state comes from memory, after backward has filled the caches with activations and
+    gradients. Timed hot in a loop (the fastest run, until 2026-11-27), Adam priced the fidelity
+    GPTs' in-step steps 16-38 % low (docs/cost_model.md, "The optimizer step, cold")."""
     _check_optimizer(name)
     device = torch.device(device)
-    timer = Timer(device)
+    timer, evict = Timer(device), CacheEvictor(device)
 
     def step_time(shapes: Sequence[int]) -> float:
         params = [torch.nn.Parameter(torch.randn(max(int(n), 1), device=device)) for n in shapes]
         for p in params:
             p.grad = torch.randn_like(p)
-        return _fastest_step(name, params, timer, runs)
+        opt = OPTIMIZERS[name](params)
+        times = []
+        for _ in range(runs + 2):
+            evict()
+            times.append(timer(opt.step))
+        return statistics.median(times[2:])
 
     per_tensor = step_time([16] * 32) / 32
     sizes = [list(numels)] if numels else [[2**16] * 8]
     sizes.append([max(n // 4, 1) for n in sizes[0]])
     rates = [max(step_time(sz) - per_tensor * len(sz), 0.0) / sum(sz) for sz in sizes]
     return per_tensor, statistics.median(rates)
+
+
+class CacheEvictor:
+    """Calling it writes a buffer of twice the device's last-level cache (`last_level_cache_bytes`), so what runs
+    next reads its data from memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._buffer = torch.empty(2 * last_level_cache_bytes(device) // 4, dtype=torch.float32, device=device)
+
+    def __call__(self) -> None:
+        self._buffer.fill_(1.0)
+
+
+def last_level_cache_bytes(device: torch.device, cpu_caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest cache of `device` in bytes: a GPU's L2; on a CPU the largest of the caches Linux lists for cpu0
+    (`cpu_caches`, sysfs); 32 MiB where neither says."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).L2_cache_size) or 32 * 2**20
+    sizes = []
+    for entry in cpu_caches.glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(sizes, default=32 * 2**20)
 
 
 def dtensor_optimizer_overhead(name: str, mesh, runs: int = 9) -> float:
