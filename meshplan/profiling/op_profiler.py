@@ -307,7 +307,7 @@ def optimizer_rate(name: str = "adam", device: torch.device | str = "cpu", numel
     of `runs` steps, each started with the caches evicted (`CacheEvictor`): in a training step the
     optimizer's state comes from memory, after backward has filled the caches with activations and
     gradients. Timed hot in a loop (the fastest run, until 2026-11-27), Adam priced the fidelity
-    GPTs' in-step steps 16-38 % low (docs/cost_model.md, "The optimizer step, cold")."""
+    GPTs' in-step steps 19-38 % low (docs/cost_model.md, "The optimizer step, cold")."""
     _check_optimizer(name)
     device = torch.device(device)
     timer, evict = Timer(device), CacheEvictor(device)
