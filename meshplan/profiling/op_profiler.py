@@ -316,12 +316,7 @@ def optimizer_rate(name: str = "adam", device: torch.device | str = "cpu", numel
         params = [torch.nn.Parameter(torch.randn(max(int(n), 1), device=device)) for n in shapes]
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = OPTIMIZERS[name](params)
-        times = []
-        for _ in range(runs + 2):
-            evict()
-            times.append(timer(opt.step))
-        return statistics.median(times[2:])
+        return statistics.median(_timed_steps(name, params, timer, runs, before=evict))
 
     per_tensor = step_time([16] * 32) / 32
     sizes = [list(numels)] if numels else [[2**16] * 8]
@@ -367,7 +362,7 @@ def dtensor_optimizer_overhead(name: str, mesh, runs: int = 9) -> float:
     plain, sharded = _plain_and_sharded(mesh)
     for p in plain + sharded:
         p.grad = torch.ones_like(p)  # not random: DTensor warns about random ops on a CPU mesh
-    return max(_fastest_step(name, sharded, timer, runs) - _fastest_step(name, plain, timer, runs), 0.0) / TWINS
+    return max(min(_timed_steps(name, sharded, timer, runs)) - min(_timed_steps(name, plain, timer, runs)), 0.0) / TWINS
 
 
 def dtensor_view_overhead(mesh, runs: int = 9) -> float:
@@ -410,7 +405,14 @@ def _check_optimizer(name: str) -> None:
         raise ValueError(f"optimizer {name!r} cannot be timed; allowed: {', '.join(OPTIMIZERS)}")
 
 
-def _fastest_step(name: str, params: list[torch.nn.Parameter], timer: Timer, runs: int) -> float:
-    """The fastest of `runs` `optimizer.step()`s over `params` (gradients set), after two warm-up steps."""
+def _timed_steps(name: str, params: list[torch.nn.Parameter], timer: Timer, runs: int,
+                 before: Callable[[], None] | None = None) -> list[float]:
+    """Seconds of each of `runs` `optimizer.step()`s over `params` (gradients set) after two warm-up steps, `before()`
+    called ahead of every step."""
     opt = OPTIMIZERS[name](params)
-    return min([timer(opt.step) for _ in range(runs + 2)][2:])
+    times = []
+    for _ in range(runs + 2):
+        if before is not None:
+            before()
+        times.append(timer(opt.step))
+    return times[2:]
