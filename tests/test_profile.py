@@ -168,6 +168,47 @@ def test_optimizer_steps_are_timed_with_the_caches_evicted_before_each(monkeypat
     assert all(events[i - 1] == "evict" for i in steps)
     assert per_tensor == pytest.approx(1e-3 / 32)
 
+
+def test_the_program_is_timed_several_times_among_the_op_timings_and_its_median_kept(monkeypatch):
+    """The in-program overhead is the program's time less its ops' (a small difference of large figures): the program
+    is timed `PROGRAM_SAMPLES` times spread over the op timings, and the overhead comes from the median."""
+    from meshplan.profiling import calibrate
+
+    events, program_times = [], iter([5.0, 1.0, 3.0, 9.0, 2.0])
+    monkeypatch.setattr(calibrate, "time_op", lambda *a, **k: (events.append("op"), OpTiming(forward_s=1e-3, backward_s=2e-3))[-1])
+    monkeypatch.setattr(calibrate, "time_program", lambda gm, args: (events.append("program"), (next(program_times), 0.0))[-1])
+    model, inputs = mlp_small()
+    graph = trace(model, inputs)
+    prof = profile_graph(graph, [MeshSpec((2,))], budget_s=0.002)
+    assert events.count("program") == calibrate.PROGRAM_SAMPLES == 5
+    first_op, last_op = events.index("op"), len(events) - 1 - events[::-1].index("op")
+    assert [i for i, e in enumerate(events) if e == "program"][-1] > first_op + (last_op - first_op) // 2, "sampled to the end"
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    runs = sum(2 if any(n.requires_grad) else 1 for n in ops)
+    isolated = sum(3e-3 if any(n.requires_grad) else 1e-3 for n in ops)
+    assert prof.node_overhead_s == pytest.approx((3.0 - isolated) / runs), "the median program time, 3 s of 1, 2, 3, 5, 9"
+
+
+def test_the_compute_contention_is_the_median_over_several_launches(monkeypatch):
+    """The probe is stable within a launch and not between launches: `profile_comm` keeps the median of
+    `CONTENTION_LAUNCHES` launches' contention per world, the collectives' launch counted among them."""
+    from meshplan.profiling import calibrate
+    from meshplan.runtime import launch
+
+    launched, probes = [], iter([1.0, 2.0, 3.0, 4.0])
+
+    def run_local(world, fn, *args, timeout):
+        launched.append((world, fn.__name__))
+        if fn is calibrate._comm_worker:
+            return [_profile(contention={world: 9.0}).to_json()]
+        return [next(probes)]
+
+    monkeypatch.setattr(launch, "run_local", run_local)
+    prof = calibrate.profile_comm((2,), sizes=(4096,))
+    assert launched == [(2, "_comm_worker")] + [(2, "_contention_worker")] * (calibrate.CONTENTION_LAUNCHES - 1)
+    assert prof.contention == {2: 3.0}, "the median of 9, 1, 2, 3 and 4"
+
+
 @pytest.fixture(scope="module")
 def mlp_profile():
     model, inputs = mlp_small()

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
+import statistics
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -89,7 +91,11 @@ def profile_graph(
         timings = {}
         failed = []
         grad_call = grad_call_overhead(dev)
+        samples: list[tuple[float, float]] = []  # the whole program's (seconds, host seconds), spread over the op timings
+        sample_at, sampling = {len(work) * j // PROGRAM_SAMPLES for j in range(PROGRAM_SAMPLES)}, True
         for i, (key, (name, ins, needs, outs)) in enumerate(work.items()):
+            if sampling and i in sample_at:
+                sampling = _sample_program(graph, dev, samples)
             if i % 20 == 0:
                 phase(f"timing op {i + 1}/{len(work)}")
             out_shape = outs[0].shape if outs and outs[0] is not None else None
@@ -102,7 +108,7 @@ def profile_graph(
         if failed:
             log.warning("%d op shapes could not be timed (the roofline prices them): %s", len(failed), "; ".join(failed[:5]))
         overhead, copy = op_overhead(dev), copy_rate(dev)
-        node_overhead, host_op_run, op_run = program_overhead(graph, timings, dev)
+        node_overhead, host_op_run, op_run = program_overhead(graph, timings, samples, dev)
         numels = [n.out.numel for n in graph.nodes if n.kind == "param" and n.grad(0)]
         optimizers = {name: optimizer_rate(name, dev, numels) for name in OPTIMIZERS}
     return Profile(
@@ -152,17 +158,16 @@ def time_region_kernels(graph: Graph, meshes: Iterable[MeshSpec], *, device: str
     return timings
 
 
-def program_overhead(graph: Graph, timings: dict, device: torch.device) -> tuple[float | None, float | None, float | None]:
-    """(`Profile.node_overhead_s`, `Profile.host_op_run_s`, the ops' mean isolated seconds per run) of the graph's
-    one-device program, timed forward + backward on made-up inputs and parameters, the same way the op profiler makes
-    its tensors: on a GPU, the host's seconds per op run issuing it; the seconds per op run it takes beyond its ops'
-    isolated timings (on a GPU, each no less than its runs' share of the host's: `estimate.profiled_seconds`). None
-    where an op of it was not timed or the program cannot run on them."""
-    ops, missing = op_runs(graph, timings)  # (isolated seconds, runs) per op
-    if missing:
-        log.warning("in-program overhead not measured: op %s has no timing", missing[0])
-        return None, None, None
-    runs = sum(r for _, r in ops)
+PROGRAM_SAMPLES = 5
+"""Timings of the whole one-device program per profile, spread evenly over the op timings; `program_overhead` keeps
+their median. Its overhead is the difference of two large figures (the program, the sum of its ops), so a few per
+cent on the program is tens of per cent on the overhead: six back-to-back timings of 15 runs each read 6.0-12.3 us
+per op run for the small fidelity GPT and 20.8-28.9 for the large one (2026-11-27, docs/cost_model.md)."""
+
+
+def one_device_program(graph: Graph, device: torch.device) -> tuple[torch.nn.Module, list]:
+    """(the graph's one-device program, made-up inputs and parameters for it, made the way the op profiler makes its
+    tensors)."""
     args = []
     for ph in graph.fx.gm.graph.nodes:
         if ph.op != "placeholder":
@@ -180,16 +185,40 @@ def program_overhead(graph: Graph, timings: dict, device: torch.device) -> tuple
             if isinstance(n.kwargs.get("device"), torch.device):
                 n.kwargs = {**n.kwargs, "device": device}
         gm.recompile()
+    return gm, args
+
+
+def _sample_program(graph: Graph, device: torch.device, samples: list[tuple[float, float]]) -> bool:
+    """Time the graph's one-device program once more into `samples` (its made-up tensors freed after, so that they do
+    not take a device's memory from the ops timed meanwhile); False (logged) if it fails on them."""
     try:
-        measured, host = time_program(gm, args)
+        samples.append(time_program(*one_device_program(graph, device)))
     except (RuntimeError, ValueError, TypeError, IndexError) as e:  # made-up values an op rejects
         log.warning("in-program overhead not measured: the one-device program failed on made-up inputs: %s", str(e).splitlines()[0][:200])
+        return False
+    return True
+
+
+def program_overhead(graph: Graph, timings: dict, samples: Sequence[tuple[float, float]],
+                     device: torch.device) -> tuple[float | None, float | None, float | None]:
+    """(`Profile.node_overhead_s`, `Profile.host_op_run_s`, the ops' mean isolated seconds per run) of the graph's
+    one-device program from `samples`, its forward + backward timings (`time_program`: seconds, host seconds), whose
+    median is taken: on a GPU, the host's seconds per op run issuing it; the seconds per op run it takes beyond its
+    ops' isolated timings (on a GPU, each no less than its runs' share of the host's: `estimate.profiled_seconds`).
+    None where an op of it was not timed or the program did not run."""
+    ops, missing = op_runs(graph, timings)  # (isolated seconds, runs) per op
+    if missing:
+        log.warning("in-program overhead not measured: op %s has no timing", missing[0])
         return None, None, None
+    if not samples:
+        return None, None, None
+    runs = sum(r for _, r in ops)
+    measured, host = statistics.median(s for s, _ in samples), statistics.median(h for _, h in samples)
     host_op_run = host / max(runs, 1) if device.type == "cuda" else None
     iso = sum(host_floored(s, r, host_op_run) for s, r in ops)
     per_run = max(measured - iso, 0.0) / max(runs, 1)
-    log.info("one-device program: %.2f ms measured (host %.2f ms), %.2f ms by its ops' profiles: %.1f us per op run (%d runs)",
-             measured * 1e3, host * 1e3, iso * 1e3, per_run * 1e6, runs)
+    log.info("one-device program: %.2f ms measured (median of %d, host %.2f ms), %.2f ms by its ops' profiles: %.1f us per "
+             "op run (%d runs)", measured * 1e3, len(samples), host * 1e3, iso * 1e3, per_run * 1e6, runs)
     return per_run, host_op_run, mean_op_run_s(ops)
 
 
@@ -228,12 +257,25 @@ def _comm_worker(rank: int, world: int, cluster: str, sizes: tuple[int, ...], re
     return measure_cluster(cluster=cluster, sizes=sizes, reps=reps).to_json()
 
 
+CONTENTION_LAUNCHES = 5
+"""Launches whose compute contention `profile_comm` takes the median of, per world. Within one launch the probe is
+stable; between launches it is not (4 ranks on this 2-core machine: 2.13 to 2.78 in 2026-11-27's calibrations, about
+2.3 in most of 24 launches), and the plans are measured each in launches of their own."""
+
+
+def _contention_worker(rank: int, world: int) -> float:
+    from meshplan.profiling.comm_profiler import measure_contention
+
+    return measure_contention()
+
+
 def profile_comm(
     worlds: Sequence[int] = (2, 4), *, cluster: str = "cpu", sizes: Sequence[int] | None = None, reps: int = 5,
     out: str | os.PathLike | None = None, timeout: float = 1800.0,
 ) -> Profile:
     """Measure collectives and compute contention on `worlds` local gloo processes each
-    (`runtime.launch.run_local`); merge into `out` ("local": this machine's database file)."""
+    (`runtime.launch.run_local`; the contention is the median of `CONTENTION_LAUNCHES` launches); merge into `out`
+    ("local": this machine's database file)."""
     from meshplan.profiling.comm_profiler import FULL_SIZES
     from meshplan.runtime.launch import run_local
 
@@ -244,6 +286,9 @@ def profile_comm(
             raise ValueError(f"worlds must be ints >= 2 (a collective needs two ranks); got {w!r} in {tuple(worlds)!r}")
         phase(f"collectives on {w} local processes")
         got = Profile.from_json(run_local(w, _comm_worker, cluster, sizes, reps, timeout=timeout)[0])
+        launches = [got.contention[w]] + [run_local(w, _contention_worker, timeout=timeout)[0] for _ in range(CONTENTION_LAUNCHES - 1)]
+        log.info("compute contention on %d processes, %d launches: %s", w, len(launches), ", ".join(f"{c:.2f}" for c in launches))
+        got = dataclasses.replace(got, contention={w: statistics.median(launches)})
         profile = got if profile is None else profile.merged(got)
     if profile is None:
         raise AssertionError("no world measured")
