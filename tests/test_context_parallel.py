@@ -184,6 +184,28 @@ def test_priced_with_the_issue_formulas():
     assert nodes["balanced"].time_s == pytest.approx(gather.time_s * 68 / 100)  # the contiguous split's causal excess
 
 
+def test_model_flops_count_causal_attention_at_the_pairs_its_mask_keeps():
+    """MFU's numerator counts causal attention as its compute is priced: GPT b=2, S=16, 4 heads of 8, its 136 kept
+    pairs of 256, forward and backward (x3): 2 x b x heads x 136 pairs x (8 + 8) x 3 per SDPA."""
+    from meshplan.cost_model.compute import op_flops
+    from meshplan.cost_model.model_flops import model_flops, node_flops
+
+    model, tokens = _build("gpt")
+    graph = trace(model, (tokens,))
+    sdpa = [n for n in graph.nodes if n.target == SDPA]
+    assert sdpa and all(dict(n.attrs)["is_causal"] for n in sdpa)
+    for n in sdpa:
+        metas = [graph.meta(r) for r in n.inputs]
+        q = metas[0]
+        b, heads, s, d = q.shape
+        assert node_flops(n, metas) == 2 * b * heads * attention_pairs(s, s, True) * 2 * d == 2 * 2 * 4 * 136 * 16
+        assert node_flops(n, metas) < op_flops(n.target, metas, list(n.outputs))  # the whole rectangle
+    total, _ = model_flops(graph)
+    dense = sum(node_flops(n, [graph.meta(r) for r in n.inputs], dense_only=True) * (3 if any(n.requires_grad) else 1)
+                for n in graph.nodes if n.kind == "op" and n.target != SDPA)
+    assert total == pytest.approx(dense + len(sdpa) * 3 * 2 * 2 * 4 * 136 * 16)
+
+
 def test_shared_cores_run_the_busiest_rank_faster_but_never_faster_than_alone():
     # works 1 and 3 on one core: both at 1/2 until the first ends at 2, then the second alone for 2 more
     assert shared_cores_seconds([3.0, 1.0], 1.0) == pytest.approx(4.0)

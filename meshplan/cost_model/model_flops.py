@@ -4,8 +4,9 @@ MFU = model FLOPs / (devices x peak FLOP/s of the compute dtype x step time). Mo
 matmuls, convolutions and attention of the forward, three times where a gradient flows (the
 backward runs two matmuls of each forward one), as Megatron-LM does (Narayanan et al. 2021, which
 counts attention and the logits; the 6 N tokens rule of thumb leaves attention out), plus what a
-region op reports (the moe op's router and routed experts). Recomputation and everything
-elementwise are left out: MFU measures useful work, not work done.
+region op reports (the moe op's router and routed experts; causal attention at the query-key pairs its mask keeps,
+as the step prices it and FlashAttention's benchmarks count it, where Megatron's formula counts the whole rectangle).
+Recomputation and everything elementwise are left out: MFU measures useful work, not work done.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshplan.cost_model.attention_memory import flash_cpu_bytes, on_cpu
-from meshplan.cost_model.compute import attention_pairs
+from meshplan.cost_model.compute import attention_pairs, op_flops
 from meshplan.cost_model.estimate import compute_time, measured_seconds, profiled_seconds, steps_time
 from meshplan.cost_model.profile import op_key
 from meshplan.cost_model.redistribution import CommStep
@@ -554,6 +554,11 @@ class ContextParallel(RegionOp):
             backward_comm = steps_time(swaps, mesh_shape, cluster) + hidden + per_exchange  # the last sum's trip home
         return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back),
                           comm_s=forward_comm + backward_comm)
+
+    def flops(self, node, in_metas) -> float | None:
+        """Causal attention's model FLOPs (MFU's numerator) are the pairs its mask keeps, as its compute is priced: the
+        whole rectangle would count the masked half as work done (MFU up to twice the truth at long sequences)."""
+        return op_flops(node.target, list(in_metas), list(node.outputs), causal=True) if is_causal(node) else None
 
     def timed_work(self, node, in_metas, strategy, mesh_shape):
         """The busiest rank's blocks of a kernel that runs blocks (not ulysses, which runs the plain op on local
