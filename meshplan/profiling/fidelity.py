@@ -352,14 +352,15 @@ def save_rows(rows: list[Row], path) -> None:
                     "measured_bytes": r.measured_bytes} for r in rows], f, indent=1)
 
 
-STATED = ("memory", "peak_bytes", "solver", "alternatives", "bubble_fraction")
+STATED = ("memory", "peak_bytes", "solver", "alternatives", "bubble_fraction", "model_flops")
 """Plan file fields other than `*_s` that say what the cost model predicts, not what runs (`layouts_key`)."""
 
 
 def layouts_key(plan) -> str:
     """Identifies what a plan runs: its file without what the cost model states about it (prices, memory, the solver's
     figures, the candidates it ruled out: `*_s`, `memory`, `peak_bytes`, `solver`, `alternatives`, a pipeline's
-    `bubble_fraction`; rows saved before 2026-11-27 02:10 UTC keyed pipelines with it), so two cost models
+    `bubble_fraction`, the model FLOPs MFU counts; rows saved before 2026-11-27 02:10 UTC keyed pipelines with the
+    bubble fraction, and the committed rows were re-keyed without the model FLOPs at 07:50 UTC), so two cost models
     that price one plan differently give the same key, and two plans give two."""
     def strip(x):
         if isinstance(x, dict):
