@@ -359,9 +359,9 @@ STATED = ("memory", "peak_bytes", "solver", "alternatives", "bubble_fraction", "
 def layouts_key(plan) -> str:
     """Identifies what a plan runs: its file without what the cost model states about it (prices, memory, the solver's
     figures, the candidates it ruled out: `*_s`, `memory`, `peak_bytes`, `solver`, `alternatives`, a pipeline's
-    `bubble_fraction`, the model FLOPs MFU counts; rows saved before 2026-11-27 02:10 UTC keyed pipelines with the
-    bubble fraction, and the committed rows were re-keyed without the model FLOPs at 07:50 UTC), so two cost models
-    that price one plan differently give the same key, and two plans give two."""
+    `bubble_fraction`, the model FLOPs MFU counts), so two cost models that price one plan differently give the same
+    key, and two plans give two. Rows saved before 2026-11-27 02:10 UTC keyed pipelines with the bubble fraction, and
+    before 07:50 UTC every plan with its model FLOPs (those of 03:59-07:16 UTC are re-keyed)."""
     def strip(x):
         if isinstance(x, dict):
             return {k: strip(v) for k, v in x.items() if not k.endswith("_s") and k not in STATED}
