@@ -1,7 +1,7 @@
 """Cost-model fidelity: predicted against measured step time and peak memory, plan by plan.
 
 Small GPTs whose forward returns their loss (so the whole step is in the plan), planned and trained
-on local gloo processes. Each plan trains alone in its own launch, as a user runs it, `ROUNDS` times, the
+on local gloo processes. Each plan trains alone in its own launch, as a user runs it, `rounds` times (3 by default), the
 plans' launches taking turns; each launch times Adam steps after a warm-up, a step being forward +
 backward + `optimizer.step()` (a pipelined plan's `step()` runs all its microbatches), timed between
 barriers, its time the slowest rank's; the plan's figure is the median of its launches.
@@ -318,7 +318,8 @@ def predict(plan, graph, optimizer: str = "adam") -> tuple[tuple[float, float, f
     return parts, float(predict_peak(graph, plan, optimizer=optimizer).peak)
 
 
-def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, refresh_comm: bool = False, log=print) -> list[Row]:
+def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, refresh_comm: bool = False, rounds: int = 3,
+        log=print) -> list[Row]:
     """In sample: plan every case of `cases` with `profile` (see `meshplan.plan(profile=)`), measure each, and
     scale the predictions by the contention measured next to the timed steps; return the rows.
 
@@ -327,14 +328,14 @@ def run(profile=None, *, quick: bool = False, steps: int = 16, warmup: int = 3, 
     (FSDP on 4 ranks: 283 ms, then 482 ms of collectives per step, same code), so a calibration is
     only good next to the measurement it predicts."""
     return _run(cases(quick), profile, batch=QUICK_BATCH if quick else BATCH, quick=quick, steps=steps, warmup=warmup,
-                refresh_comm=refresh_comm, in_sample=True, log=log)
+                refresh_comm=refresh_comm, in_sample=True, rounds=rounds, log=log)
 
 
-def run_out_of_sample(profile, *, quick: bool = False, steps: int = 16, warmup: int = 3, log=print) -> list[Row]:
+def run_out_of_sample(profile, *, quick: bool = False, steps: int = 16, warmup: int = 3, rounds: int = 3, log=print) -> list[Row]:
     """Out of sample: plan every case of `out_of_sample_cases` from the saved `profile` as it is (nothing
-    measured again, nothing rescaled), then measure each; return the rows."""
+    measured again, nothing rescaled), then measure each in `rounds` launches; return the rows."""
     return _run(out_of_sample_cases(quick), profile, batch=QUICK_BATCH if quick else BATCH, quick=quick, steps=steps,
-                warmup=warmup, refresh_comm=False, in_sample=False, log=log)
+                warmup=warmup, refresh_comm=False, in_sample=False, rounds=rounds, log=log)
 
 
 def plan_case(case: Case, cluster, batch: int):
@@ -412,7 +413,7 @@ def solver_memory(plan) -> float:
 
 
 def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int, warmup: int, refresh_comm: bool,
-         in_sample: bool, log) -> list[Row]:
+         in_sample: bool, rounds: int, log) -> list[Row]:
     from meshplan.cost_model.presets import cluster_of
     from meshplan.cost_model.profile import resolve_profile
     from meshplan.ir.trace import trace
@@ -434,8 +435,8 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
                 graphs[case.size] = trace(model, (tokens,))
             log(f"planned {case.name} on {case.world}: mesh {plan.mesh.shape}"
                 f"{f' x pp {plan.pipeline.degree}' if plan.pipeline else ''}, predicted {plan.step_time_s * 1e3:.2f} ms")
-        log(f"measuring {len(mine)} plans on {world} local gloo processes, each in its own launch, {ROUNDS} rounds")
-        results = _measure_alone(world, mine, batch, warmup, steps)
+        log(f"measuring {len(mine)} plans on {world} local gloo processes, each in its own launch, {rounds} rounds")
+        results = _measure_alone(world, mine, batch, warmup, steps, rounds)
         scale = 1.0
         if in_sample:
             measuring = statistics.median(r["contention"] for r in results)
@@ -465,22 +466,18 @@ def _row(case: Case, plan, measured_s: float, measured_bytes: float, *, parts: t
                parts_s=parts, pipeline=plan.pipeline.degree if plan.pipeline else 1, layouts=layouts_key(plan))
 
 
-ROUNDS = 3
-"""Launches per plan: each plan's measured step is the median of its launches, made in turn with the other plans'."""
-
-
-def _measure_alone(world: int, planned: list, batch: int, warmup: int, steps: int) -> list[dict]:
-    """Each (case, plan) of one world trained as a user runs it, alone in its own launch of `world` processes, `ROUNDS`
+def _measure_alone(world: int, planned: list, batch: int, warmup: int, steps: int, rounds: int) -> list[dict]:
+    """Each (case, plan) of one world trained as a user runs it, alone in its own launch of `world` processes, `rounds`
     times, the plans' launches taking turns (so a change of background load hits all plans alike): the median of the
     launches' step times, the largest peak. All of a world's plans built in one process group measured FSDP on 4
     ranks at 201 ms where alone it takes 260 (2026-11-26, docs/cost_model.md)."""
     from meshplan.runtime.launch import run_local
 
     got: list[list[dict]] = [[] for _ in planned]
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for i, (case, plan) in enumerate(planned):
             got[i].append(run_local(world, _measure_plan, plan.to_json(), SIZES[case.size], batch, warmup,
-                                    max(4, steps // ROUNDS), timeout=1800)[0])
+                                    max(4, steps // rounds), timeout=1800)[0])
     return [{"time_s": statistics.median(r["time_s"] for r in runs), "peak_bytes": max(r["peak_bytes"] for r in runs),
              "contention": statistics.median(r["contention"] for r in runs)} for runs in got]
 
