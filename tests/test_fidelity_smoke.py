@@ -6,7 +6,6 @@ The fidelity figures themselves live in the benchmark's output (docs/cost_model.
 from __future__ import annotations
 
 import dataclasses
-
 import re
 import subprocess
 import sys

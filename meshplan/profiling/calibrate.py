@@ -161,8 +161,9 @@ def time_region_kernels(graph: Graph, meshes: Iterable[MeshSpec], *, device: str
 PROGRAM_SAMPLES = 5
 """Timings of the whole one-device program per profile, spread evenly over the op timings; `program_overhead` keeps
 their median. Its overhead is the difference of two large figures (the program, the sum of its ops), so a few per
-cent on the program is tens of per cent on the overhead: six back-to-back timings of 15 runs each read 6.0-12.3 us
-per op run for the small fidelity GPT and 20.8-28.9 for the large one (2026-11-27, docs/cost_model.md)."""
+cent on the program is tens of per cent on the overhead, and the program's speed drifts over seconds: in one process
+with fixed op timings, 25 timings of 15 runs read 11.8-32.1 us per op run for the medium fidelity GPT, the median of
+5 taken 5 s apart 14.0-16.8 (2026-11-27, docs/cost_model.md)."""
 
 
 def one_device_program(graph: Graph, device: torch.device) -> tuple[torch.nn.Module, list]:
