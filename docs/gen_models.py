@@ -56,7 +56,8 @@ Rule sources: **dtensor** (DTensor's registered op strategy), **meshplan** (mesh
 `meshplan/planner/rules/`, or a factory op such as `arange` computed whole on every device by
 design), **fallback** (no rule: the op runs replicated on every device, with a warning).
 *Splits* says whether some candidate strategy shards the op's work on the {MESH[0]} x {MESH[1]} mesh.
-FLOP shares count forward FLOPs on whole tensors (`meshplan.cost_model.compute.op_flops`).
+FLOP shares count forward FLOPs on whole tensors (`meshplan.cost_model.model_flops.node_flops`: causal attention at the
+query-key pairs its mask keeps).
 
 ## What these models exercise
 
