@@ -68,6 +68,7 @@ def plan(
     time_limit_s: float = 60.0,
     mixed_precision: str | MixedPrecision = "auto",
     context_parallel: bool = True,
+    token_order: bool = False,
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
@@ -109,9 +110,14 @@ def plan(
     `context_parallel`: whether the default mesh search and the pipeline search may add a `cp` axis (attention split
     along the sequence, docs/long_context.md) where it is priced cheaper; False plans without one unless you
     name one (`axis_names`, `PipelineOptions(context_degrees=)`).
+
+    `token_order`: on a mesh with a `cp` axis, hold every tensor split over it in head-tail token order (rank r of P
+    holds sequence chunks r and 2P-1-r of 2P), so causal attention does equal work on every rank with no exchange of
+    queries (docs/long_context.md). Needs a named `cp` axis and no pipeline.
     """
-    if not isinstance(context_parallel, bool):
-        raise ValueError(f"context_parallel must be True or False; got {context_parallel!r}")
+    for name, flag in (("context_parallel", context_parallel), ("token_order", token_order)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False; got {flag!r}")
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be a positive number of seconds; got {time_limit_s!r}")
     example_inputs, example_kwargs = example_call(example_inputs, example_kwargs)
@@ -128,6 +134,8 @@ def plan(
     annotated = bool(param_layouts or input_layouts or parameter_plan or parallelize_plan or shard_annotations)
     if pipeline == MULTI_NODE:
         pipeline = multi_node_pipeline(devices, mesh_shape, mode, annotated, cluster_preset)
+    if (pipeline is not None or stage_config) and token_order:
+        raise ValueError("token_order=True is not built for pipelined plans: pass pipeline=None (and a mesh with a 'cp' axis)")
     if pipeline is not None or stage_config:
         if not isinstance(devices, int) or mesh_shape is not None or mode != "auto" or annotated:
             raise ValueError("pipeline search takes an int `devices` and mode='auto' without mesh_shape or layout annotations; "
@@ -145,7 +153,7 @@ def plan(
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
         input_layouts=dict(input_layouts or {}), optimizer=optimizer, memory_budget=memory_budget, search=search,
-        recompute=recompute, offload=offload, time_limit_s=float(time_limit_s),
+        recompute=recompute, offload=offload, time_limit_s=float(time_limit_s), token_order=token_order,
         annotations=Annotations(
             parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=shard_annotations
         ),
@@ -318,7 +326,7 @@ def _eval_program(model: nn.Module, example_inputs: tuple, example_kwargs: dict 
     if not attributes and eval_graph.fingerprint() == graph.fingerprint():
         return None
     options = PlanOptions(
-        inputs=plan.inputs_mode, recompute="never", loss_only=plan.pipeline is not None,
+        inputs=plan.inputs_mode, recompute="never", loss_only=plan.pipeline is not None, token_order=plan.token_order,
         param_layouts={p.fqns[0]: p.layout for p in plan.params}, input_layouts={i.name: i.layout for i in plan.inputs},
     )
     phase(f"planning {type(model).__name__} in {'train' if training else 'eval'} mode"

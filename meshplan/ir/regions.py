@@ -69,6 +69,13 @@ class RegionOp:
         does not have, such as context parallelism on a mesh without a `cp` axis)."""
         return None
 
+    def token_order(self, strategy) -> bool:
+        """Whether the kernel of `strategy` runs on blocks in head-tail token order (`Plan.token_order`) rather than
+        contiguous ones. A kernel that reads where its block lies (a masked lookup's offset, attention's causal mask)
+        runs right in one order only: the planner offers a kernel that splits a tensor over the `cp` axis only in a
+        plan of its order (planner/token_order.py)."""
+        return False
+
     # ---- cost model
     def cost(self, node, in_metas, strategy, mesh_shape: tuple[int, ...], cluster, *, backward: bool):
         """`cost_model.regions.RegionCost` of one device under `strategy` (compute seconds and the op's

@@ -51,6 +51,7 @@ from meshplan.planner.recompute import RecomputeGroup, check_recompute, internal
 from meshplan.planner.solver import InfeasiblePlan, Solution, SolveTimeout, evaluate, solve
 from meshplan.planner.strategies import Candidates, generate
 from meshplan.planner.tying import Tying, tie_repeated_layers
+from meshplan.planner.token_order import check_token_order, keep_order
 from meshplan.plans.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer, keeps_plain
 from meshplan.plans.strategy import Strategy
 from meshplan.progress import phase
@@ -136,6 +137,10 @@ class PlanOptions:
     offload: str = "never"
     """Optimizer state (with fp32 master weights) in host memory: 'never', 'auto' (the solve decides per
     parameter) or 'always'. Needs the optimizer from `ParallelModule.make_optimizer` (see planner/offload.py)."""
+    token_order: bool = False
+    """Hold every tensor split over the `cp` axis in head-tail token order (runtime/token_order.py): causal attention
+    then runs balanced with no exchange of queries (`cp_attention(headtail)`, `cp_attention(ring_headtail)`), and no
+    parameter is split over `cp` (planner/token_order.py)."""
 
 
 @fewer_collections
@@ -184,6 +189,9 @@ def _candidates(graph: Graph, mesh: MeshSpec, options: PlanOptions) -> tuple[Can
     the constraints the annotations bound to the graph."""
     phase(f"candidate strategies on mesh {mesh}")
     cands = generate(graph, mesh, inputs=options.inputs, strict=options.strict, loss_only=options.loss_only)
+    if options.token_order:
+        check_token_order(mesh, inputs=options.inputs, loss_only=options.loss_only)
+    keep_order(graph, mesh, cands, options.token_order)
     before_constraints = dict(cands.by_node)
     constraints = constrain(
         graph, mesh, cands.by_node, mode=options.mode, annotations=options.annotations,
@@ -410,6 +418,7 @@ class _Planning:
             precision=graph.precision,
             model_flops=flops,
             peak_flops=cluster.device.peak(flops_dtype),
+            token_order=options.token_order,
             mesh=mesh,
             mode=options.mode,
             inputs_mode=options.inputs,

@@ -16,6 +16,7 @@ import typing
 from typing import Any, Union
 
 from meshplan.cost_model.redistribution import DUAL_KIND
+from meshplan.ir.mesh import CP_AXIS
 from meshplan.ir.placement import Partial, Shard
 
 
@@ -23,6 +24,8 @@ def check_plan(plan) -> None:
     """Raise ValueError('plan file is malformed: <field path> ...') for the first field that is wrong."""
     _check(plan, type(plan), "plan")
     ndim = plan.mesh.ndim
+    if plan.token_order and CP_AXIS not in plan.mesh.axis_names:
+        raise _bad("token_order", f"is true, which orders the splits of a {CP_AXIS!r} axis, and mesh {plan.mesh} has none")
 
     def layout(value, path: str, rank: int | None = None) -> None:
         if value is None:

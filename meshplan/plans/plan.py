@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from meshplan.cost_model.memory import MemoryBreakdown
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.ir.graph import layer_of
-from meshplan.ir.mesh import MeshSpec
+from meshplan.ir.mesh import CP_AXIS, MeshSpec
 from meshplan.ir.placement import Partial, Placements, Replicate, Shard, fmt, parse
 from meshplan.ir.precision import MixedPrecision
 from meshplan.ir.tensor_map import from_tensor_map, to_tensor_map
@@ -187,6 +187,10 @@ class Plan:
     """Model FLOPs of one training step, whole batch (cost_model/model_flops.py); 0: not recorded."""
     peak_flops: float = 0.0
     """One device's peak FLOP/s in the dtype the model computes in (the cluster preset's)."""
+    token_order: bool = False
+    """Every tensor split over the `cp` mesh axis is held in head-tail token order (runtime/token_order.py): the
+    inputs are sliced so, every move on that axis keeps it, and causal attention runs balanced without exchanging
+    queries (`PlanOptions.token_order`)."""
     version: int = SCHEMA_VERSION
 
     # ------------------------------------------------------------ queries
@@ -202,6 +206,11 @@ class Plan:
         if self.pipeline:
             return self.pipeline.step_s
         return self.compute_s + self.comm_s + self.host_s + self.optimizer_s
+
+    @property
+    def head_tail_axis(self) -> int | None:
+        """The mesh axis whose splits the plan holds in head-tail token order (`token_order`: its `cp` axis), or None."""
+        return self.mesh.axis_names.index(CP_AXIS) if self.token_order else None
 
     @property
     def plain_params(self) -> bool:
@@ -268,6 +277,8 @@ class Plan:
         else:
             for entry, st in zip(d["pipeline"]["stages"], self.pipeline.stages):
                 entry["memory"] = st.memory.to_dict()
+        if not self.token_order:
+            del d["token_order"]  # and plans in the contiguous order
         del d["solver"]["seconds"], d["solver"]["constraints"]
         if not self.solver.skipped:
             del d["solver"]["skipped"]  # plans of a single mesh keep the bytes they always had
@@ -388,8 +399,15 @@ def _decode_plan(d: dict) -> Plan:
         precision=MixedPrecision.from_dict(d["precision"]) if "precision" in d else None,
         model_flops=d.get("model_flops", 0.0),
         peak_flops=d.get("peak_flops", 0.0),
+        token_order=_flag(d.get("token_order", False), "token_order"),
         version=d["version"],
     )
+
+
+def _flag(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be true or false, got {value!r:.60}")
+    return value
 
 
 def _decode_param(p: dict, seq) -> ParamChoice:

@@ -22,13 +22,17 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
   hidden behind a block's compute (`RingAttention`).
 - `cp_attention(ring_balanced)`: the ring over the balanced kernel's two query chunks, with the same swap of half
   the queries and their output with the mirrored rank around it (causal masks).
+- `cp_attention(headtail)` and `cp_attention(ring_headtail)`: the all-gather kernel and the ring in a plan that
+  holds its `cp` splits in head-tail token order (`Plan.token_order`, runtime/token_order.py): rank r already
+  holds chunks r and 2P-1-r of 2P, whose causal work is the same on every rank, so nothing is swapped; the gather
+  puts the keys back in sequence order, and the ring's blocks are two chunks each.
 - `cp_attention(ulysses)`: all-to-all from sequence-split to heads-split (q, k, v), the plain op over the whole
   sequence and the local heads, all-to-all back (DeepSpeed-Ulysses); needs the heads and the KV heads on
   this rank divisible by P.
 
 Each kernel's name carries `,causal` when the op is causal, so its cost knows the mask shape. Not offered, with
 the reason `explain` prints: an explicit mask tensor, dropout, a sequence not divisible by 2P or no causal mask
-(the balanced two), heads not divisible by P (ulysses). `force_context_parallel` makes a plan use them. Every
+(the balanced and token-order kernels), heads not divisible by P (ulysses). `force_context_parallel` makes a plan use them. Every
 collective is counted when issued (`StepFunction`, whose backward is the dual step, or `collective` for the
 exchanges): the steps priced here are the steps the plan lists and the runtime runs.
 """
@@ -59,12 +63,18 @@ from meshplan.planner.rules.attention import sdpa_rule
 from meshplan.planner.strategies import clear_strategy_cache
 from meshplan.regions.attention_blocks import SEQ, BlockAttention, block_backward, block_forward, check_device, merge_blocks
 from meshplan.runtime.collectives import MeshComm, StepFunction, collective, forward_phase, wait
+from meshplan.runtime.token_order import owned_chunks
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
-VARIANTS = ("allgather", "balanced", "ring", "ring_balanced", "ulysses")
+VARIANTS = ("allgather", "balanced", "ring", "ring_balanced", "ulysses", "headtail", "ring_headtail")
 BALANCED = ("balanced", "ring_balanced")
 """The kernels that swap half the queries with the mirrored rank (`MirrorSwap`): causal masks only."""
-RINGS = ("ring", "ring_balanced")
+TOKEN_ORDER = ("headtail", "ring_headtail")
+"""The kernels of a plan in head-tail token order (`Plan.token_order`): each rank already holds two chunks of equal
+causal work, so nothing is swapped; causal masks only, and only in such a plan (planner/token_order.py)."""
+EVEN = BALANCED + TOKEN_ORDER
+"""The kernels whose ranks compute equal causal work."""
+RINGS = ("ring", "ring_balanced", "ring_headtail")
 """The kernels that pass K and V round the ring (`RingAttention`) instead of gathering them."""
 
 
@@ -99,12 +109,27 @@ def balanced_chunks(rank: int, n: int) -> tuple[int, int]:
     return 2 * rank, 2 * n - 1 - 2 * rank
 
 
+def query_chunks(variant: str, rank: int, n: int) -> tuple[int, ...]:
+    """The chunks of 2n whose queries rank `rank` computes under an even kernel (`EVEN`): the balanced kernels' after
+    their swap, the token-order kernels' as held (`token_order.owned_chunks`)."""
+    return owned_chunks(rank, n) if variant in TOKEN_ORDER else balanced_chunks(rank, n)
+
+
+def key_chunks(variant: str, rank: int, n: int, keys: int) -> tuple[tuple[int, int, int], ...]:
+    """(offset in the block, first position, count) of the key chunks in rank `rank`'s block of `keys` keys: one
+    contiguous chunk, or two in head-tail token order."""
+    if variant not in TOKEN_ORDER:
+        return ((0, rank * keys, keys),)
+    half = keys // 2
+    return tuple((i * half, c * half, half) for i, c in enumerate(owned_chunks(rank, n)))
+
+
 def causal_pairs(variant: str, n: int, rows: int) -> int:
     """Query-key pairs the busiest rank computes under a causal mask, the sequence split over `n` ranks of `rows`
     query rows. A chunk of c rows starting at position f sees f whole keys and a c x c causal diagonal. Split
     contiguously (allgather, ring) rank n-1 has f = (n-1)L: (n - 1/2)L^2, (2n-1)/n of the average; balancing gives
     every rank two chunks of c = L/2 whose indices sum to 2n-1 (`balanced_chunks`): n L^2 / 2, the average."""
-    if variant in BALANCED:
+    if variant in EVEN:
         c = rows // 2
         return sum(j * c * c + attention_pairs(c, c, True) for j in balanced_chunks(0, n))
     return (n - 1) * rows * rows + attention_pairs(rows, rows, True)
@@ -128,8 +153,8 @@ def is_causal(node) -> bool:
 
 # ---------------------------------------------------------------- this rank's part
 
-def _step(x: torch.Tensor, step: CommStep, comm: MeshComm) -> torch.Tensor:
-    return StepFunction.apply(x, step, comm)
+def _step(x: torch.Tensor, step: CommStep, comm: MeshComm, head_tail: bool = False) -> torch.Tensor:
+    return StepFunction.apply(x, step, comm, head_tail)
 
 
 def _attend(q, k, v, first: int, causal: bool, scale) -> torch.Tensor:
@@ -221,9 +246,9 @@ class RingAttention(torch.autograd.Function):
     heads."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal: bool, axis: int, comm: MeshComm, starts: tuple[int, ...]):
+    def forward(ctx, q, k, v, scale, causal: bool, axis: int, comm: MeshComm, starts: tuple[int, ...], variant: str = "ring"):
         n, me = comm.mesh.shape[axis], comm.coord[axis]
-        ctx.scale, ctx.causal, ctx.axis, ctx.comm, ctx.starts = scale, causal, axis, comm, starts
+        ctx.scale, ctx.causal, ctx.axis, ctx.comm, ctx.starts, ctx.variant = scale, causal, axis, comm, starts, variant
         phase = forward_phase()
         rows, keys = q.shape[SEQ] // len(starts), k.shape[SEQ]
         packed, ctx.blocks = torch.stack([k, v]), {}
@@ -234,7 +259,7 @@ class RingAttention(torch.autograd.Function):
             pending = _start_rotate(packed, comm, axis, phase) if t < n - 1 else None
             kb, vb = (_repeat_heads(x, q.shape[1]) for x in packed.unbind(0))
             for i, start in enumerate(starts):
-                for j, (first, count, diagonal) in enumerate(_segments(start, rows, (me - t) % n * keys, keys, causal)):
+                for j, (first, count, diagonal) in enumerate(_block_segments(variant, start, rows, (me - t) % n, n, keys, causal)):
                     o, lse, ctx.blocks[t, i, j] = block_forward(q.narrow(SEQ, i * rows, rows), kb.narrow(SEQ, first, count),
                                                                vb.narrow(SEQ, first, count), diagonal, scale)
                     outs[i].append(o)
@@ -260,7 +285,8 @@ class RingAttention(torch.autograd.Function):
             share = torch.zeros_like(held)  # this rank's part of the held block's dK, dV
             for i, start in enumerate(starts):
                 mine = slice(i * rows, (i + 1) * rows)
-                for j, (first, count, diagonal) in enumerate(_segments(start, rows, (me - t) % n * keys, keys, ctx.causal)):
+                for j, (first, count, diagonal) in enumerate(_block_segments(ctx.variant, start, rows, (me - t) % n, n, keys,
+                                                                             ctx.causal)):
                     dq, dk, dv = block_backward(grad[:, :, mine], q[:, :, mine], kb.narrow(SEQ, first, count),
                                                 vb.narrow(SEQ, first, count), out[:, :, mine], lse[..., mine],
                                                 ctx.blocks[t, i, j], diagonal, ctx.scale)
@@ -273,7 +299,14 @@ class RingAttention(torch.autograd.Function):
             if coming is not None:
                 held = _finish_exchange(coming, held, comm, axis, "backward")
         home = _finish_exchange(summed, held, comm, axis, "backward")  # rank r holds block r+1's sum: its own block's arrives
-        return grad_q.to(q.dtype), home[0], home[1], None, None, None, None, None
+        return grad_q.to(q.dtype), home[0], home[1], None, None, None, None, None, None
+
+
+def _block_segments(variant: str, start: int, rows: int, src: int, n: int, keys: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """`_segments` of query rows at `start` .. over the key block rank `src` holds (`key_chunks`), offsets within the
+    block."""
+    return [(offset + first, count, diagonal) for offset, position, length in key_chunks(variant, src, n, keys)
+            for first, count, diagonal in _segments(start, rows, position, length, causal)]
 
 
 def _segments(start: int, rows: int, first_key: int, keys: int, causal: bool) -> list[tuple[int, int, bool]]:
@@ -303,7 +336,7 @@ def _sum_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
 
 def busiest_rank(variant: str, n: int, causal: bool) -> int:
     """The rank with the most query-key pairs: the last of a contiguous causal split, any one otherwise (rank 0)."""
-    return n - 1 if causal and variant not in BALANCED and variant != "ulysses" else 0
+    return n - 1 if causal and variant not in EVEN and variant != "ulysses" else 0
 
 
 def rank_attention(variant: str, q, k, v, rank: int, n: int, causal: bool, scale=None) -> torch.Tensor:
@@ -314,17 +347,18 @@ def rank_attention(variant: str, q, k, v, rank: int, n: int, causal: bool, scale
     (`ContextParallel.timed_work`); benchmarks/gpu_cp_blocks.py times every rank's."""
     seq, heads = q.shape[SEQ], q.shape[1]
     rows = seq // n
-    size = rows // 2 if variant in BALANCED else rows
-    starts = [j * size for j in balanced_chunks(rank, n)] if variant in BALANCED else [rank * rows]
+    size = rows // 2 if variant in EVEN else rows
+    starts = [j * size for j in query_chunks(variant, rank, n)] if variant in EVEN else [rank * rows]
     outs = []
     for start in starts:
         if variant in RINGS:
             flags, kv = [], []
             for t in range(n):
                 src = (rank - t) % n
-                for first, count, diagonal in _segments(start, size, src * rows, rows, causal):
-                    flags.append(diagonal)
-                    kv += [_repeat_heads(x.narrow(SEQ, src * rows + first, count), heads) for x in (k, v)]
+                for _, position, length in key_chunks(variant, src, n, rows):
+                    for first, count, diagonal in _segments(start, size, position, length, causal):
+                        flags.append(diagonal)
+                        kv += [_repeat_heads(x.narrow(SEQ, position + first, count), heads) for x in (k, v)]
             outs.append(BlockAttention.apply(q.narrow(SEQ, start, size), scale, tuple(flags), *kv))
         else:
             keys, values = (_repeat_heads(x, heads) for x in (k, v))
@@ -353,17 +387,27 @@ class ContextParallelAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=scale, enable_gqa=gqa)
             return _step(out, to_heads.dual(), self.comm)
         me, rows = self.comm.coord[self.axis], q.shape[SEQ]
+        n = self.comm.mesh.shape[self.axis]
         if self.variant == "ring":
             return RingAttention.apply(q, k, v, scale, self.causal, self.axis, self.comm, (me * rows,))
+        if self.variant == "ring_headtail":  # the rank's two chunks as it holds them, the blocks too
+            starts = tuple(c * (rows // 2) for c in owned_chunks(me, n))
+            return RingAttention.apply(q, k, v, scale, True, self.axis, self.comm, starts, self.variant)
         if self.variant == "ring_balanced":
             return _balanced(q, self.comm, self.axis, lambda own, lent, starts: RingAttention.apply(
                 torch.cat([own, lent], dim=SEQ), k, v, scale, True, self.axis, self.comm, starts).chunk(2, dim=SEQ))
-        # K and V gathered together (one collective, as the ring passes them packed); its backward one reduce-scatter
-        keys, values = _step(torch.stack([k, v]), CommStep("all_gather", self.axis, SEQ + 1), self.comm).unbind(0)
+        # K and V gathered together (one collective, as the ring passes them packed), in sequence order; its backward one
+        # reduce-scatter
+        keys, values = _step(torch.stack([k, v]), CommStep("all_gather", self.axis, SEQ + 1), self.comm,
+                             self.variant == "headtail").unbind(0)
         if gqa and keys.shape[1] != q.shape[1]:  # grouped-query attention: each key/value head serves a group of query heads
             keys, values = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (keys, values))
         if self.variant == "allgather":
             return _attend(q, keys, values, me * rows, self.causal, scale)
+        if self.variant == "headtail":
+            half = rows // 2
+            return torch.cat([_attend(q.narrow(SEQ, i * half, half), keys, values, c * half, True, scale)
+                              for i, c in enumerate(owned_chunks(me, n))], dim=SEQ)
         return _balanced(q, self.comm, self.axis, lambda own, lent, starts: (
             _attend(own, keys, values, starts[0], True, scale), _attend(lent, keys, values, starts[1], True, scale)))
 
@@ -466,7 +510,7 @@ class ContextParallel(RegionOp):
         if a["dropout_p"]:
             return f"{what}: dropout_p={a['dropout_p']} inside attention is not supported (its mask would differ per split)"
         seq = a["q"].shape[SEQ]
-        if variant in BALANCED:
+        if variant in EVEN:
             if not causal:
                 return f"{what}: load balancing is for causal masks; without one every rank already does the same work"
             if seq % (2 * n):
@@ -478,6 +522,9 @@ class ContextParallel(RegionOp):
                 if local % n:
                     return f"{what}: {local} {label} per device do not divide by {n} (all-to-all from sequence to heads)"
         return None
+
+    def token_order(self, strategy) -> bool:
+        return bool(strategy.kernel) and parse_kernel(strategy.kernel)[0] in TOKEN_ORDER
 
     def cost(self, node, in_metas, strategy, mesh_shape, cluster, *, backward: bool) -> RegionCost | None:
         if not strategy.kernel:  # the plain op, causal: priced at the pairs its mask keeps (non-causal: as any op)
@@ -519,7 +566,7 @@ class ContextParallel(RegionOp):
         work = causal_pairs(variant, n, rows) / (rows * rows * n) if causal and variant != "ulysses" else 1.0
         plain = variant == "ulysses"
         shared = 1.0
-        if work < 1.0 and variant not in BALANCED and cluster.profile is not None:
+        if work < 1.0 and variant not in EVEN and cluster.profile is not None:
             # split contiguously, rank r computes r whole blocks and a diagonal. Ranks that share cores (a CPU with
             # more ranks than cores: contention > 1) hand the busiest rank the time the others wait; one rank per
             # core or GPU (contention 1) computes its own work alone
@@ -587,7 +634,7 @@ class ContextParallel(RegionOp):
         if not strategy.kernel:
             return 0
         variant, _ = parse_kernel(strategy.kernel)
-        if variant not in ("allgather", "balanced"):
+        if variant not in ("allgather", "balanced", "headtail"):
             return 0
         n = mesh_shape[cp_axis(strategy)]
         q, k, v = in_metas[:3]
@@ -622,7 +669,7 @@ class ContextParallel(RegionOp):
         heads = lead[-1]
         qb, q32, lse = q.nbytes, math.prod(q.shape) * 4, batch * heads * rows * 4
         cpu = on_cpu(cluster)
-        if variant not in RINGS + ("ulysses",):
+        if variant not in RINGS + ("ulysses",):  # the token-order kernel's two half chunks hold at most the contiguous one's
             return _gathered_working_bytes(variant == "balanced", causal, n, batch, heads, heads // k.shape[-3], rows, dim,
                                            k.nbytes, q.itemsize, cpu, backward=backward)
         if variant == "ulysses":  # the plain op on the whole sequence and 1/n of the heads, between all-to-alls
@@ -634,7 +681,7 @@ class ContextParallel(RegionOp):
             return max(qb + (flash_cpu_bytes(**whole, backward=True) if cpu else 0), 3 * qb)
         block = 2 * k.nbytes  # one K/V block, as it travels
         repeated = 2 * qb if k.shape[-3] != heads else 0  # grouped-query K and V repeated to the query heads, per block
-        chunk = rows // 2 if variant == "ring_balanced" else rows
+        chunk = rows // 2 if variant in ("ring_balanced", "ring_headtail") else rows
         borrowed = qb if variant == "ring_balanced" else 0
         if not backward:
             scratch = flash_cpu_bytes(batch, heads, chunk, chunk, dim, backward=False) if cpu else 0

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.cost_model.redistribution import CommStep
 from meshplan.ir.mesh import MeshSpec
+from meshplan.runtime import token_order
 
 COUNTS: Counter = Counter()
 """'forward:all_gather', 'backward:reduce_scatter', 'grad_sync:all_reduce', ... since the last reset."""
@@ -205,13 +206,16 @@ def all_reduce_axes(x: torch.Tensor, comm: MeshComm, axes: tuple[int, ...], phas
     return x
 
 
-def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str) -> torch.Tensor:
-    """Execute one step on the local tensor (no autograd: callers wrap this)."""
+def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str, head_tail: bool = False) -> torch.Tensor:
+    """Execute one step on the local tensor (no autograd: callers wrap this). `head_tail`: the split the step makes or
+    undoes holds each place's two chunks in head-tail token order (runtime/token_order.py), not one contiguous block."""
     n = comm.mesh.shape[step.axis]
     me = comm.coord[step.axis]
     if step.kind == "chunk":
-        return x.chunk(n, dim=step.dim)[me].contiguous()
+        return token_order.take(x, step.dim, n, me) if head_tail else x.chunk(n, dim=step.dim)[me].contiguous()
     if step.kind == "pad":
+        if head_tail:
+            return token_order.put(x, step.dim, n, me)
         shape = list(x.shape)
         shape[step.dim] *= n
         out = x.new_zeros(shape)
@@ -221,44 +225,49 @@ def run_step(step: CommStep, x: torch.Tensor, comm: MeshComm, phase: str) -> tor
         return x if me == 0 else torch.zeros_like(x)
     out = collective(comm, phase, step.kind,
                      lambda: f"{phase} {step} over mesh axis {comm.mesh.axis_names[step.axis]}",
-                     _communicate, step, x, n, comm.group_name(step.axis))
+                     _communicate, step, x, n, comm.group_name(step.axis), head_tail)
     if step.reduce == "avg":
         out = out / n
     return out
 
 
-def _communicate(step: CommStep, x: torch.Tensor, n: int, group: str) -> torch.Tensor:
+def _communicate(step: CommStep, x: torch.Tensor, n: int, group: str, head_tail: bool) -> torch.Tensor:
     if step.kind == "all_reduce":
         out = all_reduce(x, group)  # into a fresh contiguous copy, as an in-place all_reduce of a clone
     elif step.kind == "all_gather":
         x = x.contiguous()
         buf = wait(funcol.all_gather_single(x, 0, group))
+        if head_tail:
+            return token_order.join(buf.view((n,) + tuple(x.shape)).unbind(0), step.dim)
         # gathered rank after rank along dim 0: that already is the result for dim 0 (no second copy)
         out = buf if step.dim == 0 else torch.cat(buf.view((n,) + tuple(x.shape)).unbind(0), dim=step.dim)
     elif step.kind == "reduce_scatter":
-        # a contiguous tensor already holds its dim-0 chunks rank after rank: no stacked copy for dim 0
-        pieces = x.contiguous() if step.dim == 0 else torch.cat(x.chunk(n, dim=step.dim))
+        if head_tail:
+            pieces = torch.cat([token_order.take(x, step.dim, n, p) for p in range(n)])
+        else:  # a contiguous tensor already holds its dim-0 chunks rank after rank: no stacked copy for dim 0
+            pieces = x.contiguous() if step.dim == 0 else torch.cat(x.chunk(n, dim=step.dim))
         out = wait(funcol.reduce_scatter_single(pieces, "sum", 0, group))
     elif step.kind == "all_to_all":
-        pieces = torch.stack([c.contiguous() for c in x.chunk(n, dim=step.dim2)])
-        recv = wait(funcol.all_to_all_single(pieces, None, None, group))
-        out = torch.cat(recv.unbind(0), dim=step.dim)
+        sent = [token_order.take(x, step.dim2, n, p) for p in range(n)] if head_tail else x.chunk(n, dim=step.dim2)
+        pieces = torch.stack([c.contiguous() for c in sent])
+        recv = wait(funcol.all_to_all_single(pieces, None, None, group)).unbind(0)
+        out = token_order.join(recv, step.dim) if head_tail else torch.cat(recv, dim=step.dim)
     else:
         raise AssertionError(f"unknown step kind {step.kind}")
     return out
 
 
 class StepFunction(torch.autograd.Function):
-    """One redistribution step; backward runs the dual step."""
+    """One redistribution step; backward runs the dual step (in the same token order)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, step: CommStep, comm: MeshComm) -> torch.Tensor:
-        ctx.step, ctx.comm = step, comm
-        return run_step(step, x, comm, forward_phase())
+    def forward(ctx, x: torch.Tensor, step: CommStep, comm: MeshComm, head_tail: bool = False) -> torch.Tensor:
+        ctx.step, ctx.comm, ctx.head_tail = step, comm, head_tail
+        return run_step(step, x, comm, forward_phase(), head_tail)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return run_step(ctx.step.dual(), grad, ctx.comm, "backward"), None, None
+        return run_step(ctx.step.dual(), grad, ctx.comm, "backward", ctx.head_tail), None, None, None
 
 
 class ScaleGrad(torch.autograd.Function):

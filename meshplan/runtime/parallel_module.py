@@ -28,10 +28,10 @@ from torch.utils import _pytree as pytree
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.op_kinds import is_random
-from meshplan.ir.placement import Placements, local_shape
+from meshplan.ir.placement import Placements, Shard, local_shape
 from meshplan.ir.trace import TracedProgram
 from meshplan.plans.plan import InputChoice, Plan
-from meshplan.runtime import collectives
+from meshplan.runtime import collectives, token_order
 from meshplan.runtime.collectives import MeshComm
 from meshplan.runtime.grad_buckets import GradBuckets
 from meshplan.runtime.init_on_meta import FromInit
@@ -62,9 +62,18 @@ def default_weights(model: nn.Module, device: torch.device, *, whole_job: bool =
     return FromModel(tensors, whole_job=whole_job)
 
 
-def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int) -> torch.Tensor:
-    """Rank `rank`'s block of a whole tensor, a view (outer mesh axes take the outer blocks, as in DTensor)."""
-    return t[block_slices(tuple(t.shape), layout, mesh, rank)]
+def shard_tensor(t: torch.Tensor, layout: Placements, mesh: MeshSpec, rank: int, head_tail_axis: int | None = None) -> torch.Tensor:
+    """Rank `rank`'s block of a whole tensor, a view (outer mesh axes take the outer blocks, as in DTensor). A split
+    on `head_tail_axis` takes the place's two chunks in head-tail token order (runtime/token_order.py: a copy), as
+    the plan's moves on that axis do, outer axes first."""
+    if head_tail_axis is None or not isinstance(layout[head_tail_axis], Shard):
+        return t[block_slices(tuple(t.shape), layout, mesh, rank)]
+    coord = mesh.coordinate(rank)
+    for a, p in enumerate(layout):
+        if isinstance(p, Shard):
+            n = mesh.shape[a]
+            t = token_order.take(t, p.dim, n, coord[a]) if a == head_tail_axis else t.chunk(n, dim=p.dim)[coord[a]]
+    return t
 
 
 class ParallelModule(nn.Module):
@@ -359,7 +368,7 @@ class ParallelModule(nn.Module):
                     f"input {name}{per_step} has shape {list(x.shape)} but the plan was made for {list(choice.shape)}; "
                     "re-plan for the new shape"
                 )
-            return shard_tensor(x, choice.layout, self.plan.mesh, self.comm.rank)
+            return shard_tensor(x, choice.layout, self.plan.mesh, self.comm.rank, self.plan.head_tail_axis)
         want = local_shape(choice.shape, choice.layout, self.plan.mesh.shape)
         if tuple(x.shape) != want:
             raise ValueError(

@@ -35,17 +35,19 @@ SHAPE_ARG = dict(DTensor._op_dispatcher.sharding_propagator.op_to_shape_and_stri
 
 
 class Redistribute(nn.Module):
-    """Moves one tensor between layouts with the plan's steps (each differentiable)."""
+    """Moves one tensor between layouts with the plan's steps (each differentiable). `head_tail_axis`: the mesh axis
+    whose splits are in head-tail token order (`Plan.head_tail_axis`), or None."""
 
-    def __init__(self, steps: tuple[CommStep, ...], comm: MeshComm, what: str) -> None:
+    def __init__(self, steps: tuple[CommStep, ...], comm: MeshComm, what: str, head_tail_axis: int | None = None) -> None:
         super().__init__()
         self.steps = steps
         self.comm = comm
         self.what = what
+        self.head_tail_axis = head_tail_axis
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for step in self.steps:
-            x = StepFunction.apply(x, step, self.comm)
+            x = StepFunction.apply(x, step, self.comm, step.axis == self.head_tail_axis)
         return x
 
     def extra_repr(self) -> str:
@@ -90,7 +92,8 @@ def local_program(graph: Graph, plan: Plan, comm: MeshComm) -> fx.GraphModule:
             if t is None or not t.forward:
                 return new
             name = f"move_{len(root._modules)}"
-            root.add_module(name, Redistribute(t.forward, comm, f"{t.tensor} {t.src}->{t.dst}".replace("Shard", "S")))
+            root.add_module(name, Redistribute(t.forward, comm, f"{t.tensor} {t.src}->{t.dst}".replace("Shard", "S"),
+                                               plan.head_tail_axis))
             node = graph.call_module(name, (new,))
             node.meta[SOURCE] = consumer  # a move belongs to its consumer (pipeline stages cut by it)
             return tag(node, layer.get(consumer))

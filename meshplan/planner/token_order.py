@@ -1,0 +1,89 @@
+"""Which candidates a plan in head-tail token order (`PlanOptions.token_order`) may take, and which only it may.
+
+In such a plan every tensor split over the `cp` mesh axis is held as its place's two chunks of 2P
+(runtime/token_order.py). Ops whose sharding rule keeps a dimension split compute each index of it on its own, or
+sum over it, so they run on those blocks as on contiguous ones. What does not:
+
+- a kernel that reads where its block lies (a masked lookup's offset into the vocabulary, the contiguous
+  context-parallel kernels' causal mask), unless it is written for this order (`RegionOp.token_order`);
+- parameters and buffers split over `cp`: DTensor, the optimizer's state and checkpoints hold contiguous blocks;
+- a dimension that does not cut into 2P equal chunks where the `cp` axis splits it.
+
+Those candidates are dropped, each with its reason for `explain`. Without token order the token-order kernels are
+dropped instead. The order is the whole plan's: one kernel in either order would give wrong numbers in the other.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshplan.ir.graph import Graph, TensorMeta
+from meshplan.ir.mesh import CP_AXIS, MeshSpec
+from meshplan.ir.placement import Placements, Shard
+from meshplan.ir.regions import region_op
+from meshplan.plans.strategy import Strategy
+from meshplan.planner.strategies import Candidates
+
+STORED = ("param", "buffer")
+
+
+def check_token_order(mesh: MeshSpec, *, inputs: str, loss_only: bool) -> None:
+    """A ValueError for a token-order plan that cannot be one: no `cp` axis, or tensors handed over in blocks (the
+    user's own slices, a loss function's DTensors) that the user would read as contiguous."""
+    if CP_AXIS not in mesh.axis_names:
+        raise ValueError(f"token_order=True orders the splits of a mesh axis named {CP_AXIS!r}, and mesh {mesh} has axes "
+                         f"{', '.join(map(repr, mesh.axis_names))}: name one {CP_AXIS!r} (e.g. axis_names=('dp', 'cp'))")
+    if inputs != "global" or loss_only:
+        given = f"inputs={inputs!r}" if inputs != "global" else "loss_only=True"
+        raise ValueError(f"token_order=True hands the model whole tensors only (inputs='global', not loss_only); got {given}: "
+                         "a rank's own slice in head-tail order is not the contiguous one a user would pass or read")
+
+
+def keep_order(graph: Graph, mesh: MeshSpec, cands: Candidates, token_order: bool) -> None:
+    """Drop from `cands` what the plan's order rules out (the module doc), listing each in `cands.rejected`."""
+    if CP_AXIS not in mesh.axis_names:
+        return  # no cp axis: no kernel or block is ordered
+    cp = mesh.axis_names.index(CP_AXIS)
+    for node in graph.nodes:
+        metas = [*(graph.meta(r) for r in node.inputs), *node.outputs]
+        region = region_op(node.target) if node.kind == "op" else None
+        kept = []
+        for s in cands.by_node[node.name]:
+            reason = _ruled_out(node.kind, region, s, metas, mesh, cp, token_order)
+            if reason is None:
+                kept.append(s)
+            else:
+                cands.rejected.setdefault(node.name, []).append((s, reason))
+        if kept != cands.by_node[node.name]:
+            cands.by_node[node.name] = kept
+
+
+def _ruled_out(kind: str, region, s: Strategy, metas: list[TensorMeta | None], mesh: MeshSpec, cp: int,
+               token_order: bool) -> str | None:
+    ordered = bool(s.kernel) and region is not None and region.token_order(s)
+    if not token_order:
+        return f"{s.kernel} runs on head-tail token-order blocks: plan with token_order=True" if ordered else None
+    layouts = [*s.inputs, *s.outputs]
+    if not any(layout is not None and isinstance(layout[cp], Shard) for layout in layouts):
+        return None
+    if kind in STORED:
+        return (f"token_order=True keeps parameters and buffers unsplit on mesh axis {CP_AXIS!r}: DTensor, the optimizer "
+                "and checkpoints hold contiguous blocks")
+    if s.kernel and not ordered:
+        return f"{s.kernel} reads contiguous blocks on mesh axis {CP_AXIS!r}, and token_order=True holds them in head-tail order"
+    for meta, layout in zip(metas, layouts):
+        if meta is not None and layout is not None and not halves_evenly(meta.shape, layout, mesh.shape, cp):
+            d = layout[cp].dim
+            return (f"dim {d} of a {list(meta.shape)} tensor does not cut into 2 x {mesh.shape[cp]} equal chunks where "
+                    f"mesh axis {CP_AXIS!r} splits it, as head-tail token order needs")
+    return None
+
+
+def halves_evenly(shape: tuple[int, ...], layout: Placements, mesh_shape: tuple[int, ...], cp: int) -> bool:
+    """Whether the dimension `layout` splits over axis `cp` (if any) is, where that axis splits it (after the outer
+    axes that split it too), a multiple of 2 x the axis' size."""
+    p = layout[cp]
+    if not isinstance(p, Shard):
+        return True
+    outer = math.prod(mesh_shape[a] for a in range(cp) if layout[a] == p)
+    return (shape[p.dim] // outer) % (2 * mesh_shape[cp]) == 0
