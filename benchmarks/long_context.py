@@ -31,9 +31,9 @@ Hugging Face's causal-LM loss shifts them, so the logits keep all S rows and spl
 from the saved profile (out of sample: nothing re-measured or rescaled), to which the context-parallel kernels' own
 blocks at that length are added, timed on this machine first (`with_kernel_blocks`: the busiest
 rank's blocks as it runs them, one process, the profiler's method; before 2026-11-26 15:00 UTC the roofline priced
-them), six ways on `world` gloo
+them), eight ways on `world` gloo
 ranks: a `cp` mesh with each context-parallel kernel forced (all-gathered K/V, balanced, ring, balanced ring,
-Ulysses), and the default search without a `cp` axis (`context_parallel=False`: "best without cp"; with a batch of 1
+Ulysses, and the two kernels of head-tail token order, planned with `token_order=True`), and the default search without a `cp` axis (`context_parallel=False`: "best without cp"; with a batch of 1
 it may split the sequence outside attention and the heads inside it). Each is then
 trained with AdamW on local processes; the table gives predicted and measured step time (median over steps,
 slowest rank) and peak bytes per rank (predicted: the plan's memory; measured: resident state plus the
@@ -68,13 +68,14 @@ from meshplan.models import Llama, LlamaConfig  # noqa: E402
 from meshplan.plans.plan import Plan  # noqa: E402
 from meshplan.profiling.calibrate import time_region_kernels  # noqa: E402
 from meshplan.profiling.fidelity import peak_during, resident_bytes, slowest_rank_seconds, solver_memory  # noqa: E402
-from meshplan.regions.context_parallel import force_context_parallel  # noqa: E402
+from meshplan.regions.context_parallel import TOKEN_ORDER, force_context_parallel  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
 
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "data" / "fidelity_profile.json"
 DEFAULT_BUDGET_MIB = 32.0
 """`--longest`'s per-rank budget: CP reaches about 7k tokens, so a run takes a few minutes on 2 cores."""
-PLANS = ("cp allgather", "cp balanced", "cp ring", "cp ring_balanced", "cp ulysses", "best without cp")
+PLANS = ("cp allgather", "cp balanced", "cp ring", "cp ring_balanced", "cp ulysses", "cp headtail", "cp ring_headtail",
+         "best without cp")
 
 
 class WithLoss(torch.nn.Module):
@@ -120,9 +121,10 @@ def make_plan(kind: str, seq: int, world: int, cluster) -> Plan:
         if kind == "best without cp":
             return meshplan.plan(model, world, (tokens,), cluster=cluster, context_parallel=False)
         cluster = with_kernel_blocks(cluster, seq, world)  # outside the forcing, which offers one kernel only
-        with force_context_parallel(kind.split()[1]):
+        kernel = kind.split()[1]
+        with force_context_parallel(kernel):
             return meshplan.plan(model, world, (tokens,), cluster=cluster, mesh_shape=(world,), axis_names=("cp",),
-                                 input_layouts={"tokens": "S(1)"})
+                                 input_layouts={"tokens": "S(1)"}, token_order=kernel in TOKEN_ORDER)
 
 
 def measure(rank: int, world: int, plans_json: list[str], seqs: list[int], warmup: int, steps: int) -> list[dict]:

@@ -234,7 +234,7 @@ def test_the_profiler_times_each_block_kernel_as_its_busiest_rank_runs_it():
     model, tokens = _build("llama")
     timings = time_region_kernels(trace(model, (tokens,)), [MeshSpec((2,), ("cp",))], budget_s=0.0)
     kernels = sorted(k.split("[")[1].split(" of ")[0] for k in timings)
-    assert kernels == sorted(kernel_name(v, True) for v in ("allgather", "balanced", "ring", "ring_balanced")), list(timings)
+    assert kernels == sorted(kernel_name(v, True) for v in ("allgather", "balanced", "ring", "ring_balanced", "headtail", "ring_headtail")), list(timings)
     # meshplan's Llama repeats its 2 key/value heads to the 4 query heads before attention
     assert all(k.endswith("(float32[2,4,8,8],float32[2,4,8,8],float32[2,4,8,8])->float32[2,4,8,8]") for k in timings), list(timings)
     assert all(t.forward_s > 0 and t.backward_s > 0 for t in timings.values())
@@ -310,7 +310,7 @@ def test_a_named_mesh_is_not_searched_for_context_parallelism():
 
 
 def test_forcing_names_the_allowed_variants():
-    with pytest.raises(ValueError, match="force_context_parallel takes one or more of allgather, balanced, ring, ring_balanced, ulysses; got \\('zigzag',\\)"):
+    with pytest.raises(ValueError, match="force_context_parallel takes one or more of allgather, balanced, ring, ring_balanced, ulysses, headtail, ring_headtail; got \\('zigzag',\\)"):
         with force_context_parallel("zigzag"):
             pass
     plan = _plan("gpt", 2, kernel_name("ulysses", True))
