@@ -68,7 +68,7 @@ def plan(
     time_limit_s: float = 60.0,
     mixed_precision: str | MixedPrecision = "auto",
     context_parallel: bool = True,
-    token_order: bool = False,
+    token_order: bool | None = None,
 ) -> Plan:
     """Plan `model` for `devices` without running anything (meta or fake tensors are fine).
 
@@ -111,13 +111,16 @@ def plan(
     along the sequence, docs/long_context.md) where it is priced cheaper; False plans without one unless you
     name one (`axis_names`, `PipelineOptions(context_degrees=)`).
 
-    `token_order`: on a mesh with a `cp` axis, hold every tensor split over it in head-tail token order (rank r of P
-    holds sequence chunks r and 2P-1-r of 2P), so causal attention does equal work on every rank with no exchange of
-    queries (docs/long_context.md). Needs a named `cp` axis and no pipeline.
+    `token_order`: whether a mesh with a `cp` axis holds every tensor split over it in head-tail token order (rank r
+    of P holds sequence chunks r and 2P-1-r of 2P), so causal attention does equal work on every rank with no
+    exchange of queries (docs/long_context.md). None (default): the default mesh search plans its `cp` mesh both
+    ways and keeps the cheaper; a named mesh and the pipeline search keep the contiguous order. True: every `cp`
+    mesh in token order (a named mesh must have a `cp` axis; not with a pipeline). False: never.
     """
-    for name, flag in (("context_parallel", context_parallel), ("token_order", token_order)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be True or False; got {flag!r}")
+    if not isinstance(context_parallel, bool):
+        raise ValueError(f"context_parallel must be True or False; got {context_parallel!r}")
+    if token_order is not None and not isinstance(token_order, bool):
+        raise ValueError(f"token_order must be True, False or None; got {token_order!r}")
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
         raise ValueError(f"time_limit_s must be a positive number of seconds; got {time_limit_s!r}")
     example_inputs, example_kwargs = example_call(example_inputs, example_kwargs)
@@ -150,19 +153,22 @@ def plan(
         warn_wasted(result)
         return result
     meshes = resolve_mesh(devices, mesh_shape, axis_names, cluster_preset.devices_per_node)
+    # the default search: a cp axis is tried too, in the token orders asked for (a named mesh takes the order given)
+    searched = context_parallel and isinstance(devices, int) and mesh_shape is None and not axis_names
     options = PlanOptions(
         mode=mode, inputs=inputs, strict=strict, param_layouts=dict(param_layouts or {}),
         input_layouts=dict(input_layouts or {}), optimizer=optimizer, memory_budget=memory_budget, search=search,
-        recompute=recompute, offload=offload, time_limit_s=float(time_limit_s), token_order=token_order,
+        recompute=recompute, offload=offload, time_limit_s=float(time_limit_s), token_order=bool(token_order) and not searched,
         annotations=Annotations(
             parameter_plan=dict(parameter_plan or {}), parallelize_plan=dict(parallelize_plan or {}), modules=shard_annotations
         ),
     )
     phase(f"tracing {type(model).__name__}")
     graph = trace(model, example_inputs, example_kwargs, precision=precision)
-    # the default search: a cp axis is tried too
-    searched = context_parallel and isinstance(devices, int) and mesh_shape is None and not axis_names
-    result = search_meshes(graph, meshes, cluster_preset, options, model_name=type(model).__name__, context_parallel=searched)
+    # left to the search, token order is tried where it can be: it hands over whole tensors only (planner/token_order.py)
+    orders = ((False, True) if inputs == "global" else (False,)) if token_order is None else (token_order,)
+    result = search_meshes(graph, meshes, cluster_preset, options, model_name=type(model).__name__, context_parallel=searched,
+                           token_orders=orders)
     warn_wasted(result)
     return result
 
@@ -190,11 +196,12 @@ SEARCH_ERRORS = (MemoryBudgetError, AnnotationError, InfeasiblePlan, SolveTimeou
 
 
 def search_meshes(graph: Graph, meshes: list[MeshSpec], cluster: ClusterPreset, options: PlanOptions, *, model_name: str,
-                  context_parallel: bool = False) -> Plan:
+                  context_parallel: bool = False, token_orders: tuple[bool, ...] = (False,)) -> Plan:
     """The plan of least predicted step time over `meshes`. With several meshes, one that gives no
     plan (over the memory budget, annotations that cannot hold, no consistent choice, a solve out of
     time) is skipped with a logged reason, and the returned plan lists the skipped meshes and why.
-    `context_parallel`: try the best mesh again with a `cp` axis (planner/context_parallel_search.py)."""
+    `context_parallel`: try the best mesh again with a `cp` axis (planner/context_parallel_search.py), in each of
+    `token_orders` (`PlanOptions.token_order`)."""
     found: list[Plan] = []
     failed: list[tuple[MeshSpec, Exception]] = []
     for mesh in meshes:
@@ -210,8 +217,11 @@ def search_meshes(graph: Graph, meshes: list[MeshSpec], cluster: ClusterPreset, 
         found.append(p)
     notes: list[str] = []
     if context_parallel and searches_context_parallel(graph, options):
-        kept, notes = context_parallel_plans(meshes, found, lambda m: make_plan(graph, m, cluster, options, model_name=model_name,
-                                                                                 earlier=found), SEARCH_ERRORS)
+        def solve(mesh: MeshSpec, ordered: bool) -> Plan:
+            return make_plan(graph, mesh, cluster, dataclasses.replace(options, token_order=ordered), model_name=model_name,
+                             earlier=found)
+
+        kept, notes = context_parallel_plans(meshes, found, solve, SEARCH_ERRORS, token_orders)
         found += kept
     skipped = tuple(f"mesh {mesh.shape}: {type(e).__name__}: {e}" for mesh, e in failed) + tuple(notes)
     if not found:

@@ -95,14 +95,17 @@ SHAPES = [(2, 4, 4, 512, 16), (4, 4, 4, 256, 16), (4, 4, 2, 512, 16), (2, 8, 2, 
 """(ranks, heads, KV heads, rows per rank, head size); Ulysses is offered only where the KV heads divide by the ranks."""
 
 
-@pytest.mark.parametrize("variant,world,heads,kv_heads,rows,dim", [(v, *shape) for v in ("ring", "ring_balanced", "ulysses", "allgather", "balanced")
+@pytest.mark.parametrize("variant,world,heads,kv_heads,rows,dim", [(v, *shape) for v in ("ring", "ring_balanced", "ulysses", "allgather", "balanced", "headtail", "ring_headtail")
                                                                    for shape in SHAPES if v != "ulysses" or shape[2] % shape[0] == 0])
 def test_the_kernels_working_memory_on_their_busiest_rank(variant, world, heads, kv_heads, rows, dim):
     """What the walk holds at the kernel (its output and `kept_bytes` in forward, the input gradients in backward,
     plus `working_bytes`) against what the kernel allocates on every rank: exact for the ring and every forward but
     the balanced ring's, above by at most 20 % for the balanced ring (its chunks' segments) and the all-gather
     kernels' backward (the largest block scratch counted beside every block's gradients), by one query-sized buffer
-    for Ulysses' backward, never below."""
+    for Ulysses' backward, never below. The token-order kernels are walked as the kernels they resemble (headtail:
+    forward the contiguous one's, backward the balanced one's; ring_headtail: the contiguous ring, as a whole step
+    at 8k tokens measured no less) and read up to 29 % (headtail) and 68 % (ring_headtail's backward, the kernel
+    alone) above: room, never below."""
     with _threads(1):
         measured = [_ring_peaks(variant, r, world, heads, kv_heads, rows, dim) for r in range(world)]
     q = TensorMeta((1, heads, rows * world, dim), "float32")
@@ -113,7 +116,8 @@ def test_the_kernels_working_memory_on_their_busiest_rank(variant, world, heads,
     kept = CONTEXT_PARALLEL_REGION.kept_bytes(None, [q, k, k], strategy, (world,))  # the gathered K/V the all-gather kernels keep
     walked_forward = local_q + kept + CONTEXT_PARALLEL_REGION.working_bytes(None, [q, k, k], strategy, (world,), cpu, backward=False)
     walked_backward = local_q + block + CONTEXT_PARALLEL_REGION.working_bytes(None, [q, k, k], strategy, (world,), cpu, backward=True)
-    over = {"ring_balanced": (0.2, 0.2), "allgather": (0, 0.2), "balanced": (0, 0.2)}.get(variant, (0, 0))  # relative room, forward and backward
+    over = {"ring_balanced": (0.2, 0.2), "allgather": (0, 0.2), "balanced": (0, 0.2),  # relative room, forward and backward
+            "headtail": (0.3, 0.3), "ring_headtail": (0.1, 0.7)}.get(variant, (0, 0))
     room = {"ulysses": (0, local_q)}.get(variant, (0, 0))  # bytes of room
     for (walked, peak), rel, extra in zip(((walked_forward, max(f for f, _ in measured)), (walked_backward, max(b for _, b in measured))),
                                           over, room):

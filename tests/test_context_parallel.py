@@ -288,10 +288,14 @@ def test_the_default_search_chooses_context_parallelism_by_price():
             plans[seq] = meshplan.plan(model, 4, (torch.randint(0, 1024, (1, seq), device="meta"),), cluster="h100")
     short, long = plans[256], plans[32768]
     assert str(short.mesh) == "dp=4" and _kernels(short) == {""}
-    note = "mesh cp=4 (context parallel): no attention op was priced cheaper split along the sequence"
-    assert short.solver.skipped == (note,) and f"skipped {note}" in short.summary()
-    assert str(long.mesh) == "cp=2 x tp=2" and all(k.startswith("cp_attention(") for k in _kernels(long)), _kernels(long)
-    assert long.solver.skipped == ()
+    notes = tuple(f"mesh cp=4 (context parallel{order}): no attention op was priced cheaper split along the sequence"
+                  for order in ("", ", token order"))  # planned in both orders
+    assert short.solver.skipped == notes and all(f"skipped {note}" in short.summary() for note in notes)
+    # causal attention balanced by the token order, with no exchange, is priced below the contiguous split
+    assert str(long.mesh) == "cp=2 x tp=2" and long.token_order and _kernels(long) == {"cp_attention(ring_headtail,causal)"}
+    (note,) = long.solver.skipped
+    assert note.startswith("mesh cp=2 x tp=2 (context parallel): priced ") and note.endswith(
+        f"not below {long.step_time_s * 1e3:.3f} ms in the head-tail token order")
     with warnings.catch_warnings():  # the user's opt-out: the same search without the cp mesh
         warnings.simplefilter("ignore")
         without = meshplan.plan(model, 4, (torch.randint(0, 1024, (1, 32768), device="meta"),), cluster="h100",

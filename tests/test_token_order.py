@@ -41,6 +41,7 @@ def test_each_place_holds_chunks_r_and_2p_minus_1_minus_r(n):
         first, second = token_order.owned_chunks(p, n)
         assert torch.equal(block, torch.cat([x[:, 3 * first:3 * first + 3], x[:, 3 * second:3 * second + 3]], dim=1))
     assert torch.equal(token_order.join(blocks, 1), x)
+    assert torch.equal(token_order.stacked(x, 1, n), torch.stack(blocks))  # what a reduce-scatter or all-to-all sends
     assert torch.equal(sum(token_order.put(b, 1, n, p) for p, b in enumerate(blocks)), x)
     with pytest.raises(ValueError, match="length 10 does not split into 2 x 2 = 4 equal chunks"):
         token_order.take(torch.zeros(10), 0, 2, 0)
@@ -90,7 +91,8 @@ def test_explain_says_what_token_order_rules_out():
 def test_no_parameter_is_split_over_cp_in_token_order():
     plan = _ordered("gpt", 4, "headtail", axes=("dp", "cp"), tokens_layout="S(0)S(1)")
     assert plan.token_order and all(isinstance(p.layout[1], Replicate) for p in plan.params)
-    with pytest.raises(AnnotationError, match=r"lm_head.weight in S\(0\)S\(0\).*allowed: RR, S\(0\)R, S\(1\)R"):
+    with pytest.raises(AnnotationError, match=r"lm_head.weight in S\(0\)S\(0\).* \(token_order=True keeps parameters and buffers unsplit on mesh axis 'cp'.*"
+                       r"allowed: RR, S\(0\)R, S\(1\)R"):
         _ordered("gpt", 4, None, axes=("dp", "cp"), tokens_layout="S(0)S(1)", param_layouts={"*": "S(0)S(0)"})
 
 
@@ -102,7 +104,7 @@ def test_token_order_needs_a_cp_axis_whole_inputs_and_no_pipeline():
     model, tokens = _build("gpt")
     with pytest.raises(ValueError, match="token_order=True is not built for pipelined plans"):
         meshplan.plan(model, 4, (tokens,), pipeline="auto", token_order=True)
-    with pytest.raises(ValueError, match="token_order must be True or False; got 'yes'"):
+    with pytest.raises(ValueError, match="token_order must be True, False or None; got 'yes'"):
         meshplan.plan(model, 2, (tokens,), token_order="yes")
 
 

@@ -100,14 +100,16 @@ class PeakMemory:
         return f"peak {format_bytes(self.peak)} in {self.phase} (resident {self.resident})"
 
 
-def collective_scratch_bytes(step, cluster: str) -> int:
+def collective_scratch_bytes(step, cluster: str, head_tail_axis: int | None = None) -> int:
     """Bytes held during one redistribution step beyond its result: the backend's scratch copy (gloo,
-    the `cpu` cluster) plus the runtime's staging buffer when the dim is not 0 (the gathered blocks
-    before their `cat`; the `cat` of the chunks before a reduce-scatter; runtime/collectives.py)."""
+    the `cpu` cluster) plus the runtime's staging buffer when the dim is not 0 or the blocks are in head-tail token
+    order (`head_tail_axis`, `Plan.head_tail_axis`): the gathered blocks before they are joined; the blocks copied
+    out in rank order before a reduce-scatter (runtime/collectives.py)."""
     if step.kind not in ("all_gather", "reduce_scatter"):
         return 0
     full = step.nbytes
-    return (GLOO_SCRATCH[step.kind] * full if cluster == "cpu" else 0) + (full if step.dim > 0 else 0)
+    staged = step.dim > 0 or step.axis == head_tail_axis
+    return (GLOO_SCRATCH[step.kind] * full if cluster == "cpu" else 0) + (full if staged else 0)
 
 
 def _name(target: str) -> str:
@@ -129,8 +131,10 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     out_layout = plan.value_layouts()
     strategy_of = {n.name: n.strategy for n in plan.nodes}
     moved = {(t.consumer, t.position): t for t in plan.transfers if t.forward}
-    scratch_fwd = {("move", c, p): max(collective_scratch_bytes(s, plan.cluster) for s in t.forward) for (c, p), t in moved.items()}
-    scratch_bwd = {("move", c, p): max((collective_scratch_bytes(s, plan.cluster) for s in t.backward), default=0)
+    ordered = plan.head_tail_axis
+    scratch_fwd = {("move", c, p): max(collective_scratch_bytes(s, plan.cluster, ordered) for s in t.forward)
+                   for (c, p), t in moved.items()}
+    scratch_bwd = {("move", c, p): max((collective_scratch_bytes(s, plan.cluster, ordered) for s in t.backward), default=0)
                    for (c, p), t in moved.items()}
 
     def nbytes(meta, layout) -> int:

@@ -97,9 +97,12 @@ def constrain(
     param_layouts: Mapping[str, Any],
     input_layouts: Mapping[str, Any],
     preferred: Sequence[Constraint] = (),
+    rejected: Mapping[str, list[tuple[Strategy, str]]] | None = None,
 ) -> list[Constraint]:
     """Narrow `by_node` in place to what the mode and the annotations allow, then to the `preferred` layouts where a
-    node's candidates meet them (a node that meets none keeps its candidates); returns the constraints."""
+    node's candidates meet them (a node that meets none keeps its candidates); returns the constraints. `rejected`:
+    the candidates already dropped, with their reasons (`Candidates.rejected`), which an annotation asking for one
+    is told."""
     idx = _Index(graph)
     user = collect(graph, idx, mesh, annotations, param_layouts, input_layouts)
     if mode == "semi_auto" and not user:
@@ -111,7 +114,7 @@ def constrain(
     merged = merge(forced + user)
     if mode == "manual":
         _complete_manual(graph, merged, mesh.ndim)
-    apply(graph, mesh, by_node, merged)
+    apply(graph, mesh, by_node, merged, rejected or {})
     prefer(mesh, by_node, merge(list(preferred)))
     return forced + user + list(preferred)
 
@@ -174,7 +177,8 @@ def merge(constraints: list[Constraint]) -> dict[tuple[str, str, int], _Slot]:
     return merged
 
 
-def apply(graph: Graph, mesh: MeshSpec, by_node: dict[str, list[Strategy]], merged: dict[tuple[str, str, int], _Slot]) -> None:
+def apply(graph: Graph, mesh: MeshSpec, by_node: dict[str, list[Strategy]], merged: dict[tuple[str, str, int], _Slot],
+          rejected: Mapping[str, list[tuple[Strategy, str]]]) -> None:
     per_node: dict[str, list[tuple[str, int, _Slot]]] = {}
     for (node, slot, index), s in merged.items():
         per_node.setdefault(node, []).append((slot, index, s))
@@ -189,7 +193,10 @@ def apply(graph: Graph, mesh: MeshSpec, by_node: dict[str, list[Strategy]], merg
         asked = "; ".join(f"{s.what} in {show(tuple(s.layout))} ({_sources(s)})" for _, _, s in slots)
         if node.kind != "op":
             allowed = ", ".join(fmt(st.outputs[0]) for st in by_node[name])
-            raise AnnotationError(f"{asked} is not a layout meshplan can run for this tensor on mesh {mesh}; allowed: {allowed}")
+            why = [reason for st, reason in rejected.get(name, [])
+                   if all(_meets(st, slot, i, need) for slot, i, need in needs)][:1]
+            raise AnnotationError(f"{asked} is not a layout meshplan can run for this tensor on mesh {mesh}"
+                                  f"{''.join(f' ({w})' for w in why)}; allowed: {allowed}")
         shown = ", ".join(str(st) for st in by_node[name][:12]) + (" ..." if len(by_node[name]) > 12 else "")
         raise AnnotationError(
             f"no sharding strategy of {node.target} ({name}) at {node.module_path or '<top>'} has {asked}; "

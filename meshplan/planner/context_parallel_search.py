@@ -3,9 +3,10 @@
 A mesh axis named `cp` offers attention split along the sequence (regions/context_parallel.py). Every other
 layout is the same as on the mesh it renames, so such a mesh can only win through those kernels. After the
 default search over unnamed meshes, the best mesh is planned once more with the axis just outside the innermost
-renamed `cp` (torchtitan's order dp, cp, tp; a 1-axis mesh becomes cp). When no mesh gave a plan (memory), every
-mesh is. The plan is kept when it runs attention context-parallel and is priced below the best. Otherwise the
-plan notes why it was not kept (`plan.solver.skipped`, printed by `summary` and `explain`). Renaming every
+renamed `cp` (torchtitan's order dp, cp, tp; a 1-axis mesh becomes cp), in each token order asked for (the
+contiguous split, and head-tail token order: `PlanOptions.token_order`). When no mesh gave a plan (memory), every
+mesh is. The cheapest such plan is kept when it runs attention context-parallel and is priced below the best.
+Otherwise the plan notes why each was not kept (`plan.solver.skipped`, printed by `summary` and `explain`). Renaming every
 searched mesh would double the solves of every model with attention.
 """
 
@@ -42,24 +43,34 @@ def searches_context_parallel(graph: Graph, options: PlanOptions) -> bool:
     return options.mode == "auto" and not annotated and any(n.target == ATTENTION for n in graph.nodes)
 
 
-def context_parallel_plans(meshes: list[MeshSpec], found: list[Plan], solve: Callable[[MeshSpec], Plan],
-                           errors: tuple[type[Exception], ...]) -> tuple[list[Plan], list[str]]:
-    """(Plans with a `cp` axis worth returning, a note for each one priced and not kept). `solve` plans a mesh;
-    `errors` are the exceptions that mean it gave no plan."""
+def context_parallel_plans(meshes: list[MeshSpec], found: list[Plan], solve: Callable[[MeshSpec, bool], Plan],
+                           errors: tuple[type[Exception], ...], token_orders: tuple[bool, ...] = (False,)
+                           ) -> tuple[list[Plan], list[str]]:
+    """(Plans with a `cp` axis worth returning, a note for each one priced and not kept). `solve(mesh, token_order)`
+    plans a mesh in one order; `errors` are the exceptions that mean it gave no plan."""
     best = min(found, key=lambda p: p.step_time_s) if found else None
     kept, notes = [], []
     for mesh in [best.mesh] if best is not None else meshes:
         cp = with_cp_axis(mesh)
-        try:
-            plan = solve(cp)
-        except errors as e:
-            notes.append(f"mesh {cp} (context parallel): {type(e).__name__}: {e}")
-            continue
-        if not uses_context_parallel(plan):
-            notes.append(f"mesh {cp} (context parallel): no attention op was priced cheaper split along the sequence")
-        elif best is not None and plan.step_time_s >= best.step_time_s:
-            notes.append(f"mesh {cp} (context parallel): priced {plan.step_time_s * 1e3:.3f} ms per step, not below "
-                         f"{best.step_time_s * 1e3:.3f} ms on {best.mesh}")
-        else:
-            kept.append(plan)
+        tried: list[Plan] = []
+        for ordered in token_orders:
+            what = f"mesh {cp} (context parallel{', token order' if ordered else ''})"
+            try:
+                plan = solve(cp, ordered)
+            except errors as e:
+                notes.append(f"{what}: {type(e).__name__}: {e}")
+                continue
+            if not uses_context_parallel(plan):
+                notes.append(f"{what}: no attention op was priced cheaper split along the sequence")
+            elif best is not None and plan.step_time_s >= best.step_time_s:
+                notes.append(f"{what}: priced {plan.step_time_s * 1e3:.3f} ms per step, not below "
+                             f"{best.step_time_s * 1e3:.3f} ms on {best.mesh}")
+            else:
+                tried.append(plan)
+        if tried:  # the cheaper order; the other is noted
+            chosen = min(tried, key=lambda p: p.step_time_s)
+            kept.append(chosen)
+            notes += [f"mesh {cp} (context parallel{', token order' if p.token_order else ''}): priced "
+                      f"{p.step_time_s * 1e3:.3f} ms per step, not below {chosen.step_time_s * 1e3:.3f} ms in the "
+                      f"{'head-tail token' if chosen.token_order else 'contiguous'} order" for p in tried if p is not chosen]
     return kept, notes

@@ -196,6 +196,7 @@ def _candidates(graph: Graph, mesh: MeshSpec, options: PlanOptions) -> tuple[Can
     constraints = constrain(
         graph, mesh, cands.by_node, mode=options.mode, annotations=options.annotations,
         param_layouts=options.param_layouts, input_layouts=options.input_layouts, preferred=options.preferred,
+        rejected=cands.rejected,
     )
     return cands, before_constraints, constraints
 

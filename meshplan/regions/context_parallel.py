@@ -32,9 +32,9 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
 
 Each kernel's name carries `,causal` when the op is causal, so its cost knows the mask shape. Not offered, with
 the reason `explain` prints: an explicit mask tensor, dropout, a sequence not divisible by 2P or no causal mask
-(the balanced and token-order kernels), heads not divisible by P (ulysses). `force_context_parallel` makes a plan use them. Every
-collective is counted when issued (`StepFunction`, whose backward is the dual step, or `collective` for the
-exchanges): the steps priced here are the steps the plan lists and the runtime runs.
+(the balanced and token-order kernels), heads not divisible by P (ulysses). `force_context_parallel` makes a plan
+use them. Every collective is counted when issued (`StepFunction`, whose backward is the dual step, or
+`collective` for the exchanges): the steps priced here are the steps the plan lists and the runtime runs.
 """
 
 from __future__ import annotations
@@ -627,10 +627,11 @@ class ContextParallel(RegionOp):
         return key, make
 
     def kept_bytes(self, node, in_metas, strategy, mesh_shape) -> int:
-        """The all-gather kernels keep the gathered keys and values (as many heads as the queries: grouped-query
-        heads are repeated first) where the plain op keeps the local ones; the balanced one also keeps the half of
-        the queries it borrowed (its two chunks' outputs, kept in place of its output, weigh the same). The rings keep
-        what the plain op does (the balanced ring its own and the borrowed queries, in one tensor, in place of q)."""
+        """The all-gather kernels (and the token-order one) keep the gathered keys and values (as many heads as the
+        queries: grouped-query heads are repeated first) where the plain op keeps the local ones; the balanced one also
+        keeps the half of the queries it borrowed (its two chunks' outputs, kept in place of its output, weigh the
+        same), the token-order one its two chunks' outputs beside the output they are joined to. The rings keep what
+        the plain op does (the balanced ring its own and the borrowed queries, in one tensor, in place of q)."""
         if not strategy.kernel:
             return 0
         variant, _ = parse_kernel(strategy.kernel)
@@ -643,6 +644,8 @@ class ContextParallel(RegionOp):
         kept = (kb + vb) * (n * repeat - 1)
         if variant == "balanced":
             kept += qb // 2
+        if variant == "headtail":  # its two chunks' outputs, each kept by its blocks, beside the output they are joined to
+            kept += qb
         return kept
 
     def working_bytes(self, node, in_metas, strategy, mesh_shape, cluster, *, backward: bool) -> int:
@@ -669,9 +672,14 @@ class ContextParallel(RegionOp):
         heads = lead[-1]
         qb, q32, lse = q.nbytes, math.prod(q.shape) * 4, batch * heads * rows * 4
         cpu = on_cpu(cluster)
-        if variant not in RINGS + ("ulysses",):  # the token-order kernel's two half chunks hold at most the contiguous one's
-            return _gathered_working_bytes(variant == "balanced", causal, n, batch, heads, heads // k.shape[-3], rows, dim,
+        if variant not in RINGS + ("ulysses",):
+            # the token-order kernel runs two half-length chunks as the balanced one does, without a borrowed copy: its
+            # forward holds what the contiguous kernel's does, its backward what the balanced kernel's does
+            two_chunks = variant == "balanced" or (backward and variant == "headtail")
+            held = _gathered_working_bytes(two_chunks, causal, n, batch, heads, heads // k.shape[-3], rows, dim,
                                            k.nbytes, q.itemsize, cpu, backward=backward)
+            # the token-order kernel's chunk outputs are among what it keeps (`kept_bytes`), not on top of it
+            return max(0, held - qb) if variant == "headtail" and not backward else held
         if variant == "ulysses":  # the plain op on the whole sequence and 1/n of the heads, between all-to-alls
             whole = dict(batch=batch, heads=heads // n, rows=rows * n, keys=rows * n, head_dim=dim)
             if not backward:  # its q, k, v and output made again (as big as the local ones), the op's scratch or an all-to-all's
@@ -681,7 +689,9 @@ class ContextParallel(RegionOp):
             return max(qb + (flash_cpu_bytes(**whole, backward=True) if cpu else 0), 3 * qb)
         block = 2 * k.nbytes  # one K/V block, as it travels
         repeated = 2 * qb if k.shape[-3] != heads else 0  # grouped-query K and V repeated to the query heads, per block
-        chunk = rows // 2 if variant in ("ring_balanced", "ring_headtail") else rows
+        # the token-order ring is walked as the contiguous one: its half-length chunks hold less in the kernel alone
+        # (tests/test_attention_memory.py), but not less in a whole step (benchmarks/long_context.py, 4,096 tokens)
+        chunk = rows // 2 if variant == "ring_balanced" else rows
         borrowed = qb if variant == "ring_balanced" else 0
         if not backward:
             scratch = flash_cpu_bytes(batch, heads, chunk, chunk, dim, backward=False) if cpu else 0

@@ -243,13 +243,15 @@ def _communicate(step: CommStep, x: torch.Tensor, n: int, group: str, head_tail:
         out = buf if step.dim == 0 else torch.cat(buf.view((n,) + tuple(x.shape)).unbind(0), dim=step.dim)
     elif step.kind == "reduce_scatter":
         if head_tail:
-            pieces = torch.cat([token_order.take(x, step.dim, n, p) for p in range(n)])
+            pieces = token_order.stacked(x, step.dim, n).flatten(0, 1)
         else:  # a contiguous tensor already holds its dim-0 chunks rank after rank: no stacked copy for dim 0
             pieces = x.contiguous() if step.dim == 0 else torch.cat(x.chunk(n, dim=step.dim))
         out = wait(funcol.reduce_scatter_single(pieces, "sum", 0, group))
     elif step.kind == "all_to_all":
-        sent = [token_order.take(x, step.dim2, n, p) for p in range(n)] if head_tail else x.chunk(n, dim=step.dim2)
-        pieces = torch.stack([c.contiguous() for c in sent])
+        if head_tail:
+            pieces = token_order.stacked(x, step.dim2, n)
+        else:
+            pieces = torch.stack([c.contiguous() for c in x.chunk(n, dim=step.dim2)])
         recv = wait(funcol.all_to_all_single(pieces, None, None, group)).unbind(0)
         out = token_order.join(recv, step.dim) if head_tail else torch.cat(recv, dim=step.dim)
     else:

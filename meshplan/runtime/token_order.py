@@ -36,6 +36,21 @@ def take(x: torch.Tensor, dim: int, n: int, place: int) -> torch.Tensor:
     return torch.cat([chunks[c] for c in owned_chunks(place, n)], dim=dim)
 
 
+def stacked(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """Every place's block of the whole `x`, stacked on a new dim 0 (place p's at [p]): one copy, as a reduce-scatter
+    or an all-to-all sends them, with no block made on its own first."""
+    check_divisible(x.shape[dim], n, f"splitting dim {dim} of a {list(x.shape)} tensor over {n} places")
+    chunks = x.chunk(2 * n, dim=dim)
+    half = chunks[0].shape[dim]
+    shape = list(x.shape)
+    shape[dim] = 2 * half
+    out = x.new_empty([n, *shape])
+    for p in range(n):
+        for i, c in enumerate(owned_chunks(p, n)):
+            out[p].narrow(dim, i * half, half).copy_(chunks[c])
+    return out
+
+
 def put(block: torch.Tensor, dim: int, n: int, place: int) -> torch.Tensor:
     """The whole tensor that is zero but for place `place`'s block (the dual of `take`)."""
     shape = list(block.shape)
