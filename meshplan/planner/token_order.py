@@ -45,8 +45,10 @@ def keep_order(graph: Graph, mesh: MeshSpec, cands: Candidates, token_order: boo
         return  # no cp axis: no kernel or block is ordered
     cp = mesh.axis_names.index(CP_AXIS)
     for node in graph.nodes:
-        metas = [*(graph.meta(r) for r in node.inputs), *node.outputs]
         region = region_op(node.target) if node.kind == "op" else None
+        if region is None and not token_order:
+            continue  # only a region op's kernel can need token order (a large model's planning passes here often)
+        metas = [*(graph.meta(r) for r in node.inputs), *node.outputs]
         kept = []
         for s in cands.by_node[node.name]:
             reason = _ruled_out(node.kind, region, s, metas, mesh, cp, token_order)
