@@ -112,6 +112,7 @@ def test_the_plan_file_keeps_the_order():
     plan = _ordered("gpt", 2, "headtail")
     again = Plan.from_json(plan.to_json())
     assert again.token_order and again.head_tail_axis == 0 and again.hash() == plan.hash()
+    assert "token order: every tensor split over the cp axis is held as chunks r and 2P-1-r" in plan.summary()
     contiguous = _plan("gpt", 2, kernel_name("allgather", True))
     assert "token_order" not in contiguous.to_dict() and Plan.from_json(contiguous.to_json()).head_tail_axis is None
     d = plan.to_dict()

@@ -210,6 +210,9 @@ def _header(plan: Plan, view: AxisView) -> list[str]:
     if plan.mfu is not None:
         lines.append(f"MFU {plan.mfu:.1%}: model FLOPs {plan.model_flops:.3g} per step / ({plan.devices} devices x peak "
                      f"{plan.peak_flops:.3g} FLOP/s x predicted step)")
+    if plan.token_order:
+        lines.append("token order: every tensor split over the cp axis is held as chunks r and 2P-1-r of 2P (head-tail), "
+                     "the inputs sliced so")
     if plan.recompute:
         lines.append(f"recomputed in backward: {', '.join(plan.recompute)}")
     offloaded = [p.fqns[0] for p in plan.params if p.offload]
@@ -266,6 +269,7 @@ def summary_dict(plan: Plan) -> dict:
         "inputs": [{"name": i.name, "shape": list(i.shape), "layout": fmt(i.layout)} for i in plan.inputs],
         "step_inputs": [{"name": n, "shape": list(shape)} for n, shape in step_batch(plan)],
         "fallbacks": list(plan.fallbacks), "recompute": list(plan.recompute), "precision": plan.precision.describe() if plan.precision else None,
+        "token_order": plan.token_order,
     }
 
 
