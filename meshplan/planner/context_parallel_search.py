@@ -6,8 +6,8 @@ default search over unnamed meshes, the best mesh is planned once more with the 
 renamed `cp` (torchtitan's order dp, cp, tp; a 1-axis mesh becomes cp), in each token order asked for (the
 contiguous split, and head-tail token order: `PlanOptions.token_order`). When no mesh gave a plan (memory), every
 mesh is. The cheapest such plan is kept when it runs attention context-parallel and is priced below the best.
-Otherwise the plan notes why each was not kept (`plan.solver.skipped`, printed by `summary` and `explain`). Renaming every
-searched mesh would double the solves of every model with attention.
+Otherwise the plan notes why each was not kept (`plan.solver.skipped`, printed by `summary` and `explain`).
+Renaming every searched mesh would double the solves of every model with attention.
 """
 
 from __future__ import annotations

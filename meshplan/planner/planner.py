@@ -50,8 +50,8 @@ from meshplan.planner.propagation import propagate
 from meshplan.planner.recompute import RecomputeGroup, check_recompute, internal_outputs, recompute_groups
 from meshplan.planner.solver import InfeasiblePlan, Solution, SolveTimeout, evaluate, solve
 from meshplan.planner.strategies import Candidates, generate
-from meshplan.planner.tying import Tying, tie_repeated_layers
 from meshplan.planner.token_order import check_token_order, keep_order
+from meshplan.planner.tying import Tying, tie_repeated_layers
 from meshplan.plans.plan import GradBucket, InputChoice, NodeChoice, ParamChoice, Plan, SolverInfo, Transfer, keeps_plain
 from meshplan.plans.strategy import Strategy
 from meshplan.progress import phase
