@@ -115,7 +115,8 @@ def plan(
     of P holds sequence chunks r and 2P-1-r of 2P), so causal attention does equal work on every rank with no
     exchange of queries (docs/long_context.md). None (default): the default mesh search plans its `cp` mesh both
     ways and keeps the cheaper; a named mesh and the pipeline search keep the contiguous order. True: every `cp`
-    mesh in token order (a named mesh must have a `cp` axis; not with a pipeline). False: never.
+    mesh in token order, the pipeline search's stage sub-meshes too (a named mesh must have a `cp` axis). False:
+    never.
     """
     if not isinstance(context_parallel, bool):
         raise ValueError(f"context_parallel must be True or False; got {context_parallel!r}")
@@ -137,8 +138,6 @@ def plan(
     annotated = bool(param_layouts or input_layouts or parameter_plan or parallelize_plan or shard_annotations)
     if pipeline == MULTI_NODE:
         pipeline = multi_node_pipeline(devices, mesh_shape, mode, annotated, cluster_preset)
-    if (pipeline is not None or stage_config) and token_order:
-        raise ValueError("token_order=True is not built for pipelined plans: pass pipeline=None (and a mesh with a 'cp' axis)")
     if pipeline is not None or stage_config:
         if not isinstance(devices, int) or mesh_shape is not None or mode != "auto" or annotated:
             raise ValueError("pipeline search takes an int `devices` and mode='auto' without mesh_shape or layout annotations; "
@@ -148,6 +147,8 @@ def plan(
         opts = pipeline_options("auto" if pipeline is None else pipeline, stage_config, optimizer, budget, float(time_limit_s))
         if not context_parallel and opts.context_degrees is None:
             opts = dataclasses.replace(opts, context_degrees=(1,))
+        if token_order:
+            opts = dataclasses.replace(opts, token_order=True)
         result = plan_pipeline(model, devices, example_inputs, cluster=cluster_preset, options=opts, example_kwargs=example_kwargs,
                                precision=precision).plan
         warn_wasted(result)

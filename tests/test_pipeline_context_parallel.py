@@ -1,6 +1,7 @@
 """A pipelined plan whose stage sub-mesh has a `cp` axis (issue 29): searched, and run with parity.
 
-The pipeline search offers a `cp` axis on its stage sub-meshes (planner/pipeline.py). At 16 tokens it would not choose
+The pipeline search offers a `cp` axis on its stage sub-meshes (planner/pipeline.py), in head-tail token order too
+(`token_order=True`). At 16 tokens it would not choose
 one, so the configuration is forced: pipeline degree 2, stage sub-mesh cp=2 (4 gloo ranks), each context-parallel
 kernel offered alone, one layer on each stage. The run checks, against one process in fp32, the loss of 3 AdamW steps, every gradient of the
 first step, every parameter after the steps, and that the collectives each rank ran in a step are the ones the plan
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 import meshplan
 from meshplan.models import Llama, LlamaConfig
-from meshplan.regions.context_parallel import force_context_parallel, kernel_name
+from meshplan.regions.context_parallel import TOKEN_ORDER, force_context_parallel, kernel_name
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
@@ -49,8 +50,9 @@ def _plan(variant: str):
     opts = meshplan.PipelineOptions(degrees=(2,), tensor_degrees=(1,), context_degrees=(2,), microbatch_sizes=(1,), schedules=("1f1b",))
     with warnings.catch_warnings(), force_context_parallel(variant):
         warnings.simplefilter("ignore")
-        # one layer a stage, so that both stages run attention over cp
-        return meshplan.plan(model, 4, (tokens,), cluster="cpu", pipeline=opts, stage_config={"lm.layers.1": 1})
+        # one layer a stage, so that both stages run attention over cp; the token-order kernels in a plan of that order
+        return meshplan.plan(model, 4, (tokens,), cluster="cpu", pipeline=opts, stage_config={"lm.layers.1": 1},
+                             token_order=variant in TOKEN_ORDER)
 
 
 def _own_loss(out, _target):
@@ -104,10 +106,10 @@ def test_the_default_call_beyond_one_node_chooses_cp_by_price(seq, cp):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["ring", "balanced", "ring_balanced"])
+@pytest.mark.parametrize("variant", ["ring", "balanced", "ring_balanced", "headtail", "ring_headtail"])
 def test_pp2_cp2_parity(variant):
     plan = _plan(variant)
-    assert plan.pipeline.degree == 2 and plan.mesh.axis_names == ("cp",)
+    assert plan.pipeline.degree == 2 and plan.mesh.axis_names == ("cp",) and plan.token_order == (variant in TOKEN_ORDER)
     assert {n.strategy.kernel for n in plan.nodes if n.target == SDPA} == {kernel_name(variant, True)}
     results = run_local(4, _worker, plan, timeout=900)
 

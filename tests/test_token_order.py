@@ -96,14 +96,12 @@ def test_no_parameter_is_split_over_cp_in_token_order():
         _ordered("gpt", 4, None, axes=("dp", "cp"), tokens_layout="S(0)S(1)", param_layouts={"*": "S(0)S(0)"})
 
 
-def test_token_order_needs_a_cp_axis_whole_inputs_and_no_pipeline():
+def test_token_order_needs_a_cp_axis_and_whole_inputs():
     with pytest.raises(ValueError, match="token_order=True orders the splits of a mesh axis named 'cp', and mesh dp=2 has axes 'dp'"):
         _ordered("gpt", 2, None, axes=("dp",), tokens_layout="S(0)")
-    with pytest.raises(ValueError, match="token_order=True hands the model whole tensors only .*got inputs='local'"):
+    with pytest.raises(ValueError, match="token_order=True takes whole inputs \\(inputs='global'\\); got inputs='local'"):
         _ordered("gpt", 2, None, inputs="local")
     model, tokens = _build("gpt")
-    with pytest.raises(ValueError, match="token_order=True is not built for pipelined plans"):
-        meshplan.plan(model, 4, (tokens,), pipeline="auto", token_order=True)
     with pytest.raises(ValueError, match="token_order must be True, False or None; got 'yes'"):
         meshplan.plan(model, 2, (tokens,), token_order="yes")
 

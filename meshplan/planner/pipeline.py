@@ -96,6 +96,9 @@ class PipelineOptions:
     """Force recomputation on (True) or off (False) in every stage; None: only where memory needs it."""
     time_limit_s: float = 60.0
     """Seconds each intra-op solve may take (`meshplan.plan(time_limit_s=)`)."""
+    token_order: bool = False
+    """Stage sub-meshes with a `cp` axis hold their splits over it in head-tail token order (`PlanOptions.token_order`),
+    in their profiles and their stage plans alike."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -422,7 +425,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         solves += 1
         # a pipelined step hands out the loss alone: the stage profiles price no gather of the model's other outputs
         plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, alternatives=explain,
-                                   time_limit_s=options.time_limit_s, loss_only=True)
+                                   time_limit_s=options.time_limit_s, loss_only=True,
+                                   token_order=options.token_order and CP_AXIS in mesh.axis_names)
         return make_plan(graph, mesh, cluster, plan_options, model_name=model_name)
 
     def short_profile(mesh: MeshSpec, n: int) -> tuple[list[Unit], Plan, str] | None:
@@ -468,7 +472,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         params, inputs = arranged_layouts(graph, plans[profiled], data=c.data, stand_in=stand_ins[profiled], stack=short[1] if short else None)
         plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, time_limit_s=options.time_limit_s,
                                    param_layouts=params, input_layouts=inputs, preferred=preferred, alternatives=explain,
-                                   loss_only=c.pipeline > 1, microbatches=c.pipe.microbatches)
+                                   loss_only=c.pipeline > 1, microbatches=c.pipe.microbatches,
+                                   token_order=options.token_order and CP_AXIS in c.stage_mesh.axis_names)
         return make_plan(graph, c.stage_mesh, cluster, plan_options, model_name=model_name)
 
     def arranged(c: Candidate, graph: Graph) -> Plan:

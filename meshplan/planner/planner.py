@@ -190,7 +190,7 @@ def _candidates(graph: Graph, mesh: MeshSpec, options: PlanOptions) -> tuple[Can
     phase(f"candidate strategies on mesh {mesh}")
     cands = generate(graph, mesh, inputs=options.inputs, strict=options.strict, loss_only=options.loss_only)
     if options.token_order:
-        check_token_order(mesh, inputs=options.inputs, loss_only=options.loss_only)
+        check_token_order(mesh, inputs=options.inputs)
     keep_order(graph, mesh, cands, options.token_order)
     before_constraints = dict(cands.by_node)
     constraints = constrain(

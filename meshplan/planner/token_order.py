@@ -7,6 +7,7 @@ sum over it, so they run on those blocks as on contiguous ones. What does not:
 - a kernel that reads where its block lies (a masked lookup's offset into the vocabulary, the contiguous
   context-parallel kernels' causal mask), unless it is written for this order (`RegionOp.token_order`);
 - parameters and buffers split over `cp`: DTensor, the optimizer's state and checkpoints hold contiguous blocks;
+- outputs handed over split over `cp` (`loss_only`'s DTensors), which a loss function would read as contiguous;
 - a dimension that does not cut into 2P equal chunks where the `cp` axis splits it.
 
 Those candidates are dropped, each with its reason for `explain`. Without token order the token-order kernels are
@@ -27,16 +28,15 @@ from meshplan.planner.strategies import Candidates
 STORED = ("param", "buffer")
 
 
-def check_token_order(mesh: MeshSpec, *, inputs: str, loss_only: bool) -> None:
-    """A ValueError for a token-order plan that cannot be one: no `cp` axis, or tensors handed over in blocks (the
-    user's own slices, a loss function's DTensors) that the user would read as contiguous."""
+def check_token_order(mesh: MeshSpec, *, inputs: str) -> None:
+    """A ValueError for a token-order plan that cannot be one: no `cp` axis, or inputs passed in blocks (a rank's own
+    slice, which the user would cut contiguously)."""
     if CP_AXIS not in mesh.axis_names:
         raise ValueError(f"token_order=True orders the splits of a mesh axis named {CP_AXIS!r}, and mesh {mesh} has axes "
                          f"{', '.join(map(repr, mesh.axis_names))}: name one {CP_AXIS!r} (e.g. axis_names=('dp', 'cp'))")
-    if inputs != "global" or loss_only:
-        given = f"inputs={inputs!r}" if inputs != "global" else "loss_only=True"
-        raise ValueError(f"token_order=True hands the model whole tensors only (inputs='global', not loss_only); got {given}: "
-                         "a rank's own slice in head-tail order is not the contiguous one a user would pass or read")
+    if inputs != "global":
+        raise ValueError(f"token_order=True takes whole inputs (inputs='global'); got inputs={inputs!r}: a rank's own slice "
+                         "in head-tail order is not the contiguous one a user would pass")
 
 
 def keep_order(graph: Graph, mesh: MeshSpec, cands: Candidates, token_order: bool) -> None:
@@ -71,6 +71,9 @@ def _ruled_out(kind: str, region, s: Strategy, metas: list[TensorMeta | None], m
     if kind in STORED:
         return (f"token_order=True keeps parameters and buffers unsplit on mesh axis {CP_AXIS!r}: DTensor, the optimizer "
                 "and checkpoints hold contiguous blocks")
+    if kind == "output":
+        return (f"token_order=True hands outputs over unsplit on mesh axis {CP_AXIS!r} (a loss function would read a "
+                "head-tail block as a contiguous one)")
     if s.kernel and not ordered:
         return f"{s.kernel} reads contiguous blocks on mesh axis {CP_AXIS!r}, and token_order=True holds them in head-tail order"
     for meta, layout in zip(metas, layouts):
