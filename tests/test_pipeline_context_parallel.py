@@ -105,6 +105,22 @@ def test_the_default_call_beyond_one_node_chooses_cp_by_price(seq, cp):
         assert any("cp" in note and ("context parallel" in note or "cp axis" in note) for note in plan.solver.skipped), plan.solver.skipped
 
 
+def test_the_pipeline_search_can_search_both_token_orders():
+    """`PipelineOptions(token_order=None)`: each cp configuration in the contiguous order and in head-tail token order,
+    ranked together; the returned plan's kernel is its order's, and the other order's configuration is priced and
+    named."""
+    model, tokens = _build()
+    opts = meshplan.PipelineOptions(degrees=(2,), tensor_degrees=(1,), context_degrees=(2,), microbatch_sizes=(1,),
+                                    schedules=("1f1b",), token_order=None)
+    with warnings.catch_warnings(), force_context_parallel("ring", "ring_headtail"):
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, 4, (tokens,), cluster="cpu", pipeline=opts, stage_config={"lm.layers.1": 1})
+    kernels = {n.strategy.kernel for n in plan.nodes if n.target == SDPA}
+    assert kernels == {kernel_name("ring_headtail" if plan.token_order else "ring", True)}
+    other = "x cp 2 x" if plan.token_order else "x cp 2 in token order"  # the configuration not returned
+    assert any(other in note and "slower than the returned one" in note for note in plan.solver.skipped), plan.solver.skipped
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", ["ring", "balanced", "ring_balanced", "headtail", "ring_headtail"])
 def test_pp2_cp2_parity(variant):

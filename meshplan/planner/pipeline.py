@@ -96,9 +96,10 @@ class PipelineOptions:
     """Force recomputation on (True) or off (False) in every stage; None: only where memory needs it."""
     time_limit_s: float = 60.0
     """Seconds each intra-op solve may take (`meshplan.plan(time_limit_s=)`)."""
-    token_order: bool = False
-    """Stage sub-meshes with a `cp` axis hold their splits over it in head-tail token order (`PlanOptions.token_order`),
-    in their profiles and their stage plans alike."""
+    token_order: bool | None = False
+    """Whether stage sub-meshes with a `cp` axis hold their splits over it in head-tail token order
+    (`PlanOptions.token_order`), in their profiles and their stage plans alike; None: each such configuration is
+    searched in both orders."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,6 +112,8 @@ class Candidate:
     pipe: PipelinePlan
     context: int = 1
     """c: the `cp` axis of the stage sub-mesh (d, c, t); 1: none."""
+    token_order: bool = False
+    """The `cp` axis' splits in head-tail token order (`PlanOptions.token_order`)."""
 
     @property
     def step_s(self) -> float:
@@ -352,7 +355,7 @@ def _sharing_cores(sched: ScheduleCost, ranks_per_stage: int, priced_at: int, cl
 
 def _what(c: Candidate) -> str:
     """A configuration, as the plan's notes name it."""
-    cp = f" x cp {c.context}" if c.context > 1 else ""
+    cp = f" x cp {c.context}{' in token order' if c.token_order else ''}" if c.context > 1 else ""
     return f"pipeline tp {c.tensor}{cp} x pp {c.pipeline} x dp {c.data}, microbatch {c.micro}, {c.pipe.schedule}"
 
 
@@ -420,21 +423,21 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
     plans: dict[tuple, Plan] = cache.setdefault("plans", {})  # the plan each profile was read off
     stand_ins: dict[tuple, str | None] = cache.setdefault("stand_ins", {})  # the block a cut model's profile stretches
 
-    def solve_at(graph: Graph, mesh: MeshSpec, explain: bool) -> Plan:
+    def solve_at(graph: Graph, mesh: MeshSpec, explain: bool, ordered: bool) -> Plan:
         nonlocal solves
         solves += 1
         # a pipelined step hands out the loss alone: the stage profiles price no gather of the model's other outputs
         plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, alternatives=explain,
                                    time_limit_s=options.time_limit_s, loss_only=True,
-                                   token_order=options.token_order and CP_AXIS in mesh.axis_names)
+                                   token_order=ordered)
         return make_plan(graph, mesh, cluster, plan_options, model_name=model_name)
 
-    def short_profile(mesh: MeshSpec, n: int) -> tuple[list[Unit], Plan, str] | None:
+    def short_profile(mesh: MeshSpec, n: int, ordered: bool) -> tuple[list[Unit], Plan, str] | None:
         """The stage profile from the cut model (with its plan and the block standing for every block), or None when
         its units are not its blocks (then the whole model's)."""
         short_at, stack, layers = short
         g = short_at(n)
-        plan = solve_at(g, mesh, explain=False)
+        plan = solve_at(g, mesh, explain=False, ordered=ordered)
         units = profile_units(g, plan, options.optimizer)
         if [u.name for u in units[1:-1]] != [f"{stack}.{k}" for k in range(len(units) - 2)] or len(units) < 3:
             return None
@@ -442,22 +445,22 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
 
     cp_notes: dict[str, None] = {}  # why a cp configuration is not the answer, where nothing else says it
 
-    def profile(mesh: MeshSpec, n: int) -> list[Unit] | None:
+    def profile(mesh: MeshSpec, n: int, ordered: bool = False) -> list[Unit] | None:
         """The stage profile on `mesh` at microbatch `n`; None for a mesh with a `cp` axis whose plan runs no attention
         context-parallel (the axis would only repeat a data-parallel configuration)."""
-        key = (mesh, n, options.layers, options.optimizer)
+        key = (mesh, n, options.layers, options.optimizer, ordered)
         if key not in profiles:
-            found = short_profile(mesh, n) if short is not None else None
+            found = short_profile(mesh, n, ordered) if short is not None else None
             if found is None:
-                plan = solve_at(graph_at(n), mesh, explain=False)  # pricing only: nobody asks this plan to explain itself
+                plan = solve_at(graph_at(n), mesh, explain=False, ordered=ordered)  # pricing only: nobody asks this plan to explain itself
                 units = profile_units(graph_at(n), plan, options.optimizer)
                 if options.layers is not None:
                     units = repeat_layers(units, options.layers)
                 found = units, plan, None
             profiles[key], plans[key], stand_ins[key] = found
         if CP_AXIS in mesh.axis_names and not uses_context_parallel(plans[key]):
-            cp_notes[f"stage sub-mesh {mesh} (context parallel), microbatch {n}: its stage profile priced no attention op "
-                     "cheaper split along the sequence"] = None
+            cp_notes[f"stage sub-mesh {mesh} (context parallel{', token order' if ordered else ''}), microbatch {n}: its stage "
+                     "profile priced no attention op cheaper split along the sequence"] = None
             return None
         return profiles[key]
 
@@ -468,12 +471,12 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         ranking needs none)."""
         nonlocal solves
         solves += 1
-        profiled = (c.inner, c.micro, options.layers, options.optimizer)
+        profiled = (c.inner, c.micro, options.layers, options.optimizer, c.token_order)
         params, inputs = arranged_layouts(graph, plans[profiled], data=c.data, stand_in=stand_ins[profiled], stack=short[1] if short else None)
         plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, time_limit_s=options.time_limit_s,
                                    param_layouts=params, input_layouts=inputs, preferred=preferred, alternatives=explain,
                                    loss_only=c.pipeline > 1, microbatches=c.pipe.microbatches,
-                                   token_order=options.token_order and CP_AXIS in c.stage_mesh.axis_names)
+                                   token_order=c.token_order)
         return make_plan(graph, c.stage_mesh, cluster, plan_options, model_name=model_name)
 
     def arranged(c: Candidate, graph: Graph) -> Plan:
@@ -482,7 +485,7 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         found (never slower than the first)."""
         if c.inner.size == 1 or c.data == 1:  # the profile's mesh or the data-parallel axis alone: one solve places everything
             return solve(c, graph, ())
-        profiled = (c.inner, c.micro, options.layers, options.optimizer)
+        profiled = (c.inner, c.micro, options.layers, options.optimizer, c.token_order)
         stand_in = stand_ins[profiled]
         ops = carried_layouts(graph, (short[0] if stand_in else graph_at)(c.micro), plans[profiled], axes=(None, *range(c.inner.ndim)),
                               why="the pipeline configuration's tensor-parallel layout (its stage profile on (t,))", stand_in=stand_in,
@@ -510,13 +513,13 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         return replace(plan, pipeline=replace(pipe, searched_step_s=c.step_s),
                        model_flops=plan.model_flops * pipe.microbatches)  # the graph is one microbatch
 
-    ranking: dict[tuple[MeshSpec, int, int], tuple[Graph, Plan]] = {}  # (profile mesh, d, b) -> the stage plan ranking prices
+    ranking: dict[tuple[MeshSpec, int, int, bool], tuple[Graph, Plan]] = {}  # (profile mesh, d, b, token order) -> the stage plan ranking prices
 
     def estimate(c: Candidate) -> PipelinePlan:
         """`c` priced by its stage plan, for ranking: solved once per (t, d, b), whatever the schedule, on the model
         cut to a few blocks (when the profiles were), its units and stage peaks stretched to the whole stack."""
-        key = (c.inner, c.data, c.micro)
-        cut = short is not None and stand_ins[(c.inner, c.micro, options.layers, options.optimizer)] is not None
+        key = (c.inner, c.data, c.micro, c.token_order)
+        cut = short is not None and stand_ins[(c.inner, c.micro, options.layers, options.optimizer, c.token_order)] is not None
         if key not in ranking:
             graph = (short[0] if cut else graph_at)(c.data * c.micro)
             ranking[key] = graph, arranged(c, graph)
@@ -535,7 +538,7 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         """`c`'s stage plan of the whole model, priced: the data-parallel layouts of the plan ranking priced it by, the
         tensor-parallel axis solved again (on the whole model when ranking had its cut), alternatives recorded."""
         graph = graph_at(c.data * c.micro)
-        ranked_graph, ranked = ranking[(c.inner, c.data, c.micro)]
+        ranked_graph, ranked = ranking[(c.inner, c.data, c.micro, c.token_order)]
         return priced(c, graph, solve(c, graph, data_parallel(graph, ranked_graph, ranked, c), explain=True))
 
     tensors = options.tensor_degrees or tuple(x for x in divisors(devices) if x <= cluster.devices_per_node)
@@ -555,7 +558,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
     pins_cache: dict[int, dict[int, int]] = {}
     cands: list[Candidate] = []
     considered = 0
-    configurations = []  # (t, c, b)
+    configurations = []  # (t, c, b, token order)
+    orders = (False, True) if options.token_order is None else (options.token_order,)
     for t in tensors:
         if devices % t:
             raise ValueError(f"tensor degree {t} does not divide {devices} devices")
@@ -564,8 +568,9 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
                 raise ValueError(f"context degree {c} does not divide the {devices // t} devices outside tensor degree {t}")
             # a cp axis splits one sequence: a microbatch of several would split over data parallelism as well, without
             # attention's collectives
-            configurations += [(t, c, b) for b in options.microbatch_sizes if c == 1 or b == 1]
-    for t, ctx, b in configurations:
+            configurations += [(t, c, b, ordered) for b in options.microbatch_sizes if c == 1 or b == 1
+                               for ordered in (orders if c > 1 else (False,))]
+    for t, ctx, b, ordered in configurations:
         for p in options.degrees or divisors(devices // (t * ctx)):
             if (fixed is not None and p != fixed[1]) or (devices // (t * ctx)) % p:
                 continue
@@ -573,7 +578,7 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             if batch % (d * b):
                 continue
             m = batch // (d * b)
-            units = profile(inner_mesh(ctx, t), b)
+            units = profile(inner_mesh(ctx, t), b, ordered)
             if units is None or p > len(units):
                 continue
             pins = pins_cache.setdefault(len(units), _pins(units, options.stage_config))
@@ -592,7 +597,7 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
                 pipe = evaluate(units, p=p, d=d, t=t * ctx, m=m, schedule=sched, cluster=cluster, budget=budget,
                                 virtual=options.virtual, pins=pins, dp_in_profile=False, recompute=options.recompute)
                 if pipe is not None:
-                    cands.append(Candidate(tensor=t, pipeline=p, data=d, micro=b, pipe=pipe, context=ctx))
+                    cands.append(Candidate(tensor=t, pipeline=p, data=d, micro=b, pipe=pipe, context=ctx, token_order=ordered))
     if not cands:
         raise ValueError(
             f"no pipeline configuration of {devices} devices fits the memory budget of {format_bytes(budget)} per device "
