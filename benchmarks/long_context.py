@@ -15,7 +15,7 @@ training every strategy still searching on one launch of `world` gloo processes.
 plan's peak, CP's and Ulysses' peak over the unsharded plan's (issue 29's target: at most 0.35) and, as a reference,
 over one process training the whole step, with each plan's predicted memory by part.
 
-`--big` plans only (no run; `--token-order`: with `token_order=True`): Hugging Face Llama-3-8B on 64 H100s and Llama-3-70B on 256, built in fp32 on the meta
+`--big` plans only (no run; `--token-order on`: with `token_order=True`; `both`: the pipeline search in both orders): Hugging Face Llama-3-8B on 64 H100s and Llama-3-70B on 256, built in fp32 on the meta
 device as benchmarks/big_models.py builds them, with the default call (`meshplan.plan(model, devices=N, (tokens,),
 example_kwargs={"labels": tokens}, cluster="h100")`: bf16, the pipeline search beyond one node, which offers a `cp`
 axis on its stage sub-meshes). Each sequence length keeps the tokens per step of the 131,072-token batch (8 sequences
@@ -343,9 +343,10 @@ BIG = {"Llama-3-8B": ("llama8b", 64, 8), "Llama-3-70B": ("llama70b", 256, 16)}
 LONGEST = 131_072
 
 
-def plan_big(case: str, devices: int, batch: int, seq: int, token_order: bool | None = None) -> tuple[Plan, float, int]:
-    """The default call's plan for a Hugging Face Llama of big_models.py's `case` at `seq` tokens (`token_order`: the
-    call's option), its seconds and the model's parameters."""
+def plan_big(case: str, devices: int, batch: int, seq: int, token_order: str | None = None) -> tuple[Plan, float, int]:
+    """The default call's plan for a Hugging Face Llama of big_models.py's `case` at `seq` tokens, its seconds and the
+    model's parameters. `token_order`: 'on' (`token_order=True`), 'both' (the pipeline search in both orders,
+    `PipelineOptions(token_order=None)`), or None (the default)."""
     import transformers as tf
     from big_models import CASES
 
@@ -357,12 +358,13 @@ def plan_big(case: str, devices: int, batch: int, seq: int, token_order: bool | 
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        kwargs = {"on": {"token_order": True}, "both": {"pipeline": meshplan.PipelineOptions(token_order=None)}}.get(token_order, {})
         plan = meshplan.plan(model, devices=devices, example_inputs=(tokens,), example_kwargs={"labels": tokens}, cluster="h100",
-                             token_order=token_order)
+                             **kwargs)
     return plan, time.perf_counter() - t0, sum(p.numel() for p in model.parameters())
 
 
-def big(seqs: list[int], token_order: bool | None = None) -> None:
+def big(seqs: list[int], token_order: str | None = None) -> None:
     from big_models import H100_BF16_PEAK
 
     print("| model | H100s | seq | sequences per step | stage sub-mesh | pp | cp | attention | predicted step s | MFU | MFU (6 N T) "
@@ -388,8 +390,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE))
     ap.add_argument("--big", action="store_true", help="plan Llama-3-8B and 70B on 64 and 256 H100s only (module doc)")
-    ap.add_argument("--token-order", action="store_true", help="--big: plan with token_order=True (the pipeline search's cp "
-                    "stage sub-meshes in head-tail token order)")
+    ap.add_argument("--token-order", choices=("on", "both"), default=None, help="--big: plan with token_order=True ('on': the "
+                    "pipeline search's cp stage sub-meshes in head-tail token order) or search both orders ('both')")
     ap.add_argument("--longest", action="store_true", help="the longest sequence CP, Ulysses and the plan without sequence "
                     "sharding train at within --budget-mib per rank, measured (module doc)")
     ap.add_argument("--budget-mib", type=float, default=DEFAULT_BUDGET_MIB)
@@ -398,7 +400,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=1 << 17, help="--longest: the longest length tried")
     args = ap.parse_args()
     if args.big:
-        big(args.seq or [LONGEST, 2048], True if args.token_order else None)
+        big(args.seq or [LONGEST, 2048], args.token_order)
         return 0
     cluster = cluster_of(resolve_profile(args.profile, None))
     if args.longest:

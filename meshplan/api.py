@@ -114,9 +114,9 @@ def plan(
     `token_order`: whether a mesh with a `cp` axis holds every tensor split over it in head-tail token order (rank r
     of P holds sequence chunks r and 2P-1-r of 2P), so causal attention does equal work on every rank with no
     exchange of queries (docs/long_context.md). None (default): the default mesh search plans its `cp` mesh both
-    ways and keeps the cheaper; a named mesh and the pipeline search keep the contiguous order. True: every `cp`
-    mesh in token order, the pipeline search's stage sub-meshes too (a named mesh must have a `cp` axis). False:
-    never.
+    ways and keeps the cheaper; a named mesh keeps the contiguous order, and the pipeline search does as
+    `PipelineOptions.token_order` says (contiguous by default; None: both). True: every `cp` mesh in token order,
+    the pipeline search's too (a named mesh must have a `cp` axis). False: never.
     """
     if not isinstance(context_parallel, bool):
         raise ValueError(f"context_parallel must be True or False; got {context_parallel!r}")
@@ -147,8 +147,8 @@ def plan(
         opts = pipeline_options("auto" if pipeline is None else pipeline, stage_config, optimizer, budget, float(time_limit_s))
         if not context_parallel and opts.context_degrees is None:
             opts = dataclasses.replace(opts, context_degrees=(1,))
-        if token_order:
-            opts = dataclasses.replace(opts, token_order=True)
+        if token_order is not None:
+            opts = dataclasses.replace(opts, token_order=token_order)
         result = plan_pipeline(model, devices, example_inputs, cluster=cluster_preset, options=opts, example_kwargs=example_kwargs,
                                precision=precision).plan
         warn_wasted(result)

@@ -119,6 +119,13 @@ def test_the_pipeline_search_can_search_both_token_orders():
     assert kernels == {kernel_name("ring_headtail" if plan.token_order else "ring", True)}
     other = "x cp 2 x" if plan.token_order else "x cp 2 in token order"  # the configuration not returned
     assert any(other in note and "slower than the returned one" in note for note in plan.solver.skipped), plan.solver.skipped
+    # a kernel forced that only the contiguous order runs: the token order gives no plan, and the plan says so
+    with warnings.catch_warnings(), force_context_parallel("ring"):
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, 4, (tokens,), cluster="cpu", pipeline=opts, stage_config={"lm.layers.1": 1})
+    assert not plan.token_order and {n.strategy.kernel for n in plan.nodes if n.target == SDPA} == {kernel_name("ring", True)}
+    assert plan.solver.skipped == ("stage sub-mesh cp=2 (context parallel, token order), microbatch 1: node "
+                                   "scaled_dot_product_attention has no candidate strategy",)
 
 
 @pytest.mark.multiprocess

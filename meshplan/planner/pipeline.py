@@ -48,7 +48,7 @@ from meshplan.ir.units import POST, PRE, unit_names
 from meshplan.planner.collector import fewer_collections
 from meshplan.planner.planner import UNBOUNDED, MemoryBudgetError, PlanOptions, make_plan, with_walked_memory
 from meshplan.planner.recompute import with_stage_recompute
-from meshplan.planner.solver import SolveTimeout
+from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
 from meshplan.planner.constraints import Constraint
 from meshplan.planner.context_parallel_search import ATTENTION, uses_context_parallel
 from meshplan.planner.stage_layouts import arranged_layouts, carried_layouts
@@ -99,7 +99,8 @@ class PipelineOptions:
     token_order: bool | None = False
     """Whether stage sub-meshes with a `cp` axis hold their splits over it in head-tail token order
     (`PlanOptions.token_order`), in their profiles and their stage plans alike; None: each such configuration is
-    searched in both orders."""
+    searched in both orders (the cheapest of each priced by its stage plan: `_returned_plan`). Not None by default:
+    that costs every call with attention planning time (docs/long_context.md, "In head-tail token order")."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -367,15 +368,28 @@ def _returned_plan(ranked: list[Candidate], estimate: Callable[[Candidate], Pipe
     each other configuration was not returned (in `plan.solver.skipped`)."""
 
     fits, dropped = [], []
-    for c in ranked[:MOST_TRIED]:
-        if len(fits) == TOP_PRICED:
-            break
+
+    def price(c: Candidate) -> bool:
         try:
             fits.append((c, estimate(c)))
+            return True
         except MemoryBudgetError as e:
             dropped.append(f"{_what(c)}: its stage plan does not fit: {e}")
         except SolveTimeout as e:
             dropped.append(f"{_what(c)}: its stage plan was not solved in time: {e}")
+        return False
+
+    for c in ranked[:MOST_TRIED]:
+        if len(fits) == TOP_PRICED:
+            break
+        price(c)
+    # searched in both token orders, the cheapest of each is priced: their stage profiles rank the two orders' cp
+    # configurations less surely than their stage plans price them (Llama-3-70B at 131k: docs/long_context.md)
+    tried = {id(c) for c in ranked[:MOST_TRIED]}
+    for order in sorted({c.token_order for c in ranked} - {c.token_order for c, _ in fits}):
+        for c in [c for c in ranked if c.token_order == order and id(c) not in tried][:MOST_TRIED]:
+            if price(c):
+                break
     fits.sort(key=lambda cp: (cp[1].step_s, cp[1].peak_memory))
     for i, (c, pipe) in enumerate(fits):
         try:
@@ -578,7 +592,15 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             if batch % (d * b):
                 continue
             m = batch // (d * b)
-            units = profile(inner_mesh(ctx, t), b, ordered)
+            try:
+                units = profile(inner_mesh(ctx, t), b, ordered)
+            except InfeasiblePlan as e:
+                if not ordered or options.token_order:
+                    raise
+                # searched in both orders, one that cannot be planned (a kernel forced that only the other order runs)
+                # leaves the other
+                cp_notes[f"stage sub-mesh {inner_mesh(ctx, t)} (context parallel, token order), microbatch {b}: {e}"] = None
+                continue
             if units is None or p > len(units):
                 continue
             pins = pins_cache.setdefault(len(units), _pins(units, options.stage_config))
