@@ -7,6 +7,7 @@ does for the contiguous kernels; the planning checks run in one process.
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -114,9 +115,11 @@ def test_the_plan_file_keeps_the_order():
     contiguous = _plan("gpt", 2, kernel_name("allgather", True))
     assert "token_order" not in contiguous.to_dict() and Plan.from_json(contiguous.to_json()).head_tail_axis is None
     d = plan.to_dict()
+    with pytest.raises(ValueError, match="plan file is malformed: token_order is 'yes'; expected bool"):
+        Plan.from_json(json.dumps({**d, "token_order": "yes"}))
     d["mesh"]["axis_names"] = ["dp"]
     with pytest.raises(ValueError, match="token_order is true, which orders the splits of a 'cp' axis, and mesh dp=2 has none"):
-        Plan.from_json(__import__("json").dumps(d))
+        Plan.from_json(json.dumps(d))
 
 
 # ---------------------------------------------------------------- parity on gloo ranks

@@ -399,15 +399,9 @@ def _decode_plan(d: dict) -> Plan:
         precision=MixedPrecision.from_dict(d["precision"]) if "precision" in d else None,
         model_flops=d.get("model_flops", 0.0),
         peak_flops=d.get("peak_flops", 0.0),
-        token_order=_flag(d.get("token_order", False), "token_order"),
+        token_order=d.get("token_order", False),
         version=d["version"],
     )
-
-
-def _flag(value, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be true or false, got {value!r:.60}")
-    return value
 
 
 def _decode_param(p: dict, seq) -> ParamChoice:
