@@ -1,6 +1,7 @@
 """The training loop users write, unchanged on a ParallelModule, gives one process's numbers.
 
-One loop, under a data-parallel, a Megatron tensor-parallel and a 2-D plan on 4 gloo ranks:
+One loop, under a data-parallel, a Megatron tensor-parallel, a 2-D plan and a data x context-parallel plan in
+head-tail token order (`token_order=True`) on 4 gloo ranks:
 gradient accumulation over two micro-batches with `no_sync()` on the first, `clip_grad_norm_`
 with a limit small enough to bite, AdamW with weight decay, a StepLR scheduler,
 `zero_grad(set_to_none=True)` and `(set_to_none=False)` in turn, and `torch.no_grad()` inference.
@@ -22,6 +23,7 @@ import meshplan
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig
 from meshplan.models.resnet import ResNet
+from meshplan.regions.context_parallel import force_context_parallel
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import ParallelModule, shard_tensor
@@ -81,10 +83,13 @@ def _plans():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = lambda shape, **kw: meshplan.plan(model, devices=4, example_inputs=(data[0],), mesh_shape=shape, **kw)  # noqa: E731
+        with force_context_parallel("headtail"):
+            ordered = plan((2, 2), axis_names=("dp", "cp"), input_layouts={"tokens": "S(0)S(1)"}, token_order=True)
         return {
             "data parallel (4,)": plan((4,), mode="data_parallel"),
             "tensor parallel (4,)": plan((4,), param_layouts=tp, input_layouts=tp_inputs),
             "data x tensor parallel (2,2)": plan((2, 2), param_layouts=tp2, input_layouts=tp2_inputs),
+            "data x context parallel in token order (2,2)": ordered,
         }
 
 
