@@ -52,9 +52,13 @@ def context_parallel_plans(meshes: list[MeshSpec], found: list[Plan], solve: Cal
     kept, notes = [], []
     for mesh in [best.mesh] if best is not None else meshes:
         cp = with_cp_axis(mesh)
+
+        def named(ordered: bool) -> str:
+            return f"mesh {cp} (context parallel{', token order' if ordered else ''})"
+
         tried: list[Plan] = []
         for ordered in token_orders:
-            what = f"mesh {cp} (context parallel{', token order' if ordered else ''})"
+            what = named(ordered)
             try:
                 plan = solve(cp, ordered)
             except errors as e:
@@ -70,7 +74,7 @@ def context_parallel_plans(meshes: list[MeshSpec], found: list[Plan], solve: Cal
         if tried:  # the cheaper order; the other is noted
             chosen = min(tried, key=lambda p: p.step_time_s)
             kept.append(chosen)
-            notes += [f"mesh {cp} (context parallel{', token order' if p.token_order else ''}): priced "
-                      f"{p.step_time_s * 1e3:.3f} ms per step, not below {chosen.step_time_s * 1e3:.3f} ms in the "
-                      f"{'head-tail token' if chosen.token_order else 'contiguous'} order" for p in tried if p is not chosen]
+            notes += [f"{named(p.token_order)}: priced {p.step_time_s * 1e3:.3f} ms per step, not below "
+                      f"{chosen.step_time_s * 1e3:.3f} ms in the {'head-tail token' if chosen.token_order else 'contiguous'} order"
+                      for p in tried if p is not chosen]
     return kept, notes

@@ -391,7 +391,7 @@ class ContextParallelAttention(nn.Module):
         if self.variant == "ring":
             return RingAttention.apply(q, k, v, scale, self.causal, self.axis, self.comm, (me * rows,))
         if self.variant == "ring_headtail":  # the rank's two chunks as it holds them, the blocks too
-            starts = tuple(c * (rows // 2) for c in owned_chunks(me, n))
+            starts = tuple(c * (rows // 2) for c in query_chunks(self.variant, me, n))
             return RingAttention.apply(q, k, v, scale, True, self.axis, self.comm, starts, self.variant)
         if self.variant == "ring_balanced":
             return _balanced(q, self.comm, self.axis, lambda own, lent, starts: RingAttention.apply(
@@ -407,7 +407,7 @@ class ContextParallelAttention(nn.Module):
         if self.variant == "headtail":
             half = rows // 2
             return torch.cat([_attend(q.narrow(SEQ, i * half, half), keys, values, c * half, True, scale)
-                              for i, c in enumerate(owned_chunks(me, n))], dim=SEQ)
+                              for i, c in enumerate(query_chunks(self.variant, me, n))], dim=SEQ)
         return _balanced(q, self.comm, self.axis, lambda own, lent, starts: (
             _attend(own, keys, values, starts[0], True, scale), _attend(lent, keys, values, starts[1], True, scale)))
 
