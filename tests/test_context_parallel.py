@@ -459,6 +459,22 @@ def test_parity_dp_by_cp_with_fsdp_storage(variant):
     _check_parity("gpt", plan, results)
 
 
+def flattened_in_place(plan) -> list[str]:
+    """The views of `plan` that flatten or split the batch and the sequence with each rank's block kept
+    (planner/rules/nested_view.py: a split over dp on the batch and cp on the sequence)."""
+    return [n.name for n in plan.nodes if n.target == "aten.view.default" and n.strategy.source == "meshplan"]
+
+
+@pytest.mark.multiprocess
+def test_parity_dp_by_cp_linear_layers_keep_the_sequence_split():
+    """dp x cp (2 x 2) with the weights whole: every linear layer flattens [batch, sequence, hidden] with one sequence
+    per dp rank and its cp quarter, and unflattens it back, without moving data."""
+    plan = _plan("llama", 4, kernel_name("ring", True), axes=("dp", "cp"), tokens_layout="S(0)S(1)", param_layouts={"*": "RR"})
+    assert len(flattened_in_place(plan)) >= 14, flattened_in_place(plan)  # 7 linear layers, each in and out
+    results = run_local(4, _worker, "llama", plan, timeout=900)
+    _check_parity("llama", plan, results)
+
+
 def _mirrored(rank: int, world: int):
     comm = MeshComm(MeshSpec((world,), ("cp",)), rank)
     comm.create_groups([(0,)])

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 from test_context_parallel import (MEGATRON, SDPA, _build, _check_parity, _compare, _hf_train, _hf_worker, _kernels, _only,
-                                   _plan, _worker)
+                                   _plan, _worker, flattened_in_place)
 
 import meshplan
 from meshplan.cost_model.compute import attention_pairs
@@ -152,6 +152,15 @@ def test_parity_dp_by_cp_with_fsdp_storage_on_dp(variant):
     assert {p.layout for p in plan.params} == {(Shard(0), Replicate())}
     results = run_local(4, _worker, "gpt", plan, timeout=900)
     _check_parity("gpt", plan, results)
+
+
+@pytest.mark.multiprocess
+def test_parity_dp_by_cp_linear_layers_keep_the_sequence_split():
+    """The linear layers' flatten of one sequence per dp rank keeps the cp chunks in token order."""
+    plan = _ordered("llama", 4, "headtail", axes=("dp", "cp"), tokens_layout="S(0)S(1)", param_layouts={"*": "RR"})
+    assert len(flattened_in_place(plan)) >= 14, flattened_in_place(plan)
+    results = run_local(4, _worker, "llama", plan, timeout=900)
+    _check_parity("llama", plan, results)
 
 
 @pytest.mark.multiprocess

@@ -33,6 +33,7 @@ from meshplan.ir.placement import Partial, Placements, Replicate, Shard, executa
 from meshplan.ir.regions import region_op
 from meshplan.planner.masked import from_mask_partial, is_mask_partial
 from meshplan.planner.rules import RULES
+from meshplan.planner.rules.nested_view import VIEW_OPS, nested_view_layouts
 from meshplan.plans.strategy import Strategy
 from meshplan.progress import timed
 
@@ -177,8 +178,10 @@ def _op_strategies(
         args_and_kwargs = fx.node.map_arg((fxn.args, fxn.kwargs), lambda n: n.meta["val"])
         rejected: list[tuple[Strategy, str]] = []
         errors: list[str] = []
-        _CACHE[key] = (_compute_op_strategies(fxn.target, args_and_kwargs, node, mesh, dmesh, rejected, errors), rejected,
-                       errors[0] if errors else "")
+        found = _compute_op_strategies(fxn.target, args_and_kwargs, node, mesh, dmesh, rejected, errors)
+        if str(fxn.target) in VIEW_OPS and found:
+            found += _nested_views(node, args_and_kwargs[0][0], mesh, set(found))
+        _CACHE[key] = (found, rejected, errors[0] if errors else "")
     kept, rejected, error = _CACHE[key]
     return list(kept), list(rejected), error
 
@@ -225,6 +228,16 @@ def _compute_op_strategies(op, args_and_kwargs, node: Node, mesh: MeshSpec, dmes
     if op in prop.op_strategy_funcs:
         return _from_op_strategy(prop.op_strategy_funcs[op], op, args, kwargs, node, in_metas, mesh, dmesh, rejected, errors)
     return []
+
+
+def _nested_views(node: Node, src: torch.Tensor, mesh: MeshSpec, seen: set[Strategy]) -> list[Strategy]:
+    """A view's layouts that DTensor's per-axis rule lacks: a group of dims split over several axes, flattened or split
+    with each rank's block unmoved (`rules/nested_view.py`). The uneven ones are not kept as rejected: DTensor's
+    per-axis layouts of the same dims already say why."""
+    out: list[Strategy] = []
+    for ins, outs in nested_view_layouts(tuple(src.shape), node.outputs[0].shape, mesh.shape):
+        _keep_even(Strategy((ins,), (outs,), "meshplan"), node, [TensorMeta.of(src)], mesh, out, [], seen)
+    return out
 
 
 def _dt_meta(t: torch.Tensor) -> DTMeta:
