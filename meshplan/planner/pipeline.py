@@ -52,7 +52,7 @@ from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
 from meshplan.planner.constraints import Constraint
 from meshplan.planner.context_parallel_search import ATTENTION, uses_context_parallel
 from meshplan.planner.stage_layouts import arranged_layouts, carried_layouts
-from meshplan.planner.stage_profile import (Unit, profile_units, repeat_layers, stage_memory, stage_static_bytes, stretched_stage_memory,
+from meshplan.planner.stage_profile import (Unit, at_data_parallel, profile_units, repeat_layers, stage_memory, stage_static_bytes, stretched_stage_memory,
                                             tied_grad_bytes)
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.plans.plan import Plan
@@ -272,6 +272,8 @@ def evaluate(units: list[Unit], *, p: int, d: int, t: int, m: int, schedule: str
              virtual: int = 2, pins: dict[int, int] | None = None, dp_in_profile: bool, recompute: bool | None = None) -> PipelinePlan | None:
     """The best cut of `units` for one (p, d, t, m, schedule), as a PipelinePlan; None if nothing fits."""
     check_schedule(schedule)
+    if not dp_in_profile:
+        units = at_data_parallel(units, d)
     p2p, action = _cut_prices(units, p, d, t, schedule, cluster)
     parts = partition(units, p, m, schedule, budget=budget, p2p_s=p2p, action_s=action, virtual=virtual, pins=pins, recompute=recompute)
     if parts is None:

@@ -23,6 +23,7 @@ from meshplan.cost_model.estimate import local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
 from meshplan.cost_model.pipeline_memory import StageWalk, stage_nodes, stage_walk, under_schedule
 from meshplan.ir.graph import Graph
+from meshplan.ir.op_kinds import is_random
 from meshplan.ir.placement import Replicate
 from meshplan.ir.units import POST, PRE, unit_names, unit_of_nodes
 from meshplan.planner.problem import node_memory, transfer_memory
@@ -61,6 +62,12 @@ class Unit:
     shared: dict[str, tuple[int, int]]
     """Parameter node -> (static bytes, gradient bytes), for parameters other units use too (tied embeddings): a stage
     holding several such units counts them once."""
+    whole_s: float = 0.0
+    """Seconds per microbatch of the ops every device runs on the whole tensor (random draws, the factory ops they fill
+    and in-place ops on those: ir/op_kinds.py), forward only. A stage with d data-parallel ranks runs them on the
+    d microbatches of all its ranks (`at_data_parallel`)."""
+    whole_act_bytes: int = 0
+    """Activation bytes of those ops saved for backward per microbatch (a dropout mask)."""
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -72,14 +79,19 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
     unit = unit_of_nodes(graph)
     consumers = graph.consumers()
     names = unit_names(graph)
-    acc = {u: dict(time=0.0, fwd=0.0, sync=0.0, static=0, param=0, grad=0, act=0, out=0, inb=0, shared={}, modules=[]) for u in names}
+    acc = {u: dict(time=0.0, fwd=0.0, sync=0.0, static=0, param=0, grad=0, act=0, out=0, inb=0, shared={}, modules=[], whole=0.0,
+                   whole_act=0) for u in names}
     strategy = {n.name: n.strategy for n in plan.nodes}
+    whole = drawn_whole(graph)
     for n in plan.nodes:
         a = acc[unit[n.name]]
         a["time"] += n.time_s
         a["fwd"] += n.time_s / 3.0 if any(graph[n.name].requires_grad) else n.time_s
         mem = node_memory(graph[n.name], n.strategy, shape, optimizer, weight_cast=n.name in graph.weight_casts)
         a["act"] += mem.activations
+        if n.name in whole:
+            a["whole"] += n.time_s
+            a["whole_act"] += mem.activations
         a["static"] += mem.params  # a weight's working copy (mixed precision): once per step, not per microbatch
         a["param"] += mem.params
         top = n.module_path.split(".", 1)[0] if unit[n.name] in (PRE, POST) else unit[n.name]
@@ -131,9 +143,31 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
                 acc[u]["inb"] += nbytes
     return [
         Unit(name=u, modules=tuple(a["modules"]), time_s=a["time"], forward_s=a["fwd"], sync_s=a["sync"], static_bytes=a["static"], param_bytes=a["param"], grad_bytes=a["grad"],
-             act_bytes=a["act"], out_bytes=a["out"], in_bytes=a["inb"], shared=a["shared"])
+             act_bytes=a["act"], out_bytes=a["out"], in_bytes=a["inb"], shared=a["shared"], whole_s=a["whole"], whole_act_bytes=a["whole_act"])
         for u, a in acc.items()
     ]
+
+
+def drawn_whole(graph: Graph) -> set[str]:
+    """The ops every device runs on the whole tensor whatever the mesh: random draws (drawn whole so every rank has the
+    single-device draw), the factory ops they fill in place, and in-place ops on what those made (dropout's scaling)."""
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    whole = {n.name for n in ops if is_random(n.target)}
+    whole |= {n.inputs[0].node for n in ops if n.name in whole and n.inputs and not graph[n.inputs[0].node].inputs
+              and graph[n.inputs[0].node].kind == "op"}  # the empty tensor an in-place draw fills
+    for n in ops:
+        if n.inputs and n.inputs[0].node in whole and n.target.split(".")[-2].endswith("_"):
+            whole.add(n.name)
+    return whole
+
+
+def at_data_parallel(units: list[Unit], data: int) -> list[Unit]:
+    """`units` (one data-parallel rank's microbatch) as a stage sub-mesh with `data` data-parallel ranks runs them: the
+    ops drawn whole run on all `data` microbatches, forward and in recomputation."""
+    if data <= 1:
+        return units
+    return [replace(u, time_s=u.time_s + (data - 1) * u.whole_s, forward_s=u.forward_s + (data - 1) * u.whole_s,
+                    act_bytes=u.act_bytes + (data - 1) * u.whole_act_bytes) if u.whole_s or u.whole_act_bytes else u for u in units]
 
 
 def repeat_layers(units: list[Unit], layers: int) -> list[Unit]:
