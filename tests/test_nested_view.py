@@ -65,7 +65,7 @@ def test_what_is_offered_and_what_is_not():
 def test_groups():
     assert dim_groups((2, 8, 6), (16, 6)) == [([0, 1], [0]), ([2], [1])]
     assert dim_groups((1, 16), (16,)) == [([0, 1], [0])]
-    assert dim_groups((16, 6), (2, 8, 6)) == [([0], [0, 1]), ([2 - 1], [2])]
+    assert dim_groups((16, 6), (2, 8, 6)) == [([0], [0, 1]), ([1], [2])]
     assert dim_groups((4,), (5,)) == []
 
 

@@ -15,6 +15,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_context_parallel import flattened_in_place
+from torch.distributed.tensor import Shard
 
 import meshplan
 from meshplan.models import Llama, LlamaConfig
@@ -22,8 +24,6 @@ from meshplan.regions.context_parallel import TOKEN_ORDER, force_context_paralle
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
-from torch.distributed.tensor import Shard
-from test_context_parallel import flattened_in_place
 
 STEPS = 3
 BATCH, SEQ = 4, 16

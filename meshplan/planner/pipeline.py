@@ -52,8 +52,8 @@ from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
 from meshplan.planner.constraints import Constraint
 from meshplan.planner.context_parallel_search import ATTENTION, uses_context_parallel
 from meshplan.planner.stage_layouts import arranged_layouts, carried_layouts
-from meshplan.planner.stage_profile import (Unit, at_data_parallel, profile_units, repeat_layers, stage_memory, stage_static_bytes, stretched_stage_memory,
-                                            tied_grad_bytes)
+from meshplan.planner.stage_profile import (Unit, at_data_parallel, profile_units, repeat_layers, stage_memory, stage_static_bytes,
+                                            stretched_stage_memory, tied_grad_bytes)
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.plans.plan import Plan
 
