@@ -385,8 +385,9 @@ def _returned_plan(ranked: list[Candidate], estimate: Callable[[Candidate], Pipe
         if len(fits) == TOP_PRICED:
             break
         price(c)
-    # searched in both token orders, the cheapest of each is priced: their stage profiles rank the two orders' cp
-    # configurations less surely than their stage plans price them (Llama-3-70B at 131k: docs/long_context.md)
+    # searched in both token orders, the cheapest of each is priced too, so one order's stage plans pricing above their
+    # profiles cannot hide the other (Llama-3-70B at 131k, before a dp x cp stage's views kept the sequence split:
+    # docs/long_context.md)
     tried, orders = {id(c) for c in ranked[:MOST_TRIED]}, {c.token_order for c in ranked}
     for order in sorted(orders - {c.token_order for c, _ in fits}) if len(orders) > 1 else ():
         for c in [c for c in ranked if c.token_order == order and id(c) not in tried][:MOST_TRIED]:

@@ -156,9 +156,15 @@ def drawn_whole(graph: Graph) -> set[str]:
     whole |= {n.inputs[0].node for n in ops if n.name in whole and n.inputs and not graph[n.inputs[0].node].inputs
               and graph[n.inputs[0].node].kind == "op"}  # the empty tensor an in-place draw fills
     for n in ops:
-        if n.inputs and n.inputs[0].node in whole and n.target.split(".")[-2].endswith("_"):
+        if n.inputs and n.inputs[0].node in whole and _in_place(n.target):
             whole.add(n.name)
     return whole
+
+
+def _in_place(target: str) -> bool:
+    """An ATen op that writes its first argument ('aten.div_.Scalar')."""
+    parts = target.split(".")
+    return len(parts) == 3 and parts[0] == "aten" and parts[1].endswith("_")
 
 
 def at_data_parallel(units: list[Unit], data: int) -> list[Unit]:

@@ -235,8 +235,9 @@ def _nested_views(node: Node, src: torch.Tensor, mesh: MeshSpec, seen: set[Strat
     with each rank's block unmoved (`rules/nested_view.py`). The uneven ones are not kept as rejected: DTensor's
     per-axis layouts of the same dims already say why."""
     out: list[Strategy] = []
+    metas = [TensorMeta.of(src)]
     for ins, outs in nested_view_layouts(tuple(src.shape), node.outputs[0].shape, mesh.shape):
-        _keep_even(Strategy((ins,), (outs,), "meshplan"), node, [TensorMeta.of(src)], mesh, out, [], seen)
+        _keep_even(Strategy((ins,), (outs,), "meshplan"), node, metas, mesh, out, [], seen)
     return out
 
 
