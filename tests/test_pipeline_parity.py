@@ -395,19 +395,22 @@ def _loss_and_logits_steps(rank, world, plan, reads_logits):
 
 
 @pytest.mark.multiprocess
-def test_a_pipelined_model_hands_its_logits_to_the_loss_as_blocks_not_gathered():
+@pytest.mark.parametrize("degree", [2, 1])
+def test_a_pipelined_model_hands_its_logits_to_the_loss_as_blocks_not_gathered(degree):
     """A pipelined step returns the loss alone, so the model's other outputs (the logits beside its own loss) are not
     gathered whole on the last stage: the plan leaves them sharded (no move into the output for them) and the loss
     function sees them as DTensors. Both a loss function that takes the model's loss and one that computes it again
-    from the logits give one process's losses and weights over two SGD steps."""
+    from the logits give one process's losses and weights over two SGD steps. Degree 1 too: the search's one-stage
+    configurations run on the pipeline runtime (its stage plans gathered the logits until 2026-11-27: the 8B at 131k
+    tokens held 67 GB of them per device)."""
     torch.manual_seed(0)
     model, x = LossAndLogits(), data()[1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = meshplan.plan(model, 4, (x,), pipeline=meshplan.PipelineOptions(degrees=(2,), tensor_degrees=(1,), microbatch_sizes=(2,)))
+        plan = meshplan.plan(model, 4, (x,), pipeline=meshplan.PipelineOptions(degrees=(degree,), tensor_degrees=(1,), microbatch_sizes=(2,)))
     graph = trace(model, (x[: BATCH // plan.pipeline.microbatches],))
     loss_layout, logits_layout = output_layouts(graph, plan)
-    assert plan.pipeline.degree == 2 and plan.mesh.size == 2
+    assert plan.pipeline.degree == degree and plan.mesh.size == 4 // degree
     assert loss_layout == (Replicate(),) and logits_layout != (Replicate(),)
     assert not [t for t in plan.transfers if t.consumer == graph.output.name and t.position == 1]
 

@@ -51,7 +51,9 @@ from meshplan.planner.recompute import with_stage_recompute
 from meshplan.planner.solver import InfeasiblePlan, SolveTimeout
 from meshplan.planner.constraints import Constraint
 from meshplan.planner.context_parallel_search import ATTENTION, uses_context_parallel
+from meshplan.planner.problem import RowWeights
 from meshplan.planner.stage_layouts import arranged_layouts, carried_layouts
+from meshplan.planner.stage_rows import rank_weights, row_value, within_budget
 from meshplan.planner.stage_profile import (Unit, at_data_parallel, profile_units, repeat_layers, stage_memory, stage_static_bytes,
                                             stretched_stage_memory, tied_grad_bytes)
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
@@ -481,33 +483,55 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             return None
         return profiles[key]
 
-    def solve(c: Candidate, graph: Graph, preferred: tuple[Constraint, ...], explain: bool = False) -> Plan:
+    def solve(c: Candidate, graph: Graph, preferred: tuple[Constraint, ...], explain: bool = False,
+              rows: tuple[RowWeights, ...] = ()) -> Plan:
         """The stage plan of candidate `c` for `graph` (the model, or its cut, at the data-parallel microbatch d b) on
         the stage sub-mesh (d, t): every parameter in the layout its profile was priced with (`stage_layouts.py`), the
-        `preferred` layouts kept. `explain`: record every node's priced alternatives (the plan handed to the user;
-        ranking needs none)."""
+        `preferred` layouts kept, under the memory `rows` (one per pipeline rank, `stage_rows.py`; none: unbounded).
+        `explain`: record every node's priced alternatives (the plan handed to the user; ranking needs none). Nothing is
+        recomputed inside a stage plan: the search recomputes whole stages."""
         nonlocal solves
         solves += 1
         profiled = (c.inner, c.micro, options.layers, options.optimizer, c.token_order)
         params, inputs = arranged_layouts(graph, plans[profiled], data=c.data, stand_in=stand_ins[profiled], stack=short[1] if short else None)
         plan_options = PlanOptions(memory_budget=UNBOUNDED, optimizer=options.optimizer, time_limit_s=options.time_limit_s,
                                    param_layouts=params, input_layouts=inputs, preferred=preferred, alternatives=explain,
-                                   loss_only=c.pipeline > 1, microbatches=c.pipe.microbatches,
-                                   token_order=c.token_order)
+                                   loss_only=True, microbatches=c.pipe.microbatches,
+                                   token_order=c.token_order, recompute="never", memory_rows=rows)
         return make_plan(graph, c.stage_mesh, cluster, plan_options, model_name=model_name)
 
-    def arranged(c: Candidate, graph: Graph) -> Plan:
-        """`c`'s stage plan for `graph`, solved one mesh axis at a time (`stage_layouts.py`): the data-parallel axis with
-        every layer op's tensor-parallel layout as priced, then the tensor-parallel axis with the data-parallel layouts
-        found (never slower than the first)."""
+    def arranged(c: Candidate, graph: Graph, rows: tuple[RowWeights, ...] = ()) -> Plan:
+        """`c`'s stage plan for `graph` under `rows`, solved one mesh axis at a time (`stage_layouts.py`): the
+        data-parallel axis with every layer op's tensor-parallel layout as priced, then the tensor-parallel axis with the
+        data-parallel layouts found (never slower than the first)."""
         if c.inner.size == 1 or c.data == 1:  # the profile's mesh or the data-parallel axis alone: one solve places everything
-            return solve(c, graph, ())
+            return solve(c, graph, (), rows=rows)
         profiled = (c.inner, c.micro, options.layers, options.optimizer, c.token_order)
         stand_in = stand_ins[profiled]
         ops = carried_layouts(graph, (short[0] if stand_in else graph_at)(c.micro), plans[profiled], axes=(None, *range(c.inner.ndim)),
                               why="the pipeline configuration's tensor-parallel layout (its stage profile on (t,))", stand_in=stand_in,
                               stack=short[1] if short else None, layers_only=True)
-        return solve(c, graph, data_parallel(graph, graph, solve(c, graph, ops), c))
+        return solve(c, graph, data_parallel(graph, graph, solve(c, graph, ops, rows=rows), c), rows=rows)
+
+    def fitted(c: Candidate, graph: Graph, first: Plan, again: Callable[[tuple[RowWeights, ...]], Plan], cut: bool,
+               of: str) -> Plan:
+        """`first` (`c`'s stage plan of `graph`, solved unbounded) when every pipeline rank's walked peak keeps the
+        budget, else `again(rows)` under a row per rank, tightened until they do (`stage_rows.within_budget`); a
+        MemoryBudgetError when none does. `cut`: `graph` is the model cut to a few blocks (its stages' peaks
+        stretched to the whole stack)."""
+
+        def peaks(plan: Plan) -> list[float]:
+            if cut:
+                stages = stretched_stage_memory(graph, plan, c.pipe, optimizer=options.optimizer)
+            else:
+                walked = with_walked_memory(with_stage_recompute(replace(plan, pipeline=c.pipe), graph), graph, options.optimizer)
+                stages = [s.memory for s in walked.pipeline.stages]
+            return [sum(mb.total for s, mb in zip(c.pipe.stages, stages) if s.device == k) for k in range(c.pipe.degree)]
+
+        return within_budget(lambda rows: again(rows) if rows else first, peaks,
+                             lambda plan, resident, saved: row_value(graph, plan, resident, saved, options.optimizer),
+                             rank_weights(graph, c.pipe), budget,
+                             lambda peak: MemoryBudgetError(budget, peak, first.mesh, cluster, of=of))
 
     def data_parallel(graph: Graph, source_graph: Graph, source: Plan, c: Candidate) -> tuple[Constraint, ...]:
         """Every op of `graph` keeping the data-parallel layouts of its counterpart in `source`, none on a mesh of one
@@ -519,44 +543,47 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
                                stand_in=stand_in, stack=short[1] if stand_in else None)
 
     def priced(c: Candidate, graph: Graph, plan: Plan) -> Plan:
-        """`plan` (`c`'s stage plan of the whole model) with `c`'s stages walked under its schedule and priced again by
-        its own units. Over the budget it is a MemoryBudgetError: its parameters are placed, so a tighter row could
-        only move activations."""
+        """`plan` (`c`'s stage plan of the whole model, within the budget) with `c`'s stages walked under its schedule
+        and priced again by its own units."""
         plan = with_walked_memory(with_stage_recompute(replace(plan, pipeline=c.pipe), graph), graph, options.optimizer)
-        if plan.memory.total > budget:
-            raise MemoryBudgetError(budget, plan.memory.total, plan.mesh, cluster, of="its stage plan")
         pipe = reprice(profile_units(graph, plan, options.optimizer), plan.pipeline, d=c.data, t=c.inner.size, cluster=cluster,
                        dp_in_profile=True)
         return replace(plan, pipeline=replace(pipe, searched_step_s=c.step_s),
                        model_flops=plan.model_flops * pipe.microbatches)  # the graph is one microbatch
 
-    ranking: dict[tuple[MeshSpec, int, int, bool], tuple[Graph, Plan]] = {}  # (profile mesh, d, b, token order) -> the stage plan ranking prices
+    unbounded: dict[tuple[MeshSpec, int, int, bool], tuple[Graph, Plan]] = {}  # (profile mesh, d, b, token order) -> its stage plan, no rows
+    ranking: dict[int, tuple[Graph, Plan]] = {}  # id of a candidate -> the stage plan within the budget ranking priced it by
 
     def estimate(c: Candidate) -> PipelinePlan:
-        """`c` priced by its stage plan, for ranking: solved once per (t, d, b), whatever the schedule, on the model
-        cut to a few blocks (when the profiles were), its units and stage peaks stretched to the whole stack."""
+        """`c` priced by its stage plan within the budget, for ranking: solved unbounded once per (t, d, b), whatever
+        the schedule, and again under rows for `c` only where a rank's walk is over the budget; on the model cut to a
+        few blocks (when the profiles were), its units and stage peaks stretched to the whole stack."""
         key = (c.inner, c.data, c.micro, c.token_order)
         cut = short is not None and stand_ins[(c.inner, c.micro, options.layers, options.optimizer, c.token_order)] is not None
-        if key not in ranking:
+        if key not in unbounded:
             graph = (short[0] if cut else graph_at)(c.data * c.micro)
-            ranking[key] = graph, arranged(c, graph)
-        graph, plan = ranking[key]
+            unbounded[key] = graph, arranged(c, graph)
+        graph, first = unbounded[key]
+        of = f"its stage plan, stretched from the model cut to {len(unit_names(graph)) - 2} blocks" if cut else "its stage plan"
+        plan = fitted(c, graph, first, lambda rows: arranged(c, graph, rows), cut, of)
+        ranking[id(c)] = graph, plan
         if not cut:
             return priced(c, graph, plan).pipeline
         memory = stretched_stage_memory(graph, plan, c.pipe, optimizer=options.optimizer)
         pipe = replace(c.pipe, stages=tuple(replace(s, memory=mb) for s, mb in zip(c.pipe.stages, memory)))
-        if pipe.peak_memory > budget:
-            raise MemoryBudgetError(budget, pipe.peak_memory, plan.mesh, cluster,
-                                    of=f"its stage plan, stretched from the model cut to {len(unit_names(graph)) - 2} blocks")
         units = repeat_layers(profile_units(graph, plan, options.optimizer), short[2])
         return reprice(units, pipe, d=c.data, t=c.inner.size, cluster=cluster, dp_in_profile=True)
 
     def returned(c: Candidate) -> Plan:
-        """`c`'s stage plan of the whole model, priced: the data-parallel layouts of the plan ranking priced it by, the
-        tensor-parallel axis solved again (on the whole model when ranking had its cut), alternatives recorded."""
+        """`c`'s stage plan of the whole model within the budget, priced: the data-parallel layouts of the plan ranking
+        priced it by, the tensor-parallel axis solved again (on the whole model when ranking had its cut), alternatives
+        recorded."""
         graph = graph_at(c.data * c.micro)
-        ranked_graph, ranked = ranking[(c.inner, c.data, c.micro, c.token_order)]
-        return priced(c, graph, solve(c, graph, data_parallel(graph, ranked_graph, ranked, c), explain=True))
+        ranked_graph, ranked = ranking[id(c)]
+        preferred = data_parallel(graph, ranked_graph, ranked, c)
+        plan = fitted(c, graph, solve(c, graph, preferred, explain=True),
+                      lambda rows: solve(c, graph, preferred, explain=True, rows=rows), False, "its stage plan of the whole model")
+        return priced(c, graph, plan)
 
     tensors = options.tensor_degrees or tuple(x for x in divisors(devices) if x <= cluster.devices_per_node)
     if fixed is not None:

@@ -45,7 +45,7 @@ from meshplan.planner.constraints import Annotations, Constraint, constrain
 from meshplan.planner.neighbourhood import PAIR_LIMIT, Solved, Subset, coarsening, embedded, layout_pairs, merged
 from meshplan.planner.neighbourhood import search as neighbourhood_search
 from meshplan.planner.offload import OffloadOptions, add_offload_options, check_offload
-from meshplan.planner.problem import INFEASIBLE_S, Tables, build_tables, grad_flows, node_memory, transfer_memory, weigh_per_step
+from meshplan.planner.problem import INFEASIBLE_S, RowWeights, Tables, build_tables, grad_flows, node_memory, transfer_memory, weigh_per_step
 from meshplan.planner.propagation import propagate
 from meshplan.planner.recompute import RecomputeGroup, check_recompute, internal_outputs, recompute_groups
 from meshplan.planner.solver import InfeasiblePlan, Solution, SolveTimeout, evaluate, solve
@@ -137,6 +137,10 @@ class PlanOptions:
     offload: str = "never"
     """Optimizer state (with fp32 master weights) in host memory: 'never', 'auto' (the solve decides per
     parameter) or 'always'. Needs the optimizer from `ParallelModule.make_optimizer` (see planner/offload.py)."""
+    memory_rows: tuple[RowWeights, ...] = ()
+    """More memory rows the solve keeps, each a device's share of the graph (`problem.RowWeights`): a pipeline's stage
+    plan keeps one per pipeline rank (`planner/stage_rows.py`). Needs recompute='never' and offload='never' (the rows
+    count neither)."""
     token_order: bool = False
     """Hold every tensor split over the `cp` axis in head-tail token order (runtime/token_order.py): causal attention
     then runs balanced with no exchange of queries (`cp_attention(headtail)`, `cp_attention(ring_headtail)`), and no
@@ -160,6 +164,9 @@ def make_plan(
     budget = _budget(options.memory_budget, cluster)
     check_recompute(options.recompute)
     check_offload(options.offload, cluster)
+    if options.memory_rows and (options.recompute, options.offload) != ("never", "never"):
+        raise ValueError(f"memory_rows with recompute={options.recompute!r} and offload={options.offload!r}: the rows count "
+                         "neither; allowed: recompute='never' and offload='never'")
     # propagation walks the real graph (layer k hands its layouts to layer k+1); tying serves the solver
     tie = options.tie_layers and search == "ilp"
     planning = _Planning(
@@ -256,6 +263,7 @@ class _Planning:
         tables = build_tables(
             self.graph, self.mesh, self.cluster, by_node, optimizer=options.optimizer, memory_budget=row, tie_layers=self.tie,
             recompute=self.groups, force_recompute=options.recompute == "always", tying=self.tying if whole else None,
+            rows=options.memory_rows,
         )
         offload_from = add_offload_options(tables, self.graph, by_node, self.cluster, optimizer=options.optimizer, mode=options.offload)
         if options.microbatches != 1:

@@ -7,7 +7,7 @@ plan's predicted time and memory are exactly the quantities the solver minimised
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from meshplan.cost_model.compute import is_view
@@ -21,7 +21,7 @@ from meshplan.ir.placement import Placements, Replicate
 from meshplan.ir.regions import region_op
 from meshplan.planner.moves import Moves, layout_id, priced, shared_moves
 from meshplan.planner.recompute import RecomputeGroup, RecomputeTerms
-from meshplan.planner.solver import Edge, Problem, Switch
+from meshplan.planner.solver import Edge, MemoryRow, Problem, Switch
 from meshplan.planner.tying import Tying, tie_repeated_layers
 from meshplan.plans.strategy import Strategy
 from meshplan.progress import timed
@@ -165,6 +165,18 @@ class Tables:
 _UNKNOWN = object()
 
 
+@dataclass(frozen=True, slots=True)
+class RowWeights:
+    """What one device holds of each node of the graph, for a `MemoryRow` bounded by `bound`: `resident` copies of
+    what it keeps all step (a parameter, its gradient and optimizer state, a weight's cast copy) and `activations`
+    copies of what the node saves for backward (and of the resharded copies feeding it). A node absent counts 0."""
+
+    name: str
+    bound: float
+    resident: dict[str, float]
+    activations: dict[str, float]
+
+
 def weigh_per_step(problem: Problem, graph: Graph, weight: float) -> None:
     """Scale the costs paid once per step in `problem`'s objective (each parameter's gradient sync and optimizer step,
     the plan-wide switches) by `weight`, against those paid per microbatch (`PlanOptions.microbatches`)."""
@@ -187,8 +199,10 @@ def build_tables(
     recompute: list[RecomputeGroup] = (),
     force_recompute: bool = False,
     tying: Tying | None = None,
+    rows: Sequence[RowWeights] = (),
 ) -> Tables:
-    """`tying`: `tie_repeated_layers(graph, by_node, enabled=tie_layers)` when the caller has it already."""
+    """`tying`: `tie_repeated_layers(graph, by_node, enabled=tie_layers)` when the caller has it already. `rows`: more
+    memory rows (`Problem.rows`); they count no recomputation (a solve with rows recomputes nothing)."""
     shape = mesh.shape
     tying = tying or tie_repeated_layers(graph, by_node, enabled=tie_layers)
     rep, count = tying.rep, tying.count
@@ -244,17 +258,27 @@ def build_tables(
     trainable = sum(count[name] for name in optimizer_s)
     extra = (dtensor_s + view_s) * trainable
     switches = [dtensor_switch(graph, by_node, rep, extra)] if extra > 0 else []
-    tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget, switches=switches), tying, unit_costs, shape, cluster, optimizer_s,
+    # each row weighs a class's member bytes by the members it holds (`RowWeights`)
+    members: dict[str, list[str]] = {}
+    for name, r in rep.items():
+        members.setdefault(r, []).append(name)
+    row_list = [MemoryRow(w.name, w.bound, {}, {}) for w in rows]
+    for w, row in zip(rows, row_list):
+        for r, mems in breakdowns.items():
+            held = sum(w.resident.get(n, 0.0) for n in members[r]), sum(w.activations.get(n, 0.0) for n in members[r])
+            if any(held):
+                row.node_memory[r] = [held[0] * (m.total - m.activations) + held[1] * m.activations for m in mems]
+    tables = Tables(Problem(node_costs, [], {}, node_mem, memory_budget, switches=switches, rows=row_list), tying, unit_costs, shape, cluster, optimizer_s,
                     dtensor_step_s=dtensor_s, dtensor_view_s=view_s,
                     memory=breakdowns, regions=regions, regions_forward=regions_forward, forward_s=forward_s,
                     _moves=shared_moves(cluster, shape))
 
     # every graph edge, as an edge between the classes it joins, counted as often as it occurs
-    occurrences: dict[tuple, list[str | None]] = {}  # edge key -> the consumer's layer, per occurrence
+    occurrences: dict[tuple, list[str]] = {}  # edge key -> the consumer, per occurrence
     for node in graph.nodes:
         for pos, ref in enumerate(node.inputs):
             key = (rep[ref.node], ref.index, rep[node.name], pos, graph.meta(ref), grad_flows(graph, ref, node))
-            occurrences.setdefault(key, []).append(node.layer)
+            occurrences.setdefault(key, []).append(node.name)
     # the problem's edges name layouts by `layout_id`: the solver keys a dict by layout pairs for every pair of every
     # edge, and a layout's hash is a Python call per placement (DTensor's `__hash__`), a small int's is not
     ids: dict[tuple[str, str, int], list[int]] = {}
@@ -265,8 +289,10 @@ def build_tables(
             found = ids[name, slot, k] = [layout_id(x) for x in layouts]
         return found
 
-    for (src, index, dst, pos, meta, backward), layers in occurrences.items():
-        times = len(layers)
+    for (src, index, dst, pos, meta, backward), consumers in occurrences.items():
+        layers, times = [graph[c].layer for c in consumers], len(consumers)
+        # per row, the copies it holds of a resharded input of these consumers
+        saved_in_row = [sum(w.activations.get(c, 0.0) for c in consumers) for w in rows]
         consumer = graph[dst]  # stands for its class: tied members agree on kind and requires_grad
         src_layouts = [s.outputs[index] for s in by_node[src]]
         dst_layouts = [s.inputs[pos] for s in by_node[dst]]
@@ -279,6 +305,9 @@ def build_tables(
                 node_costs[src][i] += INFEASIBLE_S if t is None else (t[0] + t[1] if backward else t[0]) * times
                 held = transfer_memory(meta, a, b, consumer, shape)
                 node_mem[src][i] += held * times
+                for row, copies in zip(row_list, saved_in_row):
+                    if held and copies:
+                        row.node_memory.setdefault(src, [0.0] * len(src_layouts))[i] += held * copies
                 fwds.append(0.0 if t is None else t[0])
                 helds.append(float(held))
             if unit is not None:
@@ -286,6 +315,9 @@ def build_tables(
             continue
         src_ids, dst_ids = ids_of(src, "out", index, src_layouts), ids_of(dst, "in", pos, dst_layouts)
         edge = Edge(src, dst, src_ids, dst_ids, {}, {}, unit=unit, name=f"e{len(tables.problem.edges)}")
+        for row, copies in zip(row_list, saved_in_row):
+            if copies:
+                row.edge_weight[edge.name] = copies / times  # the edge's memory is its occurrences
         # ordered de-duplication (id -> its layout): set order varies between processes, and every rank must build the
         # same model
         needed = dict(zip(dst_ids, dst_layouts))

@@ -91,6 +91,21 @@ class Switch:
 
 
 @dataclass(slots=True)
+class MemoryRow:
+    """A memory row beside the problem's own: bytes one device holds of a part of the problem, each node and edge
+    weighed as that device holds it (one pipeline rank of a stage plan: its stages' nodes, their activations once per
+    microbatch in flight; `planner/stage_rows.py`)."""
+
+    name: str
+    bound: float
+    """Bytes the row may not exceed."""
+    node_memory: dict[str, list[float]]
+    """node -> bytes per strategy this row counts; absent = 0."""
+    edge_weight: dict[str, float]
+    """edge name -> the factor this row puts on the edge's `memory`; absent = 0."""
+
+
+@dataclass(slots=True)
 class Problem:
     node_costs: dict[str, list[float]]
     """node -> cost of each of its strategies (seconds)."""
@@ -105,6 +120,8 @@ class Problem:
     """Groups of layers the solve may recompute (see `Recompute`)."""
     switches: list[Switch] = field(default_factory=list)
     """Costs of the plan as a whole (see `Switch`)."""
+    rows: list[MemoryRow] = field(default_factory=list)
+    """More memory rows, each bounded like `memory_budget` (see `MemoryRow`); a memory-minimising solve ignores them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +164,20 @@ def evaluate(problem: Problem, choice: dict[str, int]) -> tuple[float, float]:
         memory += e.memory.get(pair, 0.0)
     objective += sum(sw.cost for sw in problem.switches if switched_on(sw, choice))
     return objective, memory
+
+
+def row_held(problem: Problem, row: MemoryRow, choice: dict[str, int]) -> float:
+    """Bytes `row` (one of `problem.rows`) counts for a complete choice."""
+    held = sum(row.node_memory[v][k] for v, k in choice.items() if v in row.node_memory)
+    for e in problem.edges:
+        if e.name in row.edge_weight:
+            held += e.memory.get((e.src_layouts[choice[e.src]], e.dst_layouts[choice[e.dst]]), 0.0) * row.edge_weight[e.name]
+    return held
+
+
+def rows_kept(problem: Problem, choice: dict[str, int]) -> bool:
+    """Whether a complete choice keeps every row of `problem.rows`."""
+    return all(row_held(problem, row, choice) <= row.bound for row in problem.rows)
 
 
 def switched_on(switch: Switch, choice: dict[str, int]) -> bool:
@@ -215,7 +246,7 @@ def _start_solution(problem: Problem, start: dict[str, int], bound: float, backe
     if any(unit.force for unit in problem.recompute):
         return None
     objective, memory = evaluate(problem, start)
-    if problem.memory_budget is not None and memory > problem.memory_budget:
+    if problem.memory_budget is not None and memory > problem.memory_budget or not rows_kept(problem, start):
         return None
     bound = max(bound, trivial_bound(problem))
     gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
@@ -236,6 +267,10 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
     """
     node_costs = {k: list(v) for k, v in problem.node_costs.items()}
     node_memory = {k: list(problem.node_memory.get(k) or [0.0] * len(v)) for k, v in node_costs.items()}
+    # every row's node memory, folded alike (a node a row does not count is 0 there)
+    rows = [dataclasses.replace(r, node_memory={k: list(r.node_memory.get(k) or [0.0] * len(v)) for k, v in node_costs.items()})
+            for r in problem.rows]
+    memories = [node_memory] + [r.node_memory for r in rows]
     edges = [dataclasses.replace(e, src_layouts=list(e.src_layouts)) for e in problem.edges]
     # a node of a recompute unit keeps its own variables: its recompute terms are per strategy
     in_unit = {v for r in problem.recompute for v in r.extra}
@@ -256,14 +291,16 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
             if not options or e.cost.get((layout, layout)) != 0.0 or e.memory.get((layout, layout), 0.0) != 0.0:
                 break
             best = min(options, key=lambda t: (node_costs[v][t], node_memory[v][t]))
-            if any(node_memory[v][t] < node_memory[v][best] for t in options):
+            if any(mem[v][t] < mem[v][best] for mem in memories for t in options):
                 break  # no option dominates: the solver must see them all
             pick.append(best)
         else:
             u = e.src
             node_costs[u] = [c + node_costs[v][pick[s]] for s, c in enumerate(node_costs[u])]
-            node_memory[u] = [m + node_memory[v][pick[s]] for s, m in enumerate(node_memory[u])]
-            del node_costs[v], node_memory[v]
+            for mem in memories:
+                mem[u] = [m + mem[v][pick[s]] for s, m in enumerate(mem[u])]
+                del mem[v]
+            del node_costs[v]
             outgoing[u].remove(e)
             edges.remove(e)
             for out in outgoing.pop(v, []):
@@ -279,7 +316,7 @@ def merge_followers(problem: Problem) -> tuple[Problem, dict[str, tuple[str, lis
             u = u2
         merged[v] = (u, pick)
     switches = [_switch_on_roots(sw, merged) for sw in problem.switches]
-    return Problem(node_costs, edges, dict(problem.fixed), node_memory, problem.memory_budget, problem.recompute, switches), merged
+    return Problem(node_costs, edges, dict(problem.fixed), node_memory, problem.memory_budget, problem.recompute, switches, rows), merged
 
 
 def _switch_on_roots(switch: Switch, merged: dict[str, tuple[str, list[int]]]) -> Switch:
@@ -315,6 +352,9 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
     mem_terms: list[tuple] = []
     mem_const = 0.0
     by_memory = minimize == "memory"
+    rows = [] if by_memory else problem.rows
+    row_terms: list[list[tuple]] = [[] for _ in rows]
+    row_const = [0.0] * len(rows)
     for node, costs in problem.node_costs.items():
         if not costs:
             raise InfeasiblePlan(f"node {node} has no candidate strategy")
@@ -324,6 +364,8 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
             x[node] = [1.0 if i == k else 0.0 for i in range(len(costs))]
             const += mems[k] if by_memory else costs[k]
             mem_const += mems[k]
+            for j, row in enumerate(rows):
+                row_const[j] += row.node_memory[node][k] if node in row.node_memory else 0.0
             continue
         x[node] = [binary(f"x[{node},{i}]") for i in range(len(costs))]
         one = solver.Constraint(1.0, 1.0)
@@ -333,6 +375,8 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
             objective.SetCoefficient(v, m if by_memory else c)
             if m:
                 mem_terms.append((v, m))
+        for j, row in enumerate(rows):
+            row_terms[j] += [(v, m) for v, m in zip(x[node], row.node_memory.get(node, ())) if m]
 
     r = {u.name: _recompute_var(solver, u, binary) for u in problem.recompute}
     # (unit, edge name, y: the pair's flow or 1.0, extra seconds, bytes saved, bytes held again)
@@ -342,6 +386,7 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
         dst_mass = _layout_mass(x[e.dst], e.dst_layouts)
         flows: dict[Hashable, list] = {}
         into: dict[Hashable, list] = {}
+        weights = [(j, row.edge_weight[e.name]) for j, row in enumerate(rows) if e.name in row.edge_weight]
         src_const = {a: _is_const(mass) for a, mass in src_mass.items()}
         dst_const = {b: _is_const(mass) for b, mass in dst_mass.items()}
         for a in src_mass:
@@ -355,6 +400,8 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
                     if _value(src_mass[a]) and _value(dst_mass[b]):
                         const += m if by_memory else c
                         mem_const += m
+                        for j, w in weights:
+                            row_const[j] += m * w
                         flows.setdefault(a, []).append(1.0)
                         into.setdefault(b, []).append(1.0)
                         if e.unit is not None and (a, b) in e.recompute_cost:
@@ -364,6 +411,8 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
                 objective.SetCoefficient(y, m if by_memory else c)
                 if m:
                     mem_terms.append((y, m))
+                    for j, w in weights:
+                        row_terms[j].append((y, m * w))
                 flows.setdefault(a, []).append(y)
                 into.setdefault(b, []).append(y)
                 if e.unit is not None and (a, b) in e.recompute_cost:
@@ -385,6 +434,10 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
         budget = solver.Constraint(-inf, problem.memory_budget - mem_const)
         for v, m in mem_terms:
             budget.SetCoefficient(v, budget.GetCoefficient(v) + m)
+    for row, terms, held_const in zip(rows, row_terms, row_const):
+        bounded = solver.Constraint(-inf, row.bound - held_const)
+        for v, m in terms:
+            bounded.SetCoefficient(v, bounded.GetCoefficient(v) + m)
     objective.SetMinimization()
     status = solver.Solve()
     seconds = time.perf_counter() - start
