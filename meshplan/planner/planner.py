@@ -77,7 +77,7 @@ class MemoryBudgetError(ValueError):
 
 UNBOUNDED = 2**60
 """A memory budget that never binds (a pipeline's stage plan is solved without one: its row would sum one microbatch
-of every stage, which bounds no stage; the walk per stage checks the budget instead)."""
+of every stage, which bounds no stage; it keeps the budget by a row per pipeline rank instead, `stage_rows.py`)."""
 MAX_TIGHTENINGS = 4
 """Solves again with a tighter memory row when the walked peak of a plan breaks the budget."""
 
