@@ -147,11 +147,12 @@ def check(plans, results):
 
 
 def searched_plan():
-    """meshplan.plan's own pipeline search, with two pins and a budget that makes the stages recompute their layers (the
-    returned stage plans' walked peaks are 680 and 608 KB without recomputation)."""
+    """meshplan.plan's own pipeline search, with two pins and a budget that makes the stages recompute their layers (at
+    650 KB dp=2 x pp 2 under 1F1B fits without recomputation, its stage plan solved under a memory row per pipeline
+    rank: 628 and 639 KB; at 620 KB nothing does)."""
     model, x = data()
     opts = meshplan.PipelineOptions(degrees=(2,), microbatch_sizes=(2,), schedules=("gpipe", "1f1b"))
-    return meshplan.plan(model, 4, (x,), cluster="cpu", pipeline=opts, stage_config={"layers.1": 0, "layers.2": 1}, memory_budget=650_000)
+    return meshplan.plan(model, 4, (x,), cluster="cpu", pipeline=opts, stage_config={"layers.1": 0, "layers.2": 1}, memory_budget=620_000)
 
 
 def check_searched(plan, results):
@@ -213,7 +214,7 @@ def test_pipeline_parity_pp2_world2_and_pp2_tp2_dp2_world4():
     pipe = searched.pipeline
     assert pipe.degree == 2 and searched.mesh.size == 2 and pipe.pinned == (("layers.1", 0), ("layers.2", 1))
     assert pipe.stage_of("layers.1") == 0 and pipe.stage_of("layers.2") == 1
-    assert pipe.stages[0].recompute and all(st.memory.total <= 650_000 for st in pipe.stages)
+    assert pipe.stages[0].recompute and all(st.memory.total <= 620_000 for st in pipe.stages)
     assert set(searched.recompute) == {u for st in pipe.stages if st.recompute for u in st.units if u.startswith("layers.")}
     results = run_local(4, worker, plans4, searched, timeout=600)
     check_searched(searched, results)

@@ -531,7 +531,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         return within_budget(lambda rows: again(rows) if rows else first, peaks,
                              lambda plan, resident, saved: row_value(graph, plan, resident, saved, options.optimizer),
                              rank_weights(graph, c.pipe), budget,
-                             lambda peak: MemoryBudgetError(budget, peak, first.mesh, cluster, of=of))
+                             lambda peak: MemoryBudgetError(budget, peak, first.mesh, cluster,
+                                                            of=f"{of} (solved again under a memory row per pipeline rank)"))
 
     def data_parallel(graph: Graph, source_graph: Graph, source: Plan, c: Candidate) -> tuple[Constraint, ...]:
         """Every op of `graph` keeping the data-parallel layouts of its counterpart in `source`, none on a mesh of one
