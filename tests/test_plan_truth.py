@@ -195,3 +195,42 @@ def test_a_configuration_whose_whole_model_stage_plan_does_not_fit_gives_way_to_
     added = returned.solver.skipped[earlier:]
     assert len(added) == 1 and added[0].startswith("pipeline tp 1 x pp 2 x dp 2")
     assert "its stage plan of the whole model does not fit" in added[0]
+
+
+def _measured_peak(rank, world, plan_json):
+    """The fullest rank's bytes during one training step of the plan (as benchmarks/memory_truth.py measures)."""
+    import torch.distributed as dist
+
+    from meshplan.plans.plan import Plan
+    from meshplan.profiling.fidelity import PEAK_RUNS, peak_during, resident_bytes, training_step
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model, tokens = build(WEIGHTY, 16)
+    pmodel, opt, step = training_step(Plan.from_json(plan_json), model, tokens, world)
+    step()
+    peak = torch.tensor(float(resident_bytes(pmodel, opt) + peak_during(step, PEAK_RUNS)), dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak)
+
+
+WEIGHTY = GPTConfig(vocab_size=64, seq_len=8, hidden=256, heads=4, layers=2)
+"""A GPT whose weights outweigh its activations: bf16 working copies are most of what a microbatch would add."""
+
+
+@pytest.mark.multiprocess
+def test_a_pipelined_stage_holds_one_bf16_copy_of_its_weights_for_all_its_microbatches():
+    """In bf16, a pipelined stage casts its weights once per step and its microbatches share the copy (the runtime
+    hoists the casts): under GPipe with 8 microbatches in flight the stated peak is the measured one within 15 % (16.1
+    MB stated, 18.1 measured). The walk counted a copy per microbatch in flight until 2026-11-27: 25.3 MB stated here,
+    and GPT-3 175B's first-ranked configuration walked at 82.9 GiB, dropped, where it states 43.6."""
+    from meshplan.runtime.launch import run_local
+
+    model, tokens = build(WEIGHTY, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, 2, (tokens,), cluster="cpu", mixed_precision="bf16",
+                             pipeline=PipelineOptions(degrees=(2,), tensor_degrees=(1,), microbatch_sizes=(2,), schedules=("gpipe",)))
+    assert plan.pipeline.microbatches == 8 and plan.precision is not None
+    measured = max(run_local(2, _measured_peak, plan.to_json(), timeout=900))
+    assert plan.memory.total == pytest.approx(measured, rel=0.15), (plan.memory.total, measured)

@@ -83,7 +83,9 @@ class PeakMemory:
     cast made), gradients (bucket buffers and the parameter gradients accumulated so far), optimizer state, and
     activations with every temporary."""
     saved: int = 0
-    """Bytes still held when forward ends (what backward needs): what each further microbatch in flight adds."""
+    """Bytes still held when forward ends (what backward needs): what each further microbatch in flight adds. Weights'
+    working copies (mixed precision) are left out: a pipelined stage casts each parameter once per step and its
+    microbatches share the copy (runtime/pipeline.py, `_hoist_weight_casts`)."""
     microbatch: MemoryBreakdown
     """The highest point of the forward and backward alone (no optimizer step), parameter gradients as the backward
     makes them: a pipeline stage's first microbatches, which run before any backward."""
@@ -281,7 +283,7 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
             hold(key, -1)
         if timeline is not None:
             timeline.append(("forward", ops[i].name, base + level))
-    saved_bytes = level
+    saved_bytes = level - copies  # weights' working copies are made once per step and shared by the step's microbatches
 
     is_param = {n.name for n in graph.nodes if n.kind == "param"}
     grads: dict[object, int] = {}  # gradient of a tensor (root) -> bytes, alive until its producer's backward
