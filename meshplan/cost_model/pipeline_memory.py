@@ -8,7 +8,8 @@ A pipeline rank runs its stages' programs once per microbatch. At its peak a sta
 - the microbatch it is working on (the walk's own peak: forward, backward and the optimizer step), plus the
   tensors saved for backward by every other microbatch the schedule keeps in flight: `held - 1` times what one
   microbatch's forward leaves behind, where `held` is the schedule model's count (`schedules.in_flight`), the
-  one the pipeline search prices its cuts with;
+  one the pipeline search prices its cuts with (weights' bf16 working copies not among them: the stage casts once
+  per step and its microbatches share them, `PeakMemory.saved`);
 - the outputs it sends on, kept for their gradient's backward (torch's `fwd_cache`).
 
 A rank running several chunks (interleaved schedules, ZB-V) holds all of them: its peak is their sum.
