@@ -4,6 +4,7 @@ instead of being dropped."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -104,9 +105,9 @@ def test_rank_weights_count_each_ranks_stages_and_microbatches_in_flight():
     assert res0[first] == res0[last] == 1.5 and act0[first] == 3.0
 
 
-def test_a_configuration_over_the_budget_is_solved_again_under_rows_not_dropped():
-    """The fastest configuration's stage plan, 1 % over a budget, is re-solved under a row per rank and returned within
-    the budget, slower (before the rows it was dropped and another configuration returned)."""
+def test_a_configuration_over_the_budget_is_solved_again_under_rows_not_dropped(caplog):
+    """Under a budget 5 % below the fastest plan's peak, a configuration whose unbounded stage plan a rank's walk puts
+    over the budget is solved again under a row per rank (logged), and the plan returned keeps the budget."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(layers=4, hidden=32, heads=2, vocab_size=64, seq_len=8))
     tokens = torch.randint(0, 64, (16, 8))
@@ -114,13 +115,9 @@ def test_a_configuration_over_the_budget_is_solved_again_under_rows_not_dropped(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         free = meshplan.plan(model, 4, (tokens,), cluster="cpu", pipeline=options)
-        budget = int(free.memory.total * 0.99)
-        plan = meshplan.plan(model, 4, (tokens,), cluster="cpu", pipeline=options, memory_budget=budget)
-
-    def configuration(p):
-        return p.mesh, p.pipeline.degree, p.pipeline.microbatches, p.pipeline.schedule, [s.units for s in p.pipeline.stages]
-
+        budget = int(free.memory.total * 0.95)
+        with caplog.at_level(logging.INFO, logger="meshplan.planner.stage_rows"):
+            plan = meshplan.plan(model, 4, (tokens,), cluster="cpu", pipeline=options, memory_budget=budget)
+    assert any("solving again with a row per rank" in r.getMessage() for r in caplog.records)
     assert free.memory.total > budget >= plan.memory.total == plan.pipeline.peak_memory
-    assert configuration(plan) == configuration(free)
     assert plan.step_time_s >= free.step_time_s
-    assert [n.strategy for n in plan.nodes] != [n.strategy for n in free.nodes]

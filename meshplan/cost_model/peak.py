@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshplan.cost_model.attention_memory import flash_cpu_bytes, on_cpu
 from meshplan.cost_model.compute import is_view
@@ -86,6 +86,9 @@ class PeakMemory:
     """Bytes still held when forward ends (what backward needs): what each further microbatch in flight adds. Weights'
     working copies (mixed precision) are left out: a pipelined stage casts each parameter once per step and its
     microbatches share the copy (runtime/pipeline.py, `_hoist_weight_casts`)."""
+    saved_by: dict[str, int] = field(default_factory=dict)
+    """`saved` by op: the bytes of each op's tensors (its outputs, the resharded copies of its inputs, what its kernel
+    keeps): what the pipeline search's stage profile counts per unit."""
     microbatch: MemoryBreakdown
     """The highest point of the forward and backward alone (no optimizer step), parameter gradients as the backward
     makes them: a pipeline stage's first microbatches, which run before any backward."""
@@ -284,6 +287,10 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
         if timeline is not None:
             timeline.append(("forward", ops[i].name, base + level))
     saved_bytes = level - copies  # weights' working copies are made once per step and shared by the step's microbatches
+    saved_by: dict[str, int] = {}
+    for key in saved_until:  # ("ref", producer, j), ("move", consumer, pos) or ("kept", op): held when forward ends
+        if key in born and key not in casts:
+            saved_by[key[1]] = saved_by.get(key[1], 0) + size[key]
 
     is_param = {n.name for n in graph.nodes if n.kind == "param"}
     grads: dict[object, int] = {}  # gradient of a tensor (root) -> bytes, alive until its producer's backward
@@ -350,5 +357,5 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     if at_step > peak:
         peak, where, grads_at_peak, copies_at_peak = at_step, "optimizer", param_grads, 0
     return PeakMemory(peak=int(peak), resident=resident, phase=where, at_peak=held_at(peak, grads_at_peak, copies_at_peak),
-                      saved=saved_bytes, microbatch=microbatch, accumulating=held_at(no_grads + param_grads, param_grads, no_grads_copies),
+                      saved=saved_bytes, saved_by=saved_by, microbatch=microbatch, accumulating=held_at(no_grads + param_grads, param_grads, no_grads_copies),
                       step=step, microbatch_phase=microbatch_phase)

@@ -54,8 +54,8 @@ from meshplan.planner.context_parallel_search import ATTENTION, uses_context_par
 from meshplan.planner.problem import RowWeights
 from meshplan.planner.stage_layouts import arranged_layouts, carried_layouts
 from meshplan.planner.stage_rows import rank_weights, row_value, within_budget
-from meshplan.planner.stage_profile import (Unit, at_data_parallel, profile_units, repeat_layers, stage_memory, stage_static_bytes,
-                                            stretched_stage_memory, tied_grad_bytes)
+from meshplan.planner.stage_profile import (Unit, at_data_parallel, profile_units, repeat_layers, stage_grad_bytes, stage_memory,
+                                            stage_static_bytes, stretched_stage_memory, tied_grad_bytes)
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.plans.plan import Plan
 
@@ -197,7 +197,18 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
     rng_static = S[j_] - S[i_] + np.where((i_ == 0) & (j_ == U), shared, 0.0)
     rng_time = T[j_] - T[i_] + p2p_s * ((i_ > 0).astype(float) + (j_ < U).astype(float)) + action_s
     rng_act, rng_kept, rng_fwd = A[j_] - A[i_], K[j_] - K[i_], F[j_] - F[i_]
-    peak_unit = float(act.max())
+    # a microbatch at its peak holds, beyond what it saved, the transient of its fullest unit (its backward's gradients)
+    transient = np.array([float(u.transient_bytes) for u in units])
+    rng_transient = np.zeros((U + 1, U + 1))
+    for i in range(U):
+        rng_transient[i, i + 1:] = np.maximum.accumulate(transient[i:])
+    # the receive buffers torch's PipelineStage allocates for every microbatch of the step and keeps: what the stage's
+    # first unit takes from before the cut, and the gradient of what its last unit hands on
+    rng_recv = np.zeros((U + 1, U + 1))
+    if p > 1:
+        took, handed = np.array([float(u.in_bytes) for u in units]), np.array([float(u.out_bytes) for u in units])
+        rng_recv = m * (np.where(i_ > 0, took[np.minimum(i_, U - 1)], 0.0) + np.where(j_ < U, handed[np.maximum(j_ - 1, 0)], 0.0))
+    peak_unit = float((act + transient).max())  # a recomputed layer made again, at its peak
     # per-stage cost matrices (memory depends on how many microbatches the stage's device holds)
     costs, rc_used = [], []
     for k in range(n_stages):
@@ -205,8 +216,8 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
         held = in_flight(schedule, p, m, dev, virtual=virtual) if p > 1 else 1.0
         # a device runs v chunks: each may use a v-th of the budget (an even split; exact for v = 1)
         cap = budget / v
-        mem_plain = rng_static + held * rng_act
-        mem_rc = rng_static + held * rng_kept + peak_unit
+        mem_plain = rng_static + held * rng_act + rng_transient + rng_recv
+        mem_rc = rng_static + held * rng_kept + peak_unit + rng_recv
         ok_plain = (mem_plain <= cap) & (recompute is not True)
         ok_rc = (mem_rc <= cap) & (recompute is not False)
         c = np.where(ok_plain, rng_time, np.where(ok_rc, rng_time + rng_fwd, np.inf))
@@ -240,7 +251,7 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
         rc = bool(rc_used[k][i, j])
         dev = _device_of(k, p, schedule)
         held = in_flight(schedule, p, m, dev, virtual=virtual) if p > 1 else 1.0
-        acts = held * (rng_kept[i, j] if rc else rng_act[i, j]) + (peak_unit if rc else 0.0)
+        acts = held * (rng_kept[i, j] if rc else rng_act[i, j]) + (peak_unit if rc else rng_transient[i, j]) + rng_recv[i, j]
         mem = stage_memory(units[i:j], acts)
         out.append((i, j, rc, float(costs[k][i, j]), mem))
     return out
@@ -315,7 +326,7 @@ def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedul
         dev = _device_of(k, p, schedule)
         dev_time[dev] += secs
         dev_sync[dev] += sum(u.sync_s for u in units[i:j])
-        dev_grad[dev] += mem.grads
+        dev_grad[dev] += stage_grad_bytes(units[i:j])  # what the all-reduce moves (`mem.grads` holds the buckets too)
         names = tuple(u.name for u in units[i:j])
         modules = tuple(dict.fromkeys(mod for u in units[i:j] for mod in u.modules))
         stages.append(PipelineStage(index=k, device=dev, units=names, modules=modules, time_s=secs, recompute=rc, memory=mem))

@@ -21,12 +21,13 @@ from dataclasses import dataclass, replace
 
 from meshplan.cost_model.estimate import local_bytes
 from meshplan.cost_model.memory import MemoryBreakdown, optimizer_state_bytes
+from meshplan.cost_model.peak import predict_peak
 from meshplan.cost_model.pipeline_memory import StageWalk, stage_nodes, stage_walk, under_schedule
 from meshplan.ir.graph import Graph
 from meshplan.ir.op_kinds import is_random
 from meshplan.ir.placement import Replicate
 from meshplan.ir.units import POST, PRE, unit_names, unit_of_nodes
-from meshplan.planner.problem import node_memory, transfer_memory
+from meshplan.planner.problem import node_memory
 from meshplan.planner.recompute import with_stage_recompute
 from meshplan.plans.pipeline import PipelinePlan, PipelineStage
 from meshplan.plans.plan import Plan
@@ -48,26 +49,31 @@ class Unit:
     """Seconds per step (not per microbatch) for the parameters it owns: gradient all-reduce and
     the optimizer step."""
     static_bytes: int
-    """Parameters, gradients and optimizer state."""
+    """Parameters, gradients, their buckets (`bucket_bytes`) and optimizer state."""
     param_bytes: int
     """Parameters and buffers alone."""
     grad_bytes: int
     """Gradient bytes of its trainable parameters (what a data-parallel all-reduce moves)."""
     act_bytes: int
-    """Activations saved for backward per microbatch."""
+    """Activations saved for backward per microbatch, by the liveness walk (`PeakMemory.saved_by`)."""
     out_bytes: int
     """Bytes per device of the activation it hands the next unit (what a stage cut sends)."""
     in_bytes: int
     """Bytes per device of the activation it receives (what recomputation keeps)."""
-    shared: dict[str, tuple[int, int]]
-    """Parameter node -> (static bytes, gradient bytes), for parameters other units use too (tied embeddings): a stage
-    holding several such units counts them once."""
+    shared: dict[str, tuple[int, int, int]]
+    """Parameter node -> (static bytes, gradient bytes, bucket bytes), for parameters other units use too (tied
+    embeddings): a stage holding several such units counts them once."""
     whole_s: float = 0.0
     """Seconds per microbatch of the ops every device runs on the whole tensor (random draws, the factory ops they fill
     and in-place ops on those: ir/op_kinds.py), forward only. A stage with d data-parallel ranks runs them on the
     d microbatches of all its ranks (`at_data_parallel`)."""
     whole_act_bytes: int = 0
     """Activation bytes of those ops saved for backward per microbatch (a dropout mask)."""
+    transient_bytes: int = 0
+    """Bytes its microbatch holds at its own peak beyond what it saved (the gradients its backward makes, a kernel's
+    scratch), by the walk of its ops alone."""
+    bucket_bytes: int = 0
+    """Bytes of the gradient buckets the data-parallel all-reduce runs from, held all step (`at_data_parallel`)."""
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -80,7 +86,7 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
     consumers = graph.consumers()
     names = unit_names(graph)
     acc = {u: dict(time=0.0, fwd=0.0, sync=0.0, static=0, param=0, grad=0, act=0, out=0, inb=0, shared={}, modules=[], whole=0.0,
-                   whole_act=0) for u in names}
+                   whole_act=0, transient=0) for u in names}
     strategy = {n.name: n.strategy for n in plan.nodes}
     whole = drawn_whole(graph)
     for n in plan.nodes:
@@ -88,20 +94,27 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
         a["time"] += n.time_s
         a["fwd"] += n.time_s / 3.0 if any(graph[n.name].requires_grad) else n.time_s
         mem = node_memory(graph[n.name], n.strategy, shape, optimizer, weight_cast=n.name in graph.weight_casts)
-        a["act"] += mem.activations
         if n.name in whole:
             a["whole"] += n.time_s
-            a["whole_act"] += mem.activations
         a["static"] += mem.params  # a weight's working copy (mixed precision): once per step, not per microbatch
         a["param"] += mem.params
         top = n.module_path.split(".", 1)[0] if unit[n.name] in (PRE, POST) else unit[n.name]
         if top and top not in a["modules"]:
             a["modules"].append(top)
     for t in plan.transfers:
-        consumer = graph[t.consumer]
-        a = acc[unit.get(t.consumer, POST)]
-        a["time"] += t.time_s
-        a["act"] += transfer_memory(graph.meta(_ref(t.tensor)), t.src, t.dst, consumer, shape)
+        acc[unit.get(t.consumer, POST)]["time"] += t.time_s
+    # what a microbatch leaves saved for backward, by the liveness walk (what a stage's walk holds per microbatch in
+    # flight): each op's saved outputs, the resharded copies it saved and what its kernel keeps, in the op's unit; and
+    # each unit's own peak beyond that, by the walk of its ops alone
+    for op, nbytes in predict_peak(graph, plan, optimizer=optimizer).saved_by.items():
+        a = acc[unit.get(op, POST)]
+        a["act"] += nbytes
+        if op in whole:
+            a["whole_act"] += nbytes
+    for u in names:
+        ops = {n for n, v in unit.items() if v == u and graph[n].kind == "op"}
+        walk = predict_peak(graph, plan, optimizer=optimizer, nodes=ops)
+        acc[u]["transient"] = max(0, walk.microbatch.activations - sum(walk.saved_by.values()))
     # gradient sync as the plan prices it, in buckets (a bucket's all-reduce latency included), shared among
     # the bucket's parameters by bytes; a parameter's own `time_s` prices it alone, without that latency
     sync = {p.node: p.time_s for p in plan.params}
@@ -124,7 +137,7 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
             acc[u]["sync"] += sync[p.node] + p.optimizer_s
             acc[u]["time"] += p.view_s  # read as a DTensor by every microbatch's forward + backward of the stage using it
             if len(users) > 1:
-                acc[u]["shared"][p.node] = (static, grad)
+                acc[u]["shared"][p.node] = (static, grad, 0)
     # the activation crossing from one unit to the next: outputs consumed in a later unit
     pos = {u: i for i, u in enumerate(names)}
     for n in graph.nodes:
@@ -143,7 +156,8 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
                 acc[u]["inb"] += nbytes
     return [
         Unit(name=u, modules=tuple(a["modules"]), time_s=a["time"], forward_s=a["fwd"], sync_s=a["sync"], static_bytes=a["static"], param_bytes=a["param"], grad_bytes=a["grad"],
-             act_bytes=a["act"], out_bytes=a["out"], in_bytes=a["inb"], shared=a["shared"], whole_s=a["whole"], whole_act_bytes=a["whole_act"])
+             act_bytes=a["act"], out_bytes=a["out"], in_bytes=a["inb"], shared=a["shared"], whole_s=a["whole"], whole_act_bytes=a["whole_act"],
+             transient_bytes=a["transient"])
         for u, a in acc.items()
     ]
 
@@ -169,11 +183,14 @@ def _in_place(target: str) -> bool:
 
 def at_data_parallel(units: list[Unit], data: int) -> list[Unit]:
     """`units` (one data-parallel rank's microbatch) as a stage sub-mesh with `data` data-parallel ranks runs them: the
-    ops drawn whole run on all `data` microbatches, forward and in recomputation."""
+    ops drawn whole run on all `data` microbatches, forward and in recomputation, and every trainable parameter's
+    gradient has a copy in the buckets its data-parallel all-reduce runs from, held all step (runtime/grad_buckets.py;
+    the walk's `resident.grads`)."""
     if data <= 1:
         return units
     return [replace(u, time_s=u.time_s + (data - 1) * u.whole_s, forward_s=u.forward_s + (data - 1) * u.whole_s,
-                    act_bytes=u.act_bytes + (data - 1) * u.whole_act_bytes) if u.whole_s or u.whole_act_bytes else u for u in units]
+                    act_bytes=u.act_bytes + (data - 1) * u.whole_act_bytes, static_bytes=u.static_bytes + u.grad_bytes,
+                    bucket_bytes=u.grad_bytes, shared={k: (st + g, g, g) for k, (st, g, _) in u.shared.items()}) for u in units]
 
 
 def repeat_layers(units: list[Unit], layers: int) -> list[Unit]:
@@ -189,45 +206,42 @@ def repeat_layers(units: list[Unit], layers: int) -> list[Unit]:
     return [pre, *[replace(like, name=f"{base}.{k}", modules=(f"{base}.{k}",)) for k in range(layers)], post]
 
 
-def _ref(text: str):
-    from meshplan.ir.graph import TensorRef
-
-    if text.endswith("]"):
-        node, idx = text[:-1].split("[")
-        return TensorRef(node, int(idx))
-    return TensorRef(text)
-
-
 def stage_static_bytes(units: list[Unit]) -> int:
     """Static bytes of a stage: shared parameters once."""
     return sum(u.static_bytes for u in units) - _double_counted(units)[0]
 
 
-def _double_counted(units: list[Unit]) -> tuple[int, int]:
-    """(static, gradient) bytes of shared parameters counted more than once in `units`."""
+def _double_counted(units: list[Unit]) -> tuple[int, int, int]:
+    """(static, gradient, bucket) bytes of shared parameters counted more than once in `units`."""
     seen: set[str] = set()
-    static = grad = 0
+    static = grad = bucket = 0
     for u in units:
-        for k, (st, g) in u.shared.items():
+        for k, (st, g, b) in u.shared.items():
             if k in seen:
-                static, grad = static + st, grad + g
+                static, grad, bucket = static + st, grad + g, bucket + b
             seen.add(k)
-    return static, grad
+    return static, grad, bucket
 
 
 def stage_memory(units: list[Unit], activations: float) -> MemoryBreakdown:
-    """Params, grads, optimizer state of a stage (shared parameters once) plus `activations`."""
-    dup_static, dup_grad = _double_counted(units)
+    """Params, grads (with their buckets, as the walk counts them), optimizer state of a stage (shared parameters once)
+    plus `activations`."""
+    dup_static, dup_grad, dup_bucket = _double_counted(units)
     dup_param = dup_grad  # a shared trainable parameter's gradient is as large as the parameter
     params = sum(u.param_bytes for u in units) - dup_param
-    grads = sum(u.grad_bytes for u in units) - dup_grad
+    grads = sum(u.grad_bytes + u.bucket_bytes for u in units) - dup_grad - dup_bucket
     static = sum(u.static_bytes for u in units) - dup_static
     return MemoryBreakdown(params=params, grads=grads, optimizer=static - params - grads, activations=int(activations))
 
 
+def stage_grad_bytes(units: list[Unit]) -> int:
+    """Gradient bytes of a stage's trainable parameters (shared ones once): what its data-parallel all-reduce moves."""
+    return sum(u.grad_bytes for u in units) - _double_counted(units)[1]
+
+
 def tied_grad_bytes(units: list[Unit]) -> int:
     """Gradient bytes of parameters the first and the last unit share (the tied embedding)."""
-    return sum(g for k, (_, g) in units[0].shared.items() if k in units[-1].shared)
+    return sum(g for k, (_, g, _) in units[0].shared.items() if k in units[-1].shared)
 
 
 def stretched_stage_memory(graph: Graph, plan: Plan, pipe: PipelinePlan, *, optimizer: str = "adam") -> list[MemoryBreakdown]:
