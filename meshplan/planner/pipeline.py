@@ -525,25 +525,28 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         return solve(c, graph, data_parallel(graph, graph, solve(c, graph, ops, rows=rows), c), rows=rows)
 
     def fitted(c: Candidate, graph: Graph, first: Plan, again: Callable[[tuple[RowWeights, ...]], Plan], cut: bool,
-               of: str) -> Plan:
+               of: str) -> tuple[Plan, list[MemoryBreakdown]]:
         """`first` (`c`'s stage plan of `graph`, solved unbounded) when every pipeline rank's walked peak keeps the
         budget, else `again(rows)` under a row per rank, tightened until they do (`stage_rows.within_budget`); a
-        MemoryBudgetError when none does. `cut`: `graph` is the model cut to a few blocks (its stages' peaks
-        stretched to the whole stack)."""
+        MemoryBudgetError when none does. Returns that plan (walked under `c`'s schedule, unless `cut`: `graph` is the
+        model cut to a few blocks) and its stages' walked peaks (stretched to the whole stack when `cut`)."""
+        last: list = [None, None]  # the plan the last walk was of, and its stages' peaks: within_budget returns it
 
         def peaks(plan: Plan) -> list[float]:
             if cut:
                 stages = stretched_stage_memory(graph, plan, c.pipe, optimizer=options.optimizer)
             else:
-                walked = with_walked_memory(with_stage_recompute(replace(plan, pipeline=c.pipe), graph), graph, options.optimizer)
-                stages = [s.memory for s in walked.pipeline.stages]
+                plan = with_walked_memory(with_stage_recompute(replace(plan, pipeline=c.pipe), graph), graph, options.optimizer)
+                stages = [s.memory for s in plan.pipeline.stages]
+            last[:] = plan, stages
             return [sum(mb.total for s, mb in zip(c.pipe.stages, stages) if s.device == k) for k in range(c.pipe.degree)]
 
-        return within_budget(lambda rows: again(rows) if rows else first, peaks,
-                             lambda plan, resident, saved: row_value(graph, plan, resident, saved, options.optimizer),
-                             rank_weights(graph, c.pipe), budget,
-                             lambda peak: MemoryBudgetError(budget, peak, first.mesh, cluster,
-                                                            of=f"{of} (solved again under a memory row per pipeline rank)"))
+        within_budget(lambda rows: again(rows) if rows else first, peaks,
+                      lambda plan, resident, saved: row_value(graph, plan, resident, saved, options.optimizer),
+                      rank_weights(graph, c.pipe), budget,
+                      lambda peak: MemoryBudgetError(budget, peak, first.mesh, cluster,
+                                                     of=f"{of} (solved again under a memory row per pipeline rank)"))
+        return last[0], last[1]
 
     def data_parallel(graph: Graph, source_graph: Graph, source: Plan, c: Candidate) -> tuple[Constraint, ...]:
         """Every op of `graph` keeping the data-parallel layouts of its counterpart in `source`, none on a mesh of one
@@ -555,9 +558,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
                                stand_in=stand_in, stack=short[1] if stand_in else None)
 
     def priced(c: Candidate, graph: Graph, plan: Plan) -> Plan:
-        """`plan` (`c`'s stage plan of the whole model, within the budget) with `c`'s stages walked under its schedule
-        and priced again by its own units."""
-        plan = with_walked_memory(with_stage_recompute(replace(plan, pipeline=c.pipe), graph), graph, options.optimizer)
+        """`plan` (`c`'s stage plan of the whole model within the budget, walked under its schedule: `fitted`) priced
+        again by its own units."""
         pipe = reprice(profile_units(graph, plan, options.optimizer), plan.pipeline, d=c.data, t=c.inner.size, cluster=cluster,
                        dp_in_profile=True)
         return replace(plan, pipeline=replace(pipe, searched_step_s=c.step_s),
@@ -577,11 +579,10 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
             unbounded[key] = graph, arranged(c, graph)
         graph, first = unbounded[key]
         of = f"its stage plan, stretched from the model cut to {len(unit_names(graph)) - 2} blocks" if cut else "its stage plan"
-        plan = fitted(c, graph, first, lambda rows: arranged(c, graph, rows), cut, of)
+        plan, memory = fitted(c, graph, first, lambda rows: arranged(c, graph, rows), cut, of)
         ranking[id(c)] = graph, plan
         if not cut:
             return priced(c, graph, plan).pipeline
-        memory = stretched_stage_memory(graph, plan, c.pipe, optimizer=options.optimizer)
         pipe = replace(c.pipe, stages=tuple(replace(s, memory=mb) for s, mb in zip(c.pipe.stages, memory)))
         units = repeat_layers(profile_units(graph, plan, options.optimizer), short[2])
         return reprice(units, pipe, d=c.data, t=c.inner.size, cluster=cluster, dp_in_profile=True)
@@ -593,8 +594,8 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         graph = graph_at(c.data * c.micro)
         ranked_graph, ranked = ranking[id(c)]
         preferred = data_parallel(graph, ranked_graph, ranked, c)
-        plan = fitted(c, graph, solve(c, graph, preferred, explain=True),
-                      lambda rows: solve(c, graph, preferred, explain=True, rows=rows), False, "its stage plan of the whole model")
+        plan, _ = fitted(c, graph, solve(c, graph, preferred, explain=True),
+                         lambda rows: solve(c, graph, preferred, explain=True, rows=rows), False, "its stage plan of the whole model")
         return priced(c, graph, plan)
 
     tensors = options.tensor_degrees or tuple(x for x in divisors(devices) if x <= cluster.devices_per_node)

@@ -260,7 +260,7 @@ def build_tables(
     switches = [dtensor_switch(graph, by_node, rep, extra)] if extra > 0 else []
     # each row weighs a class's member bytes by the members it holds (`RowWeights`)
     members: dict[str, list[str]] = {}
-    for name, r in rep.items():
+    for name, r in rep.items() if rows else ():
         members.setdefault(r, []).append(name)
     row_list = [MemoryRow(w.name, w.bound, {}, {}) for w in rows]
     for w, row in zip(rows, row_list):

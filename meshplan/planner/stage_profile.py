@@ -111,9 +111,12 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
         a["act"] += nbytes
         if op in whole:
             a["whole_act"] += nbytes
+    ops_of: dict[str, set[str]] = {}
+    for n, u in unit.items():
+        if graph[n].kind == "op":
+            ops_of.setdefault(u, set()).add(n)
     for u in names:
-        ops = {n for n, v in unit.items() if v == u and graph[n].kind == "op"}
-        walk = predict_peak(graph, plan, optimizer=optimizer, nodes=ops)
+        walk = predict_peak(graph, plan, optimizer=optimizer, nodes=ops_of.get(u, set()))
         acc[u]["transient"] = max(0, walk.microbatch.activations - sum(walk.saved_by.values()))
     # gradient sync as the plan prices it, in buckets (a bucket's all-reduce latency included), shared among
     # the bucket's parameters by bytes; a parameter's own `time_s` prices it alone, without that latency
