@@ -314,7 +314,7 @@ def test_a_named_mesh_is_not_searched_for_context_parallelism():
 
 
 def test_forcing_names_the_allowed_variants():
-    with pytest.raises(ValueError, match="force_context_parallel takes one or more of allgather, balanced, ring, ring_balanced, ulysses, headtail, ring_headtail; got \\('zigzag',\\)"):
+    with pytest.raises(ValueError, match="force_context_parallel takes one or more of allgather, balanced, ring, ring_balanced, ulysses, headtail, ring_headtail, ulysses_headtail; got \\('zigzag',\\)"):
         with force_context_parallel("zigzag"):
             pass
     plan = _plan("gpt", 2, kernel_name("ulysses", True))

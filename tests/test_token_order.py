@@ -79,6 +79,21 @@ def test_token_order_kernels_are_priced_balanced_without_the_swaps():
     assert [st.kind for st in ring.backward_comm] == ["send_recv"] * 3
 
 
+def test_ulysses_in_token_order_is_priced_as_ulysses_and_needs_twice_the_heads():
+    """The same four all-to-alls, bytes and work as Ulysses; its all-to-alls cut the heads as the sequence is (chunks r
+    and 2P-1-r of 2P), so the heads on a device must divide by 2P."""
+    contiguous = next(n for n in _plan("gpt", 2, kernel_name("ulysses", True)).nodes if n.target == SDPA)
+    ordered = next(n for n in _ordered("gpt", 2, "ulysses_headtail").nodes if n.target == SDPA)
+    assert [(st.kind, st.nbytes) for st in ordered.forward_comm] == [(st.kind, st.nbytes) for st in contiguous.forward_comm]
+    assert [st.kind for st in ordered.forward_comm] == ["all_to_all"] * 4
+    assert [(st.kind, st.nbytes) for st in ordered.backward_comm] == [(st.kind, st.nbytes) for st in contiguous.backward_comm]
+    assert ordered.time_s == pytest.approx(contiguous.time_s)
+    text = str(_ordered("gpt", 4, None).explain("scaled_dot_product_attention"))  # 4 heads over cp=4
+    assert ("context-parallel attention (ulysses_headtail) over mesh axis cp=4: 4 query heads per device do not divide by 8 "
+            "(all-to-all from sequence to heads)") in text
+    assert "cp_attention(ulysses,causal) reads contiguous blocks on mesh axis 'cp'" in text
+
+
 def test_explain_says_what_token_order_rules_out():
     plan = _ordered("llama", 4, None)
     text = str(plan.explain("scaled_dot_product_attention"))
@@ -126,7 +141,8 @@ def test_the_plan_file_keeps_the_order():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name,world,variant", [("gpt", 2, "headtail"), ("gpt", 2, "ring_headtail"), ("llama", 2, "headtail"),
-                                                ("llama", 4, "headtail"), ("llama", 4, "ring_headtail")])
+                                                ("llama", 4, "headtail"), ("llama", 4, "ring_headtail"),
+                                                ("gpt", 2, "ulysses_headtail"), ("llama", 2, "ulysses_headtail")])
 def test_parity(name, world, variant):
     plan = _ordered(name, world, variant)
     assert plan.token_order and _kernels(plan) == {kernel_name(variant, True)}
@@ -146,7 +162,7 @@ def test_parity_cp_by_tp(name, variant):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["headtail", "ring_headtail"])
+@pytest.mark.parametrize("variant", ["headtail", "ring_headtail", "ulysses_headtail"])
 def test_parity_dp_by_cp_with_fsdp_storage_on_dp(variant):
     plan = _ordered("gpt", 4, variant, axes=("dp", "cp"), tokens_layout="S(0)S(1)", param_layouts={"*": "S(0)R"})
     assert {p.layout for p in plan.params} == {(Shard(0), Replicate())}
@@ -164,7 +180,8 @@ def test_parity_dp_by_cp_linear_layers_keep_the_sequence_split():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name,world,variant", [("llama", 2, "headtail"), ("llama", 4, "ring_headtail"), ("gpt2", 2, "headtail")])
+@pytest.mark.parametrize("name,world,variant", [("llama", 2, "headtail"), ("llama", 4, "ring_headtail"), ("gpt2", 2, "headtail"),
+                                                ("llama", 2, "ulysses_headtail")])
 def test_hf_parity(name, world, variant):
     """Hugging Face's own positions, RoPE tables, causal mask and labels-shifting loss, all inside the model: each is
     made whole and chunked into token order where the plan splits it."""

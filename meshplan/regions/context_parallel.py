@@ -29,10 +29,15 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
 - `cp_attention(ulysses)`: all-to-all from sequence-split to heads-split (q, k, v), the plain op over the whole
   sequence and the local heads, all-to-all back (DeepSpeed-Ulysses); needs the heads and the KV heads on
   this rank divisible by P.
+- `cp_attention(ulysses_headtail)`: Ulysses in a plan in head-tail token order. Its all-to-alls join the sequence
+  in sequence order and cut it back into the token order (the runtime's token-order all-to-all), so the plain op
+  sees the sequence as one process does; they cut the heads the same way (chunks r and 2P-1-r of 2P: query heads
+  and key/value heads alike, so a query head's key/value head stays on its rank), which needs the heads and the KV
+  heads on this rank divisible by 2P. Same collectives, bytes and work as Ulysses.
 
 Each kernel's name carries `,causal` when the op is causal, so its cost knows the mask shape. Not offered, with
 the reason `explain` prints: an explicit mask tensor, dropout, a sequence not divisible by 2P or no causal mask
-(the balanced and token-order kernels), heads not divisible by P (ulysses). `force_context_parallel` makes a plan
+(the balanced and token-order kernels), heads not divisible by P (ulysses; 2P in token order). `force_context_parallel` makes a plan
 use them. Every collective is counted when issued (`StepFunction`, whose backward is the dual step, or
 `collective` for the exchanges): the steps priced here are the steps the plan lists and the runtime runs.
 """
@@ -66,14 +71,16 @@ from meshplan.runtime.collectives import MeshComm, StepFunction, collective, for
 from meshplan.runtime.token_order import owned_chunks
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
-VARIANTS = ("allgather", "balanced", "ring", "ring_balanced", "ulysses", "headtail", "ring_headtail")
+VARIANTS = ("allgather", "balanced", "ring", "ring_balanced", "ulysses", "headtail", "ring_headtail", "ulysses_headtail")
 BALANCED = ("balanced", "ring_balanced")
 """The kernels that swap half the queries with the mirrored rank (`MirrorSwap`): causal masks only."""
-TOKEN_ORDER = ("headtail", "ring_headtail")
-"""The kernels of a plan in head-tail token order (`Plan.token_order`): each rank already holds two chunks of equal
-causal work, so nothing is swapped; causal masks only, and only in such a plan (planner/token_order.py)."""
-EVEN = BALANCED + TOKEN_ORDER
-"""The kernels whose ranks compute equal causal work."""
+ULYSSES = ("ulysses", "ulysses_headtail")
+"""The kernels that run the plain op over the whole sequence and 1/P of the heads, between all-to-alls."""
+TOKEN_ORDER = ("headtail", "ring_headtail", "ulysses_headtail")
+"""The kernels of a plan in head-tail token order (`Plan.token_order`), and only of such a plan (planner/token_order.py):
+the block kernels' ranks already hold two chunks of equal causal work, so nothing is swapped (causal masks only)."""
+EVEN = BALANCED + ("headtail", "ring_headtail")
+"""The kernels whose ranks compute equal causal work in blocks."""
 RINGS = ("ring", "ring_balanced", "ring_headtail")
 """The kernels that pass K and V round the ring (`RingAttention`) instead of gathering them."""
 
@@ -336,11 +343,11 @@ def _sum_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
 
 def busiest_rank(variant: str, n: int, causal: bool) -> int:
     """The rank with the most query-key pairs: the last of a contiguous causal split, any one otherwise (rank 0)."""
-    return n - 1 if causal and variant not in EVEN and variant != "ulysses" else 0
+    return n - 1 if causal and variant not in EVEN + ULYSSES else 0
 
 
 def rank_attention(variant: str, q, k, v, rank: int, n: int, causal: bool, scale=None) -> torch.Tensor:
-    """Rank `rank`'s attention rows under kernel `variant` (not ulysses) of `n` ranks, computed on one device from
+    """Rank `rank`'s attention rows under kernel `variant` (not Ulysses) of `n` ranks, computed on one device from
     the whole-sequence q, k, v without collectives: the same blocks, in the same order and shapes, that rank runs
     (the rings: its query chunks against every rank's key block as `_segments` cuts them; the gathered kernels: its
     chunks against the gathered keys, `_attend`). The profiler times the busiest rank's this way
@@ -378,14 +385,14 @@ class ContextParallelAttention(nn.Module):
         if a["attn_mask"] is not None or a["dropout_p"] != 0.0:
             raise AssertionError("context-parallel attention was planned for an op with a mask tensor or dropout")
         q, k, v, scale, gqa = a["q"], a["k"], a["v"], a["scale"], a["enable_gqa"]
-        if self.variant != "ulysses":  # before any collective, so every rank stops at the same point
+        if self.variant not in ULYSSES:  # before any collective, so every rank stops at the same point
             check_device(q.device, kernel_name(self.variant, self.causal),
                          ". Plan with force_context_parallel('ulysses') there, or without a cp axis")
-        if self.variant == "ulysses":
-            to_heads = CommStep("all_to_all", self.axis, SEQ, 1)
-            q, k, v = (_step(t, to_heads, self.comm) for t in (q, k, v))
+        if self.variant in ULYSSES:
+            to_heads, ordered = CommStep("all_to_all", self.axis, SEQ, 1), self.variant in TOKEN_ORDER
+            q, k, v = (_step(t, to_heads, self.comm, ordered) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=scale, enable_gqa=gqa)
-            return _step(out, to_heads.dual(), self.comm)
+            return _step(out, to_heads.dual(), self.comm, ordered)
         me, rows = self.comm.coord[self.axis], q.shape[SEQ]
         n = self.comm.mesh.shape[self.axis]
         if self.variant == "ring":
@@ -510,17 +517,17 @@ class ContextParallel(RegionOp):
         if a["dropout_p"]:
             return f"{what}: dropout_p={a['dropout_p']} inside attention is not supported (its mask would differ per split)"
         seq = a["q"].shape[SEQ]
-        if variant in EVEN:
-            if not causal:
-                return f"{what}: load balancing is for causal masks; without one every rank already does the same work"
-            if seq % (2 * n):
-                return f"{what}: sequence length {seq} does not split into 2 x {n} = {2 * n} equal chunks"
-        if variant == "ulysses":
+        if variant in EVEN and not causal:
+            return f"{what}: load balancing is for causal masks; without one every rank already does the same work"
+        if variant in EVEN + TOKEN_ORDER and seq % (2 * n):
+            return f"{what}: sequence length {seq} does not split into 2 x {n} = {2 * n} equal chunks"
+        if variant in ULYSSES:
+            parts = n * (2 if variant in TOKEN_ORDER else 1)  # in token order the heads are cut as the sequence is
             heads = {"query heads": a["q"].shape[1], "key/value heads": a["k"].shape[1]}
             for label, count in heads.items():
                 local = count // math.prod(mesh.shape[b] for b, p in enumerate(strategy.inputs[0]) if p == Shard(1))
-                if local % n:
-                    return f"{what}: {local} {label} per device do not divide by {n} (all-to-all from sequence to heads)"
+                if local % parts:
+                    return f"{what}: {local} {label} per device do not divide by {parts} (all-to-all from sequence to heads)"
         return None
 
     def token_order(self, strategy) -> bool:
@@ -537,7 +544,7 @@ class ContextParallel(RegionOp):
         qb, kb, vb = (_local_bytes(m, p, mesh_shape) for m, p in zip((q, k, v), strategy.inputs))
         ob = _local_bytes(node.outputs[0], strategy.outputs[0], mesh_shape)
         local = [list(local_shape(m.shape, p, mesh_shape)) for m, p in zip((q, k, v), strategy.inputs)]
-        if variant == "ulysses":
+        if variant in ULYSSES:
             steps = [CommStep("all_to_all", axis, SEQ, 1, nbytes=b) for b in (qb, kb, vb)]
             forward = steps + [CommStep("all_to_all", axis, 1, SEQ, nbytes=ob)]
             for shape in local:  # whole sequence, heads / n
@@ -563,8 +570,8 @@ class ContextParallel(RegionOp):
         # Ulysses runs the plain op (its local shapes are the heads-split op's, which a profile times with its mask);
         # the others run blocks, which a profile times as the busiest rank runs them (`timed_work`); without that
         # timing, the roofline of the L x S rectangle, scaled to the pairs the busiest rank's blocks compute
-        work = causal_pairs(variant, n, rows) / (rows * rows * n) if causal and variant != "ulysses" else 1.0
-        plain = variant == "ulysses"
+        plain = variant in ULYSSES
+        work = causal_pairs(variant, n, rows) / (rows * rows * n) if causal and not plain else 1.0
         shared = 1.0
         if work < 1.0 and variant not in EVEN and cluster.profile is not None:
             # split contiguously, rank r computes r whole blocks and a diagonal. Ranks that share cores (a CPU with
@@ -608,13 +615,13 @@ class ContextParallel(RegionOp):
         return op_flops(node.target, list(in_metas), list(node.outputs), causal=True) if is_causal(node) else None
 
     def timed_work(self, node, in_metas, strategy, mesh_shape):
-        """The busiest rank's blocks of a kernel that runs blocks (not ulysses, which runs the plain op on local
+        """The busiest rank's blocks of a kernel that runs blocks (not Ulysses, which runs the plain op on local
         shapes a profile times anyway), as that rank runs them (`rank_attention`), keyed by the kernel, the degree
         and the local shapes."""
         if not strategy.kernel:
             return None
         variant, causal = parse_kernel(strategy.kernel)
-        if variant == "ulysses":
+        if variant in ULYSSES:
             return None
         n = mesh_shape[cp_axis(strategy)]
         key, local = _blocks_key(node, in_metas, strategy, mesh_shape)
@@ -672,7 +679,7 @@ class ContextParallel(RegionOp):
         heads = lead[-1]
         qb, q32, lse = q.nbytes, math.prod(q.shape) * 4, batch * heads * rows * 4
         cpu = on_cpu(cluster)
-        if variant not in RINGS + ("ulysses",):
+        if variant not in RINGS + ULYSSES:
             # the token-order kernel runs two half-length chunks as the balanced one does, without a borrowed copy: its
             # forward holds what the contiguous kernel's does, its backward what the balanced kernel's does
             two_chunks = variant == "balanced" or (backward and variant == "headtail")
@@ -680,7 +687,7 @@ class ContextParallel(RegionOp):
                                            k.nbytes, q.itemsize, cpu, backward=backward)
             # the token-order kernel's chunk outputs are among what it keeps (`kept_bytes`), not on top of it
             return max(0, held - qb) if variant == "headtail" and not backward else held
-        if variant == "ulysses":  # the plain op on the whole sequence and 1/n of the heads, between all-to-alls
+        if variant in ULYSSES:  # the plain op on the whole sequence and 1/n of the heads, between all-to-alls
             whole = dict(batch=batch, heads=heads // n, rows=rows * n, keys=rows * n, head_dim=dim)
             if not backward:  # its q, k, v and output made again (as big as the local ones), the op's scratch or an all-to-all's
                 scratch = flash_cpu_bytes(**whole, backward=False) if cpu else 0
