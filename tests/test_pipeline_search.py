@@ -99,6 +99,18 @@ def test_recompute_when_memory_needs_it():
     assert evaluate(us, p=2, d=1, t=1, m=8, schedule="gpipe", cluster=get_cluster("h100"), budget=20 * MiB, dp_in_profile=True) is None
 
 
+def test_a_recomputing_stage_makes_one_of_its_own_layers_again():
+    """At its peak a recomputing stage holds each microbatch's stage input and one of its own layers made again: a
+    larger layer on another stage (a wide head's logits, say) is not its cost."""
+    us = units(4)
+    us[3] = Unit(**{**{f: getattr(us[3], f) for f in Unit.__dataclass_fields__}, "act_bytes": 100 * MiB})  # layers.2
+    parts = partition(us, 2, 4, "gpipe", budget=1e12, p2p_s=0.0, recompute=True)
+    assert [(i, j) for i, j, *_ in parts] == [(0, 3), (3, 6)]  # pre + layers.0-1, layers.2-3 + post
+    for (i, j, rc, _, mem), own in zip(parts, (10 * MiB, 100 * MiB)):
+        kept = sum(u.in_bytes if u.name not in ("pre", "post") else u.act_bytes for u in us[i:j])
+        assert rc and mem.activations == 4 * kept + own + 4 * MiB  # and the receive buffers of 4 microbatches
+
+
 def test_pins_are_honoured():
     us = units(8)
     pins = {1: 0, 2: 1}  # layers.0 on stage 0, layers.1 on stage 1

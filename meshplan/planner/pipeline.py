@@ -208,7 +208,12 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
     if p > 1:
         took, handed = np.array([float(u.in_bytes) for u in units]), np.array([float(u.out_bytes) for u in units])
         rng_recv = m * (np.where(i_ > 0, took[np.minimum(i_, U - 1)], 0.0) + np.where(j_ < U, handed[np.maximum(j_ - 1, 0)], 0.0))
-    peak_unit = float((act + transient).max())  # a recomputed layer made again, at its peak
+    # a recomputing stage at its peak holds one of its own layers made again, whole (the embedding and the head keep
+    # their activations, counted in `kept`: only their transient)
+    remade = np.array([float(u.transient_bytes) + (0.0 if u.name in (PRE, POST) else float(u.act_bytes)) for u in units])
+    rng_remade = np.zeros((U + 1, U + 1))
+    for i in range(U):
+        rng_remade[i, i + 1:] = np.maximum.accumulate(remade[i:])
     # per-stage cost matrices (memory depends on how many microbatches the stage's device holds)
     costs, rc_used = [], []
     for k in range(n_stages):
@@ -217,7 +222,7 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
         # a device runs v chunks: each may use a v-th of the budget (an even split; exact for v = 1)
         cap = budget / v
         mem_plain = rng_static + held * rng_act + rng_transient + rng_recv
-        mem_rc = rng_static + held * rng_kept + peak_unit + rng_recv
+        mem_rc = rng_static + held * rng_kept + rng_remade + rng_recv
         ok_plain = (mem_plain <= cap) & (recompute is not True)
         ok_rc = (mem_rc <= cap) & (recompute is not False)
         c = np.where(ok_plain, rng_time, np.where(ok_rc, rng_time + rng_fwd, np.inf))
@@ -251,7 +256,7 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
         rc = bool(rc_used[k][i, j])
         dev = _device_of(k, p, schedule)
         held = in_flight(schedule, p, m, dev, virtual=virtual) if p > 1 else 1.0
-        acts = held * (rng_kept[i, j] if rc else rng_act[i, j]) + (peak_unit if rc else rng_transient[i, j]) + rng_recv[i, j]
+        acts = held * (rng_kept[i, j] if rc else rng_act[i, j]) + (rng_remade if rc else rng_transient)[i, j] + rng_recv[i, j]
         mem = stage_memory(units[i:j], acts)
         out.append((i, j, rc, float(costs[k][i, j]), mem))
     return out
