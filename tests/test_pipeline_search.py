@@ -111,6 +111,17 @@ def test_a_recomputing_stage_makes_one_of_its_own_layers_again():
         assert rc and mem.activations == 4 * kept + own + 4 * MiB  # and the receive buffers of 4 microbatches
 
 
+def test_a_mixed_precision_stage_holds_its_working_copies_gradients_at_the_end_of_each_backward():
+    """The walk's `casting_back` in the search: a weight-heavy stage's peak is the microbatches in flight but one, every
+    layer's working-copy gradient and, from the second microbatch on, the largest one's fp32 gradient."""
+    us = [Unit(**{**{f: getattr(u, f) for f in Unit.__dataclass_fields__}, "act_bytes": MiB, "copy_grad_bytes": 3 * MiB,
+                  "cast_accumulate_bytes": 2 * MiB}) for u in units(4)]
+    for m, temp in ((4, 2 * MiB), (1, 0)):
+        parts = partition(us, 2, m, "gpipe", budget=1e12, p2p_s=0.0)
+        for i, j, rc, _, mem in parts:
+            assert not rc and mem.activations == (m - 1) * MiB * (j - i) + 3 * MiB * (j - i) + temp + m * MiB
+
+
 def test_pins_are_honoured():
     us = units(8)
     pins = {1: 0, 2: 1}  # layers.0 on stage 0, layers.1 on stage 1

@@ -221,9 +221,11 @@ WEIGHTY = GPTConfig(vocab_size=64, seq_len=8, hidden=256, heads=4, layers=2)
 @pytest.mark.multiprocess
 def test_a_pipelined_stage_holds_one_bf16_copy_of_its_weights_for_all_its_microbatches():
     """In bf16, a pipelined stage casts its weights once per step and its microbatches share the copy (the runtime
-    hoists the casts): under GPipe with 8 microbatches in flight the stated peak is the measured one within 15 % (16.1
+    hoists the casts): under GPipe with 8 microbatches in flight the stated peak is the measured one within 3 % (18.2
     MB stated, 18.1 measured). The walk counted a copy per microbatch in flight until 2026-11-27: 25.3 MB stated here,
-    and GPT-3 175B's first-ranked configuration walked at 82.9 GiB, dropped, where it states 43.6."""
+    and GPT-3 175B's first-ranked configuration walked at 82.9 GiB, dropped, where it states 43.6. Then it stated
+    16.1 MB: at the end of each microbatch's backward the hoisted casts' backward runs last, so every working copy's
+    gradient is held then, with the largest weight's fp32 gradient before it is summed in (`PeakMemory.casting_back`)."""
     from meshplan.runtime.launch import run_local
 
     model, tokens = build(WEIGHTY, 16)
@@ -233,4 +235,4 @@ def test_a_pipelined_stage_holds_one_bf16_copy_of_its_weights_for_all_its_microb
                              pipeline=PipelineOptions(degrees=(2,), tensor_degrees=(1,), microbatch_sizes=(2,), schedules=("gpipe",)))
     assert plan.pipeline.microbatches == 8 and plan.precision is not None
     measured = max(run_local(2, _measured_peak, plan.to_json(), timeout=900))
-    assert plan.memory.total == pytest.approx(measured, rel=0.15), (plan.memory.total, measured)
+    assert plan.memory.total == pytest.approx(measured, rel=0.03), (plan.memory.total, measured)

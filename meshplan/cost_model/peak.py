@@ -100,6 +100,14 @@ class PeakMemory:
     """What the optimizer step holds: no microbatch is in flight then."""
     microbatch_phase: str
     """Where `microbatch` is: forward or backward."""
+    casting_back: MemoryBreakdown | None = None
+    """The end of a microbatch's backward in a pipeline stage, whose weights' working copies (mixed precision) are made
+    once per step (runtime/pipeline.py, `_hoist_weight_casts`): autograd runs those casts' backward last (made before
+    every microbatch's ops, they have the lowest sequence numbers), so each weight's working-copy gradient is held
+    until then, beside every parameter gradient and the working copies. None without working copies."""
+    cast_accumulate_bytes: int = 0
+    """What each cast's backward adds while it sums its gradient into the parameter's after the step's first
+    microbatch: the fp32 gradient of the largest weight with a working copy, made before it is added."""
 
     def __str__(self) -> str:
         return f"peak {format_bytes(self.peak)} in {self.phase} (resident {self.resident})"
@@ -351,6 +359,10 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
             timeline.append(("backward", node.name, base + level + param_grads))
 
     biggest = max(numels, default=0) * 4
+    cast_bytes = sum(size[key] for key in casts if graph[key[1]].grad(key[2]))  # the working copies needing a gradient
+    casting_back = held_at(base + level + param_grads + 2 * cast_bytes, param_grads + cast_bytes, cast_bytes) if cast_bytes else None
+    cast_accumulate = max((nbytes(graph[n.inputs[0].node].out, out_layout[n.inputs[0].node][0]) for n in ops
+                           if n.name in graph.weight_casts and n.grad(0)), default=0)
     microbatch, microbatch_phase = held_at(peak, grads_at_peak, copies_at_peak), where  # the forward and backward's own
     at_step = base + param_grads + STEP_TEMPORARIES.get(optimizer, 0) * biggest
     step = held_at(at_step, param_grads, 0)
@@ -358,4 +370,5 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
         peak, where, grads_at_peak, copies_at_peak = at_step, "optimizer", param_grads, 0
     return PeakMemory(peak=int(peak), resident=resident, phase=where, at_peak=held_at(peak, grads_at_peak, copies_at_peak),
                       saved=saved_bytes, saved_by=saved_by, microbatch=microbatch, accumulating=held_at(no_grads + param_grads, param_grads, no_grads_copies),
-                      step=step, microbatch_phase=microbatch_phase)
+                      step=step, microbatch_phase=microbatch_phase, casting_back=casting_back,
+                      cast_accumulate_bytes=cast_accumulate)

@@ -214,6 +214,14 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
     rng_remade = np.zeros((U + 1, U + 1))
     for i in range(U):
         rng_remade[i, i + 1:] = np.maximum.accumulate(remade[i:])
+    # mixed precision: at the end of each microbatch's backward every weight's working-copy gradient is held, and after
+    # the first microbatch the largest one's fp32 gradient before it is summed in (`PeakMemory.casting_back`)
+    rng_casting = cs(np.array([float(u.copy_grad_bytes) for u in units]))
+    rng_casting = rng_casting[j_] - rng_casting[i_]
+    if m > 1:
+        temp = np.array([float(u.cast_accumulate_bytes) for u in units])
+        for i in range(U):
+            rng_casting[i, i + 1:] += np.maximum.accumulate(temp[i:])
     # per-stage cost matrices (memory depends on how many microbatches the stage's device holds)
     costs, rc_used = [], []
     for k in range(n_stages):
@@ -221,8 +229,8 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
         held = in_flight(schedule, p, m, dev, virtual=virtual) if p > 1 else 1.0
         # a device runs v chunks: each may use a v-th of the budget (an even split; exact for v = 1)
         cap = budget / v
-        mem_plain = rng_static + held * rng_act + rng_transient + rng_recv
-        mem_rc = rng_static + held * rng_kept + rng_remade + rng_recv
+        mem_plain = rng_static + held * rng_act + np.maximum(rng_transient, rng_casting - rng_act) + rng_recv
+        mem_rc = rng_static + held * rng_kept + np.maximum(rng_remade, rng_casting) + rng_recv
         ok_plain = (mem_plain <= cap) & (recompute is not True)
         ok_rc = (mem_rc <= cap) & (recompute is not False)
         c = np.where(ok_plain, rng_time, np.where(ok_rc, rng_time + rng_fwd, np.inf))
@@ -256,7 +264,8 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
         rc = bool(rc_used[k][i, j])
         dev = _device_of(k, p, schedule)
         held = in_flight(schedule, p, m, dev, virtual=virtual) if p > 1 else 1.0
-        acts = held * (rng_kept[i, j] if rc else rng_act[i, j]) + (rng_remade if rc else rng_transient)[i, j] + rng_recv[i, j]
+        acts = (held * rng_kept[i, j] + max(rng_remade[i, j], rng_casting[i, j]) if rc else
+                held * rng_act[i, j] + max(rng_transient[i, j], rng_casting[i, j] - rng_act[i, j])) + rng_recv[i, j]
         mem = stage_memory(units[i:j], acts)
         out.append((i, j, rc, float(costs[k][i, j]), mem))
     return out

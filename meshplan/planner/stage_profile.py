@@ -74,6 +74,12 @@ class Unit:
     scratch), by the walk of its ops alone."""
     bucket_bytes: int = 0
     """Bytes of the gradient buckets the data-parallel all-reduce runs from, held all step (`at_data_parallel`)."""
+    copy_grad_bytes: int = 0
+    """Bytes of its weights' working-copy gradients (mixed precision), held at the end of each microbatch's backward
+    (`PeakMemory.casting_back`)."""
+    cast_accumulate_bytes: int = 0
+    """The fp32 gradient of its largest weight with a working copy, made before it is summed into the parameter's
+    (`PeakMemory.cast_accumulate_bytes`)."""
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -86,7 +92,7 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
     consumers = graph.consumers()
     names = unit_names(graph)
     acc = {u: dict(time=0.0, fwd=0.0, sync=0.0, static=0, param=0, grad=0, act=0, out=0, inb=0, shared={}, modules=[], whole=0.0,
-                   whole_act=0, transient=0) for u in names}
+                   whole_act=0, transient=0, copy_grads=0, cast_accumulate=0) for u in names}
     strategy = {n.name: n.strategy for n in plan.nodes}
     whole = drawn_whole(graph)
     for n in plan.nodes:
@@ -118,6 +124,9 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
     for u in names:
         walk = predict_peak(graph, plan, optimizer=optimizer, nodes=ops_of.get(u, set()))
         acc[u]["transient"] = max(0, walk.microbatch.activations - sum(walk.saved_by.values()))
+        if walk.casting_back is not None:
+            acc[u]["copy_grads"] = walk.casting_back.grads - walk.step.grads  # beyond every parameter gradient
+            acc[u]["cast_accumulate"] = walk.cast_accumulate_bytes
     # gradient sync as the plan prices it, in buckets (a bucket's all-reduce latency included), shared among
     # the bucket's parameters by bytes; a parameter's own `time_s` prices it alone, without that latency
     sync = {p.node: p.time_s for p in plan.params}
@@ -160,7 +169,7 @@ def profile_units(graph: Graph, plan: Plan, optimizer: str = "adam") -> list[Uni
     return [
         Unit(name=u, modules=tuple(a["modules"]), time_s=a["time"], forward_s=a["fwd"], sync_s=a["sync"], static_bytes=a["static"], param_bytes=a["param"], grad_bytes=a["grad"],
              act_bytes=a["act"], out_bytes=a["out"], in_bytes=a["inb"], shared=a["shared"], whole_s=a["whole"], whole_act_bytes=a["whole_act"],
-             transient_bytes=a["transient"])
+             transient_bytes=a["transient"], copy_grad_bytes=a["copy_grads"], cast_accumulate_bytes=a["cast_accumulate"])
         for u, a in acc.items()
     ]
 
