@@ -302,9 +302,12 @@ def evaluate(units: list[Unit], *, p: int, d: int, t: int, m: int, schedule: str
     if not dp_in_profile:
         units = at_data_parallel(units, d)
     p2p, action = _cut_prices(units, p, d, t, schedule, cluster)
-    parts = partition(units, p, m, schedule, budget=budget, p2p_s=p2p, action_s=action, virtual=virtual, pins=pins, recompute=recompute)
+    workspace = cluster.device.library_workspace_bytes  # the math libraries' own, held all step (as the walk holds it)
+    parts = partition(units, p, m, schedule, budget=budget - workspace, p2p_s=p2p, action_s=action, virtual=virtual, pins=pins,
+                      recompute=recompute)
     if parts is None:
         return None
+    parts = [(i, j, rc, secs, replace(mem, workspace=workspace)) for i, j, rc, secs, mem in parts]
     return _priced(units, parts, p=p, d=d, t=t, m=m, schedule=schedule, cluster=cluster, virtual=virtual, dp_in_profile=dp_in_profile,
                    p2p=p2p)
 
