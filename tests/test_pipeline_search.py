@@ -46,6 +46,12 @@ def test_stage_memory_follows_schedule_formula():
             assert st.memory.activations == held * acts + 8 * received
     pipe = evaluate(us, p=4, d=1, t=1, m=8, schedule="interleaved_1f1b", cluster=get_cluster("h100"), budget=1e12, dp_in_profile=True)
     assert pipe.chunks == 2 and len(pipe.stages) == 8
+    # a rank's two chunks: their stages summed, the math libraries' workspace (one process's) once
+    workspace = get_cluster("h100").device.library_workspace_bytes
+    assert workspace > 0 and all(st.memory.workspace == workspace for st in pipe.stages)
+    for r, held in enumerate(pipe.rank_memory()):
+        assert held.workspace == workspace
+        assert held.total == sum(st.memory.total for st in pipe.stages if st.device == r) - workspace
     per_rank = [sum(st.time_s for st in pipe.stages if st.device == r) for r in range(4)]  # each rank's two chunks
     priced = schedule_time("interleaved_1f1b", 4, 8, max(per_rank) / 3, shares=rank_shares(per_rank))
     assert pipe.bubble_fraction == pytest.approx(priced.bubble_fraction) and pipe.bubble_fraction < 3 / (2 * 8 + 3)

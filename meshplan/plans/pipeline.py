@@ -8,7 +8,7 @@ collectives stay on the fast inner links and only the point-to-point sends cross
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshplan.cost_model.memory import MemoryBreakdown, format_bytes
 from meshplan.cost_model.schedules import rank_shares
@@ -62,10 +62,12 @@ class PipelinePlan:
     `step_s` is the stage plan's own price (None: not searched, or priced only)."""
 
     def rank_memory(self) -> list[MemoryBreakdown]:
-        """Each pipeline rank's peak: the sum over the stages (chunks) it runs."""
+        """Each pipeline rank's peak: the sum over the stages (chunks) it runs, the math libraries' workspace once (one
+        process's)."""
         per_rank = [MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0) for _ in range(self.degree)]
         for s in self.stages:
-            per_rank[s.device] = per_rank[s.device] + s.memory
+            held = per_rank[s.device]
+            per_rank[s.device] = replace(held + s.memory, workspace=max(held.workspace, s.memory.workspace))
         return per_rank
 
     @property
