@@ -19,6 +19,7 @@ import meshplan
 from meshplan.cost_model.compute import attention_pairs
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Replicate, Shard
+from meshplan.ir.trace import trace
 from meshplan.models.hf import hf_model
 from meshplan.planner.annotations import AnnotationError
 from meshplan.plans.plan import Plan
@@ -104,12 +105,24 @@ def test_explain_says_what_token_order_rules_out():
     assert "cp_attention(headtail,causal) runs on head-tail token-order blocks: plan with token_order=True" in without
 
 
-def test_no_parameter_is_split_over_cp_in_token_order():
-    plan = _ordered("gpt", 4, "headtail", axes=("dp", "cp"), tokens_layout="S(0)S(1)")
-    assert plan.token_order and all(isinstance(p.layout[1], Replicate) for p in plan.params)
-    with pytest.raises(AnnotationError, match=r"lm_head.weight in S\(0\)S\(0\).* \(token_order=True keeps parameters and buffers unsplit on mesh axis 'cp'.*"
+def test_parameters_may_be_stored_split_over_cp_and_are_read_whole_on_it():
+    """FSDP over cp in token order (torchtitan shards over dp x cp): a parameter's blocks over cp are contiguous, as
+    DTensor, the optimizer and checkpoints hold them, so every op but the weight's own cast reads it whole on cp.
+    Buffers stay unsplit on cp (a RoPE table is indexed by the sequence)."""
+    plan = _ordered("llama", 4, "ring_headtail", axes=("dp", "cp"), tokens_layout="S(0)S(1)", param_layouts={"*weight": "S(0)S(0)"})
+    assert plan.token_order and {p.layout for p in plan.params if not p.is_buffer} >= {(Shard(0), Shard(0))}
+    model, tokens = _build("llama")
+    graph = trace(model, (tokens,))
+    readers = {(t.consumer, t.position): t.dst for t in plan.transfers}
+    for node in plan.nodes:
+        if node.name in graph.param_values:
+            continue
+        for pos, ref in enumerate(graph[node.name].inputs):
+            if ref.node in graph.param_values:
+                assert not isinstance(readers.get((node.name, pos), node.strategy.inputs[pos])[1], Shard), (node.name, pos)
+    with pytest.raises(AnnotationError, match=r"cos in S\(0\)S\(0\).* \(token_order=True keeps buffers unsplit on mesh axis 'cp'.*"
                        r"allowed: RR, S\(0\)R, S\(1\)R"):
-        _ordered("gpt", 4, None, axes=("dp", "cp"), tokens_layout="S(0)S(1)", param_layouts={"*": "S(0)S(0)"})
+        _ordered("llama", 4, None, axes=("dp", "cp"), tokens_layout="S(0)S(1)", param_layouts={"*": "S(0)S(0)"})
 
 
 def test_token_order_needs_a_cp_axis_and_whole_inputs():
@@ -168,6 +181,19 @@ def test_parity_dp_by_cp_with_fsdp_storage_on_dp(variant):
     assert {p.layout for p in plan.params} == {(Shard(0), Replicate())}
     results = run_local(4, _worker, "gpt", plan, timeout=900)
     _check_parity("gpt", plan, results)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("axes,layout", [(("dp", "cp"), "S(0)S(0)"), (("cp",), "S(0)")])
+def test_parity_with_parameters_stored_split_over_cp(axes, layout):
+    """FSDP over cp (and dp): the weights' blocks gathered over cp in contiguous order, the activations' in head-tail
+    order. Fails with the weights' gathers in head-tail order."""
+    world = 4 if len(axes) == 2 else 2
+    plan = _ordered("llama", world, "ring_headtail", axes=axes, tokens_layout="S(0)S(1)" if len(axes) == 2 else "S(1)",
+                    param_layouts={"*weight": layout})
+    assert any(isinstance(p.layout[-1], Shard) for p in plan.params)
+    results = run_local(world, _worker, "llama", plan, timeout=900)
+    _check_parity("llama", plan, results)
 
 
 @pytest.mark.multiprocess

@@ -140,6 +140,9 @@ class Graph:
     weight_casts: frozenset[str] = field(init=False, repr=False, compare=False)
     """Op nodes that cast a parameter (mixed precision): their output is a working copy of the weight,
     made once per step and kept for backward, counted with the parameters (not per microbatch)."""
+    param_values: frozenset[str] = field(init=False, repr=False, compare=False)
+    """The parameters and their working copies (`weight_casts`): what a plan in head-tail token order keeps in
+    contiguous blocks where it splits them (planner/token_order.py)."""
 
     def __post_init__(self) -> None:
         self._index = {n.name: n for n in self.nodes}
@@ -147,6 +150,7 @@ class Graph:
             n.name for n in self.nodes
             if n.kind == "op" and n.target == "aten._to_copy.default" and len(n.inputs) == 1 and self[n.inputs[0].node].kind == "param"
         )
+        self.param_values = frozenset(n.name for n in self.nodes if n.kind == "param") | self.weight_casts
 
     def __getitem__(self, name: str) -> Node:
         try:

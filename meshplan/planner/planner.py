@@ -144,7 +144,8 @@ class PlanOptions:
     token_order: bool = False
     """Hold every tensor split over the `cp` axis in head-tail token order (runtime/token_order.py): causal attention
     then runs balanced with no exchange of queries (`cp_attention(headtail)`, `cp_attention(ring_headtail)`; Ulysses as
-    `cp_attention(ulysses_headtail)`), and no parameter is split over `cp` (planner/token_order.py)."""
+    `cp_attention(ulysses_headtail)`); parameters split over `cp` stay contiguous blocks, gathered over it before use
+    (planner/token_order.py)."""
 
 
 @fewer_collections

@@ -6,7 +6,11 @@ sum over it, so they run on those blocks as on contiguous ones. What does not:
 
 - a kernel that reads where its block lies (a masked lookup's offset into the vocabulary, the contiguous
   context-parallel kernels' causal mask), unless it is written for this order (`RegionOp.token_order`);
-- parameters and buffers split over `cp`: DTensor, the optimizer's state and checkpoints hold contiguous blocks;
+- buffers split over `cp` (a RoPE table is indexed by the sequence, which this order permutes; DTensor and
+  checkpoints hold contiguous blocks). Parameters may be stored split over `cp` (FSDP over `cp`, as torchtitan
+  shards them over dp x cp) in contiguous blocks, as DTensor, the optimizer and checkpoints hold them: they, and
+  their working copies (mixed precision), are gathered over `cp` before any other op reads them, in the contiguous
+  order (runtime/rewrite.py), so no op reads a parameter's block as a head-tail one;
 - outputs handed over split over `cp` (`loss_only`'s DTensors), which a loss function would read as contiguous;
 - a dimension that does not cut into 2P equal chunks where the `cp` axis splits it.
 
@@ -18,14 +22,14 @@ from __future__ import annotations
 
 import math
 
-from meshplan.ir.graph import Graph, TensorMeta
+from meshplan.ir.graph import Graph, Node, TensorMeta
 from meshplan.ir.mesh import CP_AXIS, MeshSpec
 from meshplan.ir.placement import Placements, Shard
 from meshplan.ir.regions import region_op
 from meshplan.plans.strategy import Strategy
 from meshplan.planner.strategies import Candidates
 
-STORED = ("param", "buffer")
+
 
 
 def check_token_order(mesh: MeshSpec, *, inputs: str) -> None:
@@ -44,6 +48,7 @@ def keep_order(graph: Graph, mesh: MeshSpec, cands: Candidates, token_order: boo
     if CP_AXIS not in mesh.axis_names:
         return  # no cp axis: no kernel or block is ordered
     cp = mesh.axis_names.index(CP_AXIS)
+    stored = graph.param_values if token_order else frozenset()
     for node in graph.nodes:
         region = region_op(node.target) if node.kind == "op" else None
         if region is None and not token_order:
@@ -51,7 +56,7 @@ def keep_order(graph: Graph, mesh: MeshSpec, cands: Candidates, token_order: boo
         metas = [*(graph.meta(r) for r in node.inputs), *node.outputs]
         kept = []
         for s in cands.by_node[node.name]:
-            reason = _ruled_out(node.kind, region, s, metas, mesh, cp, token_order)
+            reason = _ruled_out(node, region, s, metas, mesh, cp, token_order, stored)
             if reason is None:
                 kept.append(s)
             else:
@@ -60,17 +65,24 @@ def keep_order(graph: Graph, mesh: MeshSpec, cands: Candidates, token_order: boo
             cands.by_node[node.name] = kept
 
 
-def _ruled_out(kind: str, region, s: Strategy, metas: list[TensorMeta | None], mesh: MeshSpec, cp: int,
-               token_order: bool) -> str | None:
+def _ruled_out(node: Node, region, s: Strategy, metas: list[TensorMeta | None], mesh: MeshSpec, cp: int,
+               token_order: bool, stored: frozenset[str]) -> str | None:
     ordered = bool(s.kernel) and region is not None and region.token_order(s)
     if not token_order:
         return f"{s.kernel} runs on head-tail token-order blocks: plan with token_order=True" if ordered else None
     layouts = [*s.inputs, *s.outputs]
     if not any(layout is not None and isinstance(layout[cp], Shard) for layout in layouts):
         return None
-    if kind in STORED:
-        return (f"token_order=True keeps parameters and buffers unsplit on mesh axis {CP_AXIS!r}: DTensor, the optimizer "
-                "and checkpoints hold contiguous blocks")
+    if node.name in stored:
+        return None  # contiguous blocks, gathered over cp before use (below): no order to keep
+    kind = node.kind
+    if kind == "buffer":
+        return (f"token_order=True keeps buffers unsplit on mesh axis {CP_AXIS!r}: a sequence-indexed one (a RoPE table) "
+                "would need the head-tail order, and DTensor and checkpoints hold contiguous blocks")
+    for ref, layout in zip(node.inputs, s.inputs):
+        if ref.node in stored and layout is not None and isinstance(layout[cp], Shard):
+            return (f"token_order=True gathers parameters over mesh axis {CP_AXIS!r} before an op reads them: they are "
+                    "stored in contiguous blocks, which this op would read as head-tail ones")
     if kind == "output":
         return (f"token_order=True hands outputs over unsplit on mesh axis {CP_AXIS!r} (a loss function would read a "
                 "head-tail block as a contiguous one)")

@@ -64,6 +64,7 @@ def local_program(graph: Graph, plan: Plan, comm: MeshComm) -> fx.GraphModule:
     soon as it is complete and its bucket's all-reduce overlaps the rest of backward."""
     traced, out_scales = graph.fx, output_grad_scales(plan, output_layouts(graph, plan))
     leaves = {p.node for p in plan.params}
+    contiguous = graph.param_values  # split in contiguous blocks even in head-tail token order (planner/token_order.py)
     transfers: dict[tuple[str, int], Transfer] = {(t.consumer, t.position): t for t in plan.transfers}
     out_layout = {n.name: n.strategy.outputs for n in plan.nodes}
     strategy = {n.name: n.strategy for n in plan.nodes}
@@ -92,8 +93,8 @@ def local_program(graph: Graph, plan: Plan, comm: MeshComm) -> fx.GraphModule:
             if t is None or not t.forward:
                 return new
             name = f"move_{len(root._modules)}"
-            root.add_module(name, Redistribute(t.forward, comm, f"{t.tensor} {t.src}->{t.dst}".replace("Shard", "S"),
-                                               plan.head_tail_axis))
+            ordered = None if t.tensor.split("[", 1)[0] in contiguous else plan.head_tail_axis
+            root.add_module(name, Redistribute(t.forward, comm, f"{t.tensor} {t.src}->{t.dst}".replace("Shard", "S"), ordered))
             node = graph.call_module(name, (new,))
             node.meta[SOURCE] = consumer  # a move belongs to its consumer (pipeline stages cut by it)
             return tag(node, layer.get(consumer))
