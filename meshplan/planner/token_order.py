@@ -30,8 +30,6 @@ from meshplan.plans.strategy import Strategy
 from meshplan.planner.strategies import Candidates
 
 
-
-
 def check_token_order(mesh: MeshSpec, *, inputs: str) -> None:
     """A ValueError for a token-order plan that cannot be one: no `cp` axis, or inputs passed in blocks (a rank's own
     slice, which the user would cut contiguously)."""
