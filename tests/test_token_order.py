@@ -9,23 +9,28 @@ from __future__ import annotations
 
 import json
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 from test_context_parallel import (MEGATRON, SDPA, _build, _check_parity, _compare, _hf_train, _hf_worker, _kernels, _only,
-                                   _plan, _worker, flattened_in_place)
+                                   _plan, _train, _worker, flattened_in_place)
 
 import meshplan
 from meshplan.cost_model.compute import attention_pairs
 from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Replicate, Shard
 from meshplan.ir.trace import trace
+from meshplan.models import Llama, LlamaConfig
+from meshplan.regions.log_softmax import LOG_SOFTMAX_REGION
+from meshplan.regions.masked_lookup import MASKED_EMBEDDING_REGION, MASKED_GATHER_REGION
 from meshplan.models.hf import hf_model
 from meshplan.planner.annotations import AnnotationError
 from meshplan.plans.plan import Plan
 from meshplan.regions.context_parallel import causal_pairs, kernel_name
 from meshplan.runtime import token_order
 from meshplan.runtime.launch import run_local
+from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
 
 
@@ -194,6 +199,63 @@ def test_parity_with_parameters_stored_split_over_cp(axes, layout):
     assert any(isinstance(p.layout[-1], Shard) for p in plan.params)
     results = run_local(world, _worker, "llama", plan, timeout=900)
     _check_parity("llama", plan, results)
+
+
+class LossInside(torch.nn.Module):
+    """The Llama with its next-token loss inside, labels shifted (benchmarks/long_context.py's `WithLoss`)."""
+
+    def __init__(self, lm: Llama) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        labels = torch.nn.functional.pad(tokens[0], (0, 1), value=-100)[1:]
+        return torch.nn.functional.cross_entropy(self.lm(tokens)[0], labels, ignore_index=-100)
+
+
+def _wide_vocab():
+    """A vocabulary wide enough that the loss runs vocabulary-parallel (the log-softmax and masked gather kernels)."""
+    torch.manual_seed(0)
+    model = LossInside(Llama(LlamaConfig(vocab_size=65536, seq_len=16, hidden=32, heads=4, kv_heads=2, intermediate=64, layers=1)))
+    return model, torch.randint(0, 65536, (1, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _wide_vocab_worker(rank: int, world: int, plan):
+    model, tokens = _wide_vocab()
+    pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
+    pmodel.reset_collective_counts()
+    losses, grads = _train(pmodel, tokens, local_of, loss_of=lambda m: m(tokens))
+    return losses, grads, {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}, pmodel.collective_counts()
+
+
+def test_kernels_that_read_no_block_position_run_in_token_order():
+    """The vocabulary-parallel log-softmax reduces over its dim and a masked gather with its rows split computes each
+    row on its own: token order offers them over cp. A lookup whose table is split over cp along the looked-up dim
+    reads its block's offset: ruled out."""
+    node = SimpleNamespace(meta={"val": torch.empty(32, 64)})
+    rows, vocab = (Shard(0), Shard(1)), (Shard(1), Shard(1))  # (cp, tp) layouts of the table
+    assert not MASKED_GATHER_REGION.reads_block_positions(SimpleNamespace(inputs=(rows, rows)), (node, 1, node), 0)
+    assert MASKED_GATHER_REGION.reads_block_positions(SimpleNamespace(inputs=(vocab, (Replicate(), Replicate()))), (node, 1, node), 0)
+    assert MASKED_GATHER_REGION.reads_block_positions(SimpleNamespace(inputs=(vocab, vocab)), (node, -1, node), 0)
+    assert MASKED_EMBEDDING_REGION.reads_block_positions(SimpleNamespace(inputs=((Shard(0),), (Replicate(),))), (node, node), 0)
+    assert not LOG_SOFTMAX_REGION.reads_block_positions(SimpleNamespace(inputs=(vocab,)), (node, 1, False), 0)
+
+
+@pytest.mark.multiprocess
+def test_parity_of_a_vocabulary_parallel_loss_with_rows_over_cp():
+    """cp x tp (2 x 2), the head's vocabulary over tp: the loss's log-softmax and masked gather run with their rows in
+    head-tail token order over cp. Token order used to refuse every kernel but its own attention that split anything
+    over cp, which left Llama-3-70B's dp x cp x tp stage plan at 131k tokens holding its logits whole over dp and cp."""
+    model, tokens = _wide_vocab()
+    with warnings.catch_warnings(), _only(kernel_name("ring_headtail", True)):
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, devices=4, mesh_shape=(2, 2), axis_names=("cp", "tp"), example_inputs=(tokens,),
+                             input_layouts={"tokens": "S(1)R"}, token_order=True, param_layouts={"lm.lm_head.weight": "RS(0)"})
+    used = {(n.strategy.kernel, n.strategy.inputs[0]) for n in plan.nodes if n.strategy.kernel and n.target != SDPA}
+    assert used == {("log_softmax(dim=1)", (Shard(0), Shard(1))), ("masked", (Shard(0), Shard(1)))}, used
+    results = run_local(4, _wide_vocab_worker, plan, timeout=900)
+    ref_losses, ref_grads = _train(model, tokens, loss_of=lambda m: m(tokens))
+    _compare(plan, dict(model.named_parameters()), ref_losses, ref_grads, results)
 
 
 @pytest.mark.multiprocess

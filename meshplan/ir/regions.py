@@ -76,6 +76,13 @@ class RegionOp:
         plan of its order (planner/token_order.py)."""
         return False
 
+    def reads_block_positions(self, strategy, args: Sequence[object], axis: int) -> bool:
+        """Whether the kernel of `strategy` for `op(*args)` (the traced call's arguments: fx nodes and constants) reads
+        where its blocks over mesh axis `axis` lie (a masked lookup's offset into the table, attention's causal mask):
+        such a kernel runs right in one token order only. One that computes each index of the split dims on its own,
+        or reduces over them, does not (planner/token_order.py). The default assumes it does."""
+        return True
+
     # ---- cost model
     def cost(self, node, in_metas, strategy, mesh_shape: tuple[int, ...], cluster, *, backward: bool):
         """`cost_model.regions.RegionCost` of one device under `strategy` (compute seconds and the op's

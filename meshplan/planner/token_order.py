@@ -47,6 +47,7 @@ def keep_order(graph: Graph, mesh: MeshSpec, cands: Candidates, token_order: boo
         return  # no cp axis: no kernel or block is ordered
     cp = mesh.axis_names.index(CP_AXIS)
     stored = graph.param_values if token_order else frozenset()
+    fx_args = {n.name: n.args for n in graph.fx.gm.graph.nodes} if token_order and graph.fx is not None else {}
     for node in graph.nodes:
         region = region_op(node.target) if node.kind == "op" else None
         if region is None and not token_order:
@@ -54,7 +55,7 @@ def keep_order(graph: Graph, mesh: MeshSpec, cands: Candidates, token_order: boo
         metas = [*(graph.meta(r) for r in node.inputs), *node.outputs]
         kept = []
         for s in cands.by_node[node.name]:
-            reason = _ruled_out(node, region, s, metas, mesh, cp, token_order, stored)
+            reason = _ruled_out(node, region, s, metas, mesh, cp, token_order, stored, fx_args.get(node.name))
             if reason is None:
                 kept.append(s)
             else:
@@ -64,7 +65,7 @@ def keep_order(graph: Graph, mesh: MeshSpec, cands: Candidates, token_order: boo
 
 
 def _ruled_out(node: Node, region, s: Strategy, metas: list[TensorMeta | None], mesh: MeshSpec, cp: int,
-               token_order: bool, stored: frozenset[str]) -> str | None:
+               token_order: bool, stored: frozenset[str], args) -> str | None:
     ordered = bool(s.kernel) and region is not None and region.token_order(s)
     if not token_order:
         return f"{s.kernel} runs on head-tail token-order blocks: plan with token_order=True" if ordered else None
@@ -84,7 +85,7 @@ def _ruled_out(node: Node, region, s: Strategy, metas: list[TensorMeta | None], 
     if kind == "output":
         return (f"token_order=True hands outputs over unsplit on mesh axis {CP_AXIS!r} (a loss function would read a "
                 "head-tail block as a contiguous one)")
-    if s.kernel and not ordered:
+    if s.kernel and not ordered and (args is None or region.reads_block_positions(s, args, cp)):
         return f"{s.kernel} reads contiguous blocks on mesh axis {CP_AXIS!r}, and token_order=True holds them in head-tail order"
     for meta, layout in zip(metas, layouts):
         if meta is not None and layout is not None and not halves_evenly(meta.shape, layout, mesh.shape, cp):

@@ -84,6 +84,11 @@ class VocabParallelLogSoftmax(RegionOp):
     name = "log_softmax"
     ops = (LOG_SOFTMAX,)
 
+    def reads_block_positions(self, strategy, args, axis: int) -> bool:
+        """Its max and sum reduce over the softmax dim and every other index is computed on its own: no block's place
+        is read, in any token order."""
+        return False
+
     def rule(self, args, kwargs) -> list[Row]:
         x = args[0]
         dim = args[1] % x.ndim

@@ -61,6 +61,17 @@ class MaskedLookupOp(RegionOp):
     def __init__(self, name: str, op) -> None:
         self.name, self.ops = name, (op,)
 
+    def reads_block_positions(self, strategy, args, axis: int) -> bool:
+        """The kernel shifts the ids by the table block's offset along the looked-up dim: only a table split over
+        `axis` along that dim reads where its block lies (the cross-entropy's gather with its rows split over `axis`
+        does not)."""
+        table = strategy.inputs[0][axis]
+        if not isinstance(table, Shard):
+            return False
+        if self.ops[0] is not aten.gather.default:
+            return table.dim == 0
+        return table.dim == args[1] % args[0].meta["val"].ndim
+
     def local_module(self, strategy, comm: MeshComm, args) -> MaskedLookup | None:
         if strategy.kernel != "masked":
             return None
