@@ -65,6 +65,7 @@ from meshplan.ir.mesh import CP_AXIS, MeshSpec  # noqa: E402
 from meshplan.ir.placement import Shard, fmt  # noqa: E402
 from meshplan.ir.trace import trace  # noqa: E402
 from meshplan.models import Llama, LlamaConfig  # noqa: E402
+from meshplan.models.next_token_loss import NextTokenLoss  # noqa: E402
 from meshplan.plans.plan import Plan  # noqa: E402
 from meshplan.profiling.calibrate import time_region_kernels  # noqa: E402
 from meshplan.profiling.fidelity import peak_during, resident_bytes, slowest_rank_seconds, solver_memory  # noqa: E402
@@ -78,25 +79,10 @@ PLANS = ("cp allgather", "cp balanced", "cp ring", "cp ring_balanced", "cp ulyss
          "best without cp")
 
 
-class WithLoss(torch.nn.Module):
-    """The Llama with its next-token loss inside, so the whole step is in the plan (and in its predicted peak). The
-    labels are shifted, not the logits, as Hugging Face's causal-LM loss does (`ForCausalLMLoss`: pad with the ignored
-    index, then drop the first): the logits keep all S positions, so they split with the sequence. The same loss as
-    slicing the logits to S-1 rows, whose 4,095 rows at 4,096 tokens do not split in 4 (docs/long_context.md)."""
-
-    def __init__(self, lm: Llama) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        labels = torch.nn.functional.pad(tokens[0], (0, 1), value=-100)[1:]
-        return torch.nn.functional.cross_entropy(self.lm(tokens)[0], labels, ignore_index=-100)
-
-
-def build(seq: int) -> tuple[WithLoss, torch.Tensor]:
+def build(seq: int) -> tuple[NextTokenLoss, torch.Tensor]:
     torch.manual_seed(0)
     model = Llama(LlamaConfig(seq_len=seq, hidden=64, heads=4, kv_heads=2, intermediate=128, layers=2))
-    return WithLoss(model), torch.randint(0, 128, (1, seq), generator=torch.Generator().manual_seed(1))
+    return NextTokenLoss(model), torch.randint(0, 128, (1, seq), generator=torch.Generator().manual_seed(1))
 
 
 _KERNEL_BLOCKS: dict[tuple[int, int], dict] = {}

@@ -22,6 +22,7 @@ from meshplan.ir.mesh import MeshSpec
 from meshplan.ir.placement import Replicate, Shard
 from meshplan.ir.trace import trace
 from meshplan.models import Llama, LlamaConfig
+from meshplan.models.next_token_loss import NextTokenLoss
 from meshplan.regions.log_softmax import LOG_SOFTMAX_REGION
 from meshplan.regions.masked_lookup import MASKED_EMBEDDING_REGION, MASKED_GATHER_REGION
 from meshplan.models.hf import hf_model
@@ -201,22 +202,10 @@ def test_parity_with_parameters_stored_split_over_cp(axes, layout):
     _check_parity("llama", plan, results)
 
 
-class LossInside(torch.nn.Module):
-    """The Llama with its next-token loss inside, labels shifted (benchmarks/long_context.py's `WithLoss`)."""
-
-    def __init__(self, lm: Llama) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        labels = torch.nn.functional.pad(tokens[0], (0, 1), value=-100)[1:]
-        return torch.nn.functional.cross_entropy(self.lm(tokens)[0], labels, ignore_index=-100)
-
-
 def _wide_vocab():
     """A vocabulary wide enough that the loss runs vocabulary-parallel (the log-softmax and masked gather kernels)."""
     torch.manual_seed(0)
-    model = LossInside(Llama(LlamaConfig(vocab_size=65536, seq_len=16, hidden=32, heads=4, kv_heads=2, intermediate=64, layers=1)))
+    model = NextTokenLoss(Llama(LlamaConfig(vocab_size=65536, seq_len=16, hidden=32, heads=4, kv_heads=2, intermediate=64, layers=1)))
     return model, torch.randint(0, 65536, (1, 16), generator=torch.Generator().manual_seed(1))
 
 
