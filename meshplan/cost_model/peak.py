@@ -144,12 +144,10 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     out_layout = plan.value_layouts()
     strategy_of = {n.name: n.strategy for n in plan.nodes}
     moved = {(t.consumer, t.position): t for t in plan.transfers if t.forward}
-    def ordered(t) -> int | None:  # parameters' blocks stay contiguous in head-tail token order
-        return None if t.tensor.split("[", 1)[0] in graph.param_values else plan.head_tail_axis
-
-    scratch_fwd = {("move", c, p): max(collective_scratch_bytes(s, plan.cluster, ordered(t)) for s in t.forward)
+    ordered = {key: plan.move_order_axis(t.tensor, graph.param_values) for key, t in moved.items()}
+    scratch_fwd = {("move", c, p): max(collective_scratch_bytes(s, plan.cluster, ordered[c, p]) for s in t.forward)
                    for (c, p), t in moved.items()}
-    scratch_bwd = {("move", c, p): max((collective_scratch_bytes(s, plan.cluster, ordered(t)) for s in t.backward), default=0)
+    scratch_bwd = {("move", c, p): max((collective_scratch_bytes(s, plan.cluster, ordered[c, p]) for s in t.backward), default=0)
                    for (c, p), t in moved.items()}
 
     def nbytes(meta, layout) -> int:

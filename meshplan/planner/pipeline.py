@@ -198,10 +198,7 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
     rng_time = T[j_] - T[i_] + p2p_s * ((i_ > 0).astype(float) + (j_ < U).astype(float)) + action_s
     rng_act, rng_kept, rng_fwd = A[j_] - A[i_], K[j_] - K[i_], F[j_] - F[i_]
     # a microbatch at its peak holds, beyond what it saved, the transient of its fullest unit (its backward's gradients)
-    transient = np.array([float(u.transient_bytes) for u in units])
-    rng_transient = np.zeros((U + 1, U + 1))
-    for i in range(U):
-        rng_transient[i, i + 1:] = np.maximum.accumulate(transient[i:])
+    rng_transient = _range_max([float(u.transient_bytes) for u in units])
     # the receive buffers torch's PipelineStage allocates for every microbatch of the step and keeps: what the stage's
     # first unit takes from before the cut, and the gradient of what its last unit hands on
     rng_recv = np.zeros((U + 1, U + 1))
@@ -210,18 +207,13 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
         rng_recv = m * (np.where(i_ > 0, took[np.minimum(i_, U - 1)], 0.0) + np.where(j_ < U, handed[np.maximum(j_ - 1, 0)], 0.0))
     # a recomputing stage at its peak holds one of its own layers made again, whole (the embedding and the head keep
     # their activations, counted in `kept`: only their transient)
-    remade = np.array([float(u.transient_bytes) + (0.0 if u.name in (PRE, POST) else float(u.act_bytes)) for u in units])
-    rng_remade = np.zeros((U + 1, U + 1))
-    for i in range(U):
-        rng_remade[i, i + 1:] = np.maximum.accumulate(remade[i:])
+    rng_remade = _range_max([float(u.transient_bytes) + (0.0 if u.name in (PRE, POST) else float(u.act_bytes)) for u in units])
     # mixed precision: at the end of each microbatch's backward every weight's working-copy gradient is held, and after
     # the first microbatch the largest one's fp32 gradient before it is summed in (`PeakMemory.casting_back`)
     rng_casting = cs(np.array([float(u.copy_grad_bytes) for u in units]))
     rng_casting = rng_casting[j_] - rng_casting[i_]
     if m > 1:
-        temp = np.array([float(u.cast_accumulate_bytes) for u in units])
-        for i in range(U):
-            rng_casting[i, i + 1:] += np.maximum.accumulate(temp[i:])
+        rng_casting += _range_max([float(u.cast_accumulate_bytes) for u in units])
     # per-stage cost matrices (memory depends on how many microbatches the stage's device holds)
     costs, rc_used = [], []
     for k in range(n_stages):
@@ -268,6 +260,15 @@ def partition(units: list[Unit], p: int, m: int, schedule: str, *, budget: float
                 held * rng_act[i, j] + max(rng_transient[i, j], rng_casting[i, j] - rng_act[i, j])) + rng_recv[i, j]
         mem = stage_memory(units[i:j], acts)
         out.append((i, j, rc, float(costs[k][i, j]), mem))
+    return out
+
+
+def _range_max(values: list[float]) -> np.ndarray:
+    """[i, j]: the largest of `values[i:j]` (0 where j <= i), for every unit range."""
+    v = np.array(values)
+    out = np.zeros((len(v) + 1, len(v) + 1))
+    for i in range(len(v)):
+        out[i, i + 1:] = np.maximum.accumulate(v[i:])
     return out
 
 

@@ -212,6 +212,11 @@ class Plan:
         """The mesh axis whose splits the plan holds in head-tail token order (`token_order`: its `cp` axis), or None."""
         return self.mesh.axis_names.index(CP_AXIS) if self.token_order else None
 
+    def move_order_axis(self, tensor: str, param_values: frozenset[str]) -> int | None:
+        """The mesh axis a move of `tensor` (`Transfer.tensor`: `node` or `node[i]`) cuts and joins in head-tail token
+        order: `head_tail_axis`, but none for a parameter's value (`Graph.param_values`), split in contiguous blocks."""
+        return None if tensor.split("[", 1)[0] in param_values else self.head_tail_axis
+
     @property
     def plain_params(self) -> bool:
         """Every parameter and buffer whole on every rank, none offloaded: the runtime keeps them plain tensors

@@ -64,7 +64,7 @@ def local_program(graph: Graph, plan: Plan, comm: MeshComm) -> fx.GraphModule:
     soon as it is complete and its bucket's all-reduce overlaps the rest of backward."""
     traced, out_scales = graph.fx, output_grad_scales(plan, output_layouts(graph, plan))
     leaves = {p.node for p in plan.params}
-    contiguous = graph.param_values  # split in contiguous blocks even in head-tail token order (planner/token_order.py)
+    param_values = graph.param_values  # `graph` names the fx graph below
     transfers: dict[tuple[str, int], Transfer] = {(t.consumer, t.position): t for t in plan.transfers}
     out_layout = {n.name: n.strategy.outputs for n in plan.nodes}
     strategy = {n.name: n.strategy for n in plan.nodes}
@@ -93,7 +93,7 @@ def local_program(graph: Graph, plan: Plan, comm: MeshComm) -> fx.GraphModule:
             if t is None or not t.forward:
                 return new
             name = f"move_{len(root._modules)}"
-            ordered = None if t.tensor.split("[", 1)[0] in contiguous else plan.head_tail_axis
+            ordered = plan.move_order_axis(t.tensor, param_values)
             root.add_module(name, Redistribute(t.forward, comm, f"{t.tensor} {t.src}->{t.dst}".replace("Shard", "S"), ordered))
             node = graph.call_module(name, (new,))
             node.meta[SOURCE] = consumer  # a move belongs to its consumer (pipeline stages cut by it)
