@@ -92,9 +92,8 @@ def test_the_pipeline_search_offers_a_cp_axis_on_its_stage_sub_mesh():
 @pytest.mark.parametrize("seq,batch,cp", [(131072, 1, True), (256, 2, False)])
 def test_the_default_call_beyond_one_node_chooses_cp_by_price(seq, batch, cp):
     """16 H100s (two nodes: the pipeline search): a width-1024 Llama gets a cp axis on its stage sub-mesh for one
-    sequence of 131,072 tokens (cp=2 x tp=8 with the balanced ring, priced 44 ms against 76 ms for tp 8 x pp 2) and none
-    for two of 256 tokens. (Two sequences of 131,072 tokens go dp=2 x tp=8, 83 ms against 88 ms for cp=2 x tp=8: a
-    model this small syncs its gradients across nodes for less than the ring moves.)"""
+    sequence of 131,072 tokens (cp=4 x tp=4, priced 43.0 ms against 76 ms for tp 8 x pp 2) and none for two of 256
+    tokens."""
     with torch.device("meta"):
         model = Llama(LlamaConfig(seq_len=seq, hidden=1024, heads=16, kv_heads=8, intermediate=2048, layers=4, vocab_size=1024))
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
@@ -107,6 +106,24 @@ def test_the_default_call_beyond_one_node_chooses_cp_by_price(seq, batch, cp):
     assert any(kernels) == cp, kernels  # a cp axis is chosen only with attention split along the sequence
     if not cp:  # the plan says why not
         assert any("cp" in note and ("context parallel" in note or "cp axis" in note) for note in plan.solver.skipped), plan.solver.skipped
+
+
+def test_the_pipeline_search_narrows_tp_beside_cp_while_that_is_cheaper():
+    """Beside each cp size the search tries tensor widths from the node's down while each prices below the wider one:
+    one 131,072-token sequence of a width-1024 Llama on 16 H100s gets cp=4 x tp=4 (43.0 ms), cheaper than the cp=2 x
+    tp=8 (44.5 ms) a search of the widest tp alone returned; the widths it stopped before are named in `skipped`."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(seq_len=131072, hidden=1024, heads=16, kv_heads=8, intermediate=2048, layers=4, vocab_size=1024))
+    tokens = torch.zeros(1, 131072, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, 16, (tokens,), cluster="h100")
+        widest = meshplan.plan(model, 16, (tokens,), cluster="h100", pipeline=meshplan.PipelineOptions(tensor_degrees=(8,)))
+    assert dict(zip(plan.mesh.axis_names, plan.mesh.shape)) == {"cp": 4, "tp": 4}
+    assert dict(zip(widest.mesh.axis_names, widest.mesh.shape)) == {"cp": 2, "tp": 8}
+    assert plan.step_time_s < widest.step_time_s
+    assert any(note.startswith("stage sub-meshes cp=2 x tp=1/2 (context parallel): not searched, as cp=2 x tp=4 priced")
+               for note in plan.solver.skipped), plan.solver.skipped
 
 
 def test_a_dp_by_cp_stage_keeps_the_sequence_split_through_its_linear_layers():
