@@ -85,6 +85,8 @@ def plan_options(name: str) -> dict[str, dict]:
                     "input_layouts": {"tokens": "S(0)R"}},
         "PP GPipe": {"pipeline": PipelineOptions(degrees=(2,), schedules=("gpipe",))},
         "PP 1F1B": {"pipeline": PipelineOptions(degrees=(2,), schedules=("1f1b",))},
+        "PP interleaved 1F1B": {"pipeline": PipelineOptions(degrees=(2,), schedules=("interleaved_1f1b",))},
+        "PP ZB-V": {"pipeline": PipelineOptions(degrees=(2,), schedules=("zbv",))},
         "default": {},
     }
 

@@ -271,7 +271,8 @@ def test_stage_plans_of_the_cut_model_stretch_to_the_whole_models(schedule, p, r
                     recompute=recompute)
     assert max(len(s.units) for s in pipe.stages) > 4 or schedule.startswith("interleaved")
     walked = with_walked_memory(with_stage_recompute(replace(full, pipeline=pipe), whole), whole, "adam")
-    assert stretched_stage_memory(cut, short, pipe) == [s.memory for s in walked.pipeline.stages]
+    assert [(s.memory, s.idle) for s in stretched_stage_memory(cut, short, pipe)] == [(s.memory, s.idle) for s in walked.pipeline.stages]
+    assert all((s.idle is not None) == (pipe.chunks > 1) for s in walked.pipeline.stages)
     stretched = reprice(repeat_layers(profile_units(cut, short), 8), pipe, d=1, t=2, cluster=cluster, dp_in_profile=True)
     assert stretched.step_s == pytest.approx(reprice(profile_units(whole, full), pipe, d=1, t=2, cluster=cluster, dp_in_profile=True).step_s,
                                              rel=1e-3)

@@ -219,7 +219,7 @@ WEIGHTY = GPTConfig(vocab_size=64, seq_len=8, hidden=256, heads=4, layers=2)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_zb"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_zb", "zbv"])
 def test_a_pipelined_stage_holds_one_bf16_copy_of_its_weights_for_all_its_microbatches(schedule):
     """In bf16, a pipelined stage casts its weights once per step and its microbatches share the copy (the runtime
     hoists the casts): under GPipe with 8 microbatches in flight the stated peak is the measured one within 3 % (18.2
@@ -227,7 +227,9 @@ def test_a_pipelined_stage_holds_one_bf16_copy_of_its_weights_for_all_its_microb
     and GPT-3 175B's first-ranked configuration walked at 82.9 GiB, dropped, where it states 43.6. Then it stated
     16.1 MB: at the end of each microbatch's backward the hoisted casts' backward runs last, so every working copy's
     gradient is held then, with the largest weight's fp32 gradient before it is summed in (`PeakMemory.casting_back`).
-    1F1B: 17.4 MB stated, 17.4 measured; interleaved zero bubble (two stages a rank): 17.6 / 17.7 MB."""
+    1F1B: 17.4 MB stated, 17.4 measured; interleaved zero bubble (two stages a rank): 17.5 / 17.7 MB; ZB-V (both layers
+    on the second rank): 31.7 / 31.6 MB, where summing a rank's two stages' peaks stated 34.2 (a rank runs one at a
+    time: the other holds its state and saved tensors, not its working memory, `PeakMemory.idle`)."""
     from meshplan.runtime.launch import run_local
 
     model, tokens = build(WEIGHTY, 16)

@@ -108,6 +108,12 @@ class PeakMemory:
     cast_accumulate_bytes: int = 0
     """What each cast's backward adds while it sums its gradient into the parameter's after the step's first
     microbatch: the fp32 gradient of the largest weight with a working copy, made before it is added."""
+    working_copy_bytes: int = 0
+    """Bytes of the weights' working copies (mixed precision): a pipelined stage makes them once per step and holds
+    them until its last backward."""
+    idle: MemoryBreakdown | None = None
+    """A pipeline stage's most while its rank runs another of its stages (`pipeline_memory.under_schedule`); None
+    outside a pipeline."""
 
     def __str__(self) -> str:
         return f"peak {format_bytes(self.peak)} in {self.phase} (resident {self.resident})"
@@ -371,4 +377,4 @@ def predict_peak(graph: Graph, plan, *, optimizer: str = "adam", timeline: list 
     return PeakMemory(peak=int(peak), resident=resident, phase=where, at_peak=held_at(peak, grads_at_peak, copies_at_peak),
                       saved=saved_bytes, saved_by=saved_by, microbatch=microbatch, accumulating=held_at(no_grads + param_grads, param_grads, no_grads_copies),
                       step=step, microbatch_phase=microbatch_phase, casting_back=casting_back,
-                      cast_accumulate_bytes=cast_accumulate)
+                      cast_accumulate_bytes=cast_accumulate, working_copy_bytes=sum(size[key] for key in casts))

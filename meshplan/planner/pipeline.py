@@ -314,8 +314,8 @@ def evaluate(units: list[Unit], *, p: int, d: int, t: int, m: int, schedule: str
 
 
 def reprice(units: list[Unit], pipe: PipelinePlan, *, d: int, t: int, cluster: ClusterPreset, dp_in_profile: bool) -> PipelinePlan:
-    """`pipe`'s stages (the same units, recomputation and memory) priced on `units` by the search's own terms (a
-    range's seconds as `partition` adds them, the schedule and gradient sync as `evaluate` does)."""
+    """`pipe`'s stages (the same units, recomputation and memory, idle included) priced on `units` by the search's own
+    terms (a range's seconds as `partition` adds them, the schedule and gradient sync as `evaluate` does)."""
     p2p, action = _cut_prices(units, pipe.degree, d, t, pipe.schedule, cluster)
     index = {u.name: k for k, u in enumerate(units)}
     parts = []
@@ -327,7 +327,7 @@ def reprice(units: list[Unit], pipe: PipelinePlan, *, d: int, t: int, cluster: C
         parts.append((i, j, s.recompute, secs, s.memory))
     priced = _priced(units, parts, p=pipe.degree, d=d, t=t, m=pipe.microbatches, schedule=pipe.schedule, cluster=cluster,
                      virtual=pipe.chunks, dp_in_profile=dp_in_profile, p2p=p2p)
-    return replace(priced, pinned=pipe.pinned)
+    return replace(priced, pinned=pipe.pinned, stages=tuple(replace(n, idle=o.idle) for n, o in zip(priced.stages, pipe.stages)))
 
 
 def _priced(units: list[Unit], parts, *, p: int, d: int, t: int, m: int, schedule: str, cluster: ClusterPreset, virtual: int,
@@ -544,11 +544,11 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         return solve(c, graph, data_parallel(graph, graph, solve(c, graph, ops, rows=rows), c), rows=rows)
 
     def fitted(c: Candidate, graph: Graph, first: Plan, again: Callable[[tuple[RowWeights, ...]], Plan], cut: bool,
-               of: str) -> tuple[Plan, list[MemoryBreakdown]]:
+               of: str) -> tuple[Plan, tuple[PipelineStage, ...]]:
         """`first` (`c`'s stage plan of `graph`, solved unbounded) when every pipeline rank's walked peak keeps the
         budget, else `again(rows)` under a row per rank, tightened until they do (`stage_rows.within_budget`); a
         MemoryBudgetError when none does. Returns that plan (walked under `c`'s schedule, unless `cut`: `graph` is the
-        model cut to a few blocks) and its stages' walked peaks (stretched to the whole stack when `cut`)."""
+        model cut to a few blocks) and `c`'s stages with their walked peaks (stretched to the whole stack when `cut`)."""
         last: list = [None, None]  # the plan the last walk was of, and its stages' peaks: within_budget returns it
 
         def peaks(plan: Plan) -> list[float]:
@@ -556,9 +556,9 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
                 stages = stretched_stage_memory(graph, plan, c.pipe, optimizer=options.optimizer)
             else:
                 plan = with_walked_memory(with_stage_recompute(replace(plan, pipeline=c.pipe), graph), graph, options.optimizer)
-                stages = [s.memory for s in plan.pipeline.stages]
+                stages = plan.pipeline.stages
             last[:] = plan, stages
-            return [sum(mb.total for s, mb in zip(c.pipe.stages, stages) if s.device == k) for k in range(c.pipe.degree)]
+            return [mb.total for mb in replace(c.pipe, stages=stages).rank_memory()]
 
         within_budget(lambda rows: again(rows) if rows else first, peaks,
                       lambda plan, resident, saved: row_value(graph, plan, resident, saved, options.optimizer),
@@ -602,7 +602,7 @@ def search(graph_at: Callable[[int], Graph], devices: int, batch: int, cluster: 
         ranking[id(c)] = graph, plan
         if not cut:
             return priced(c, graph, plan).pipeline
-        pipe = replace(c.pipe, stages=tuple(replace(s, memory=mb) for s, mb in zip(c.pipe.stages, memory)))
+        pipe = replace(c.pipe, stages=tuple(replace(s, memory=st.memory, idle=st.idle) for s, st in zip(c.pipe.stages, memory)))
         units = repeat_layers(profile_units(graph, plan, options.optimizer), short[2])
         return reprice(units, pipe, d=c.data, t=c.inner.size, cluster=cluster, dp_in_profile=True)
 

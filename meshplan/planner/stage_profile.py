@@ -256,14 +256,15 @@ def tied_grad_bytes(units: list[Unit]) -> int:
     return sum(g for k, (_, g, _) in units[0].shared.items() if k in units[-1].shared)
 
 
-def stretched_stage_memory(graph: Graph, plan: Plan, pipe: PipelinePlan, *, optimizer: str = "adam") -> list[MemoryBreakdown]:
-    """Each stage's peak under `pipe` (a pipeline of the whole model, whose stages hold any number of the stack's
-    blocks) from `plan`, the stage plan of `graph`, the model cut to a few blocks, in stage order."""
+def stretched_stage_memory(graph: Graph, plan: Plan, pipe: PipelinePlan, *, optimizer: str = "adam") -> tuple[PipelineStage, ...]:
+    """The stages of `pipe` (a pipeline of the whole model, whose stages hold any number of the stack's blocks) with
+    their peaks (and, where a rank runs several, what each holds idle) from `plan`, the stage plan of `graph`, the model
+    cut to a few blocks."""
     pre, *blocks, post = unit_names(graph)
     n = len(blocks)
     walks: dict[tuple[tuple[str, ...], bool], StageWalk] = {}
 
-    def at(stage: PipelineStage, units: tuple[str, ...]) -> MemoryBreakdown:
+    def at(stage: PipelineStage, units: tuple[str, ...]) -> tuple[MemoryBreakdown, MemoryBreakdown]:
         """The peak of `stage` (its rank, its schedule, its recomputation) were it made of `units` of `graph`."""
         key = (units, stage.recompute)
         if key not in walks:
@@ -277,7 +278,11 @@ def stretched_stage_memory(graph: Graph, plan: Plan, pipe: PipelinePlan, *, opti
             alone = with_stage_recompute(replace(plan, pipeline=replace(pipe, stages=stages)), graph)
             walks[key] = stage_walk(graph, alone, stage_nodes(graph, alone.pipeline), [s.units for s in stages].index(units),
                                     optimizer=optimizer)
-        return under_schedule(walks[key], pipe, stage).at_peak
+        peak = under_schedule(walks[key], pipe, stage)
+        return peak.at_peak, peak.idle
+
+    def stretched(own: MemoryBreakdown, more: MemoryBreakdown, less: MemoryBreakdown, k: int) -> MemoryBreakdown:
+        return MemoryBreakdown(**{f: max(0, getattr(own, f) + (k - n) * (getattr(more, f) - getattr(less, f))) for f in own.to_dict()})
 
     out = []
     for stage in pipe.stages:
@@ -285,11 +290,9 @@ def stretched_stage_memory(graph: Graph, plan: Plan, pipe: PipelinePlan, *, opti
         k = len(stage.units) - len(ends)
         run = blocks[:min(k, n)] if pre in ends else blocks[n - min(k, n):]  # next to the end it meets
         own = at(stage, tuple(u for u in (pre, *run, post) if u in ends or u in run))
-        if k <= n:
-            out.append(own)
-            continue
-        # each further block adds what the last of a run of the cut model's blocks adds (the first may carry `pre`'s moves)
-        more, less = at(stage, tuple(blocks[n - 2:])), at(stage, tuple(blocks[n - 1:]))
-        out.append(MemoryBreakdown(**{f: max(0, getattr(own, f) + (k - n) * (getattr(more, f) - getattr(less, f)))
-                                      for f in own.to_dict()}))
-    return out
+        if k > n:
+            # each further block adds what the last of a run of the cut model's blocks adds (the first may carry `pre`'s moves)
+            more, less = at(stage, tuple(blocks[n - 2:])), at(stage, tuple(blocks[n - 1:]))
+            own = tuple(stretched(o, m, s, k) for o, m, s in zip(own, more, less))
+        out.append(replace(stage, memory=own[0], idle=own[1] if pipe.chunks > 1 else None))
+    return tuple(out)

@@ -33,6 +33,8 @@ class PipelineStage:
     """Activations of its layers are recomputed in backward (only each layer's input is kept)."""
     memory: MemoryBreakdown
     """Predicted peak per device of this stage under the schedule (activations of the in-flight microbatches)."""
+    idle: MemoryBreakdown | None = None
+    """The most it holds while its rank runs another of its stages (`PeakMemory.idle`); None: `memory`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,12 +64,15 @@ class PipelinePlan:
     `step_s` is the stage plan's own price (None: not searched, or priced only)."""
 
     def rank_memory(self) -> list[MemoryBreakdown]:
-        """Each pipeline rank's peak: the sum over the stages (chunks) it runs, the math libraries' workspace once (one
+        """Each pipeline rank's peak: a rank runs one of its stages (chunks) at a time, so the fullest of them at its peak
+        with the others idle (or all in the optimizer step, which `idle` covers); the math libraries' workspace once (one
         process's)."""
-        per_rank = [MemoryBreakdown(params=0, grads=0, optimizer=0, activations=0) for _ in range(self.degree)]
-        for s in self.stages:
-            held = per_rank[s.device]
-            per_rank[s.device] = replace(held + s.memory, workspace=max(held.workspace, s.memory.workspace))
+        per_rank = []
+        for k in range(self.degree):
+            mine = [s for s in self.stages if s.device == k]
+            idle = [s.memory if s.idle is None else s.idle for s in mine]
+            held = max((sum((b for j, b in enumerate(idle) if j != i), s.memory) for i, s in enumerate(mine)), key=lambda mb: mb.total)
+            per_rank.append(replace(held, workspace=max(s.memory.workspace for s in mine)))
         return per_rank
 
     @property
@@ -121,7 +126,8 @@ def decode_pipeline(d: dict | None) -> PipelinePlan | None:
 
     stages = tuple(
         PipelineStage(index=s["index"], device=s["device"], units=tup(s["units"]), modules=tup(s["modules"]), time_s=s["time_s"],
-                      recompute=s["recompute"], memory=MemoryBreakdown.from_dict(s["memory"]))
+                      recompute=s["recompute"], memory=MemoryBreakdown.from_dict(s["memory"]),
+                      idle=MemoryBreakdown.from_dict(s["idle"]) if s.get("idle") is not None else None)
         for s in tup(d["stages"])
     )
     return PipelinePlan(

@@ -282,6 +282,10 @@ class Plan:
         else:
             for entry, st in zip(d["pipeline"]["stages"], self.pipeline.stages):
                 entry["memory"] = st.memory.to_dict()
+                if st.idle is None:
+                    del entry["idle"]  # plans of one stage per rank keep the bytes they always had
+                else:
+                    entry["idle"] = st.idle.to_dict()
         if not self.token_order:
             del d["token_order"]  # and plans in the contiguous order
         del d["solver"]["seconds"], d["solver"]["constraints"]
