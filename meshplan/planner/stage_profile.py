@@ -293,6 +293,6 @@ def stretched_stage_memory(graph: Graph, plan: Plan, pipe: PipelinePlan, *, opti
         if k > n:
             # each further block adds what the last of a run of the cut model's blocks adds (the first may carry `pre`'s moves)
             more, less = at(stage, tuple(blocks[n - 2:])), at(stage, tuple(blocks[n - 1:]))
-            own = tuple(stretched(o, m, s, k) for o, m, s in zip(own, more, less))
+            own = tuple(stretched(held, longer, shorter, k) for held, longer, shorter in zip(own, more, less))
         out.append(replace(stage, memory=own[0], idle=own[1] if pipe.chunks > 1 else None))
     return tuple(out)
