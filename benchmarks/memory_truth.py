@@ -5,8 +5,8 @@
 Two models whose forward returns their loss (so the whole step is in the plan): the fidelity GPT
 (`profiling/fidelity.py`, hidden 128) and a Llama (GQA, RoPE, SwiGLU, vocabulary 2,048: a head whose
 activations outweigh its parameters), each planned for 4 local gloo processes as a user would:
-data parallel, Megatron TP, FSDP, a 2-D dp x tp plan, two-stage pipelines under GPipe and 1F1B,
-the default call, and the default call with `memory_budget=` at 0.6 x the data-parallel plan's peak.
+data parallel, Megatron TP, FSDP, a 2-D dp x tp plan, two-stage pipelines under GPipe and 1F1B and
+with two stages per rank under interleaved 1F1B and ZB-V, the default call, and the default call with `memory_budget=` at 0.6 x the data-parallel plan's peak.
 
 Measured per plan, as `profiling/fidelity.py` measures: the bytes a rank holds when a step starts
 (parameters, optimizer state, gradient buckets) plus the highest running sum of allocations minus
