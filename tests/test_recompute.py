@@ -92,3 +92,23 @@ def test_parity_with_recomputed_layers(name, kind):
     assert plan.collectives()["recompute:all_gather"] + plan.collectives()["recompute:all_reduce"] > 0
     results = run_local(2, rank_worker, name, plan, timeout=600)
     check_parity(name, plan, results)  # losses, parameters, and executed == planned collectives
+
+
+def test_long_sequences_solve_with_their_bytes_scaled():
+    """At 65,536 tokens a Hugging Face Llama-3-8B shape with its loss inside holds terms of 1e10-1e11 bytes (its fp32
+    logits) beside terms of 1e-9 seconds: with the rows in bytes, GLOP's relaxation and HiGHS both called forced
+    recomputation under a 10 TB budget infeasible, and the default call at 65,536 tokens on 8 H100s (32 layers) raised
+    a MemoryBudgetError at 117.6 GiB. In GiB units (`solver.MEMORY_UNIT`) both plan."""
+    import torch
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=65536, tie_word_embeddings=False, use_cache=False)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg)
+    tokens = torch.zeros(1, 65536, dtype=torch.long, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = meshplan.plan(model, devices=8, example_inputs=(tokens,), example_kwargs={"labels": tokens}, cluster="h100",
+                             mesh_shape=(8,), axis_names=("dp",), recompute="always", memory_budget=1e13)
+    assert plan.recompute and plan.memory.total < 80 * 2**30
