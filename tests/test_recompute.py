@@ -98,7 +98,7 @@ def test_long_sequences_solve_with_their_bytes_scaled():
     """At 65,536 tokens a Hugging Face Llama-3-8B shape with its loss inside holds terms of 1e10-1e11 bytes (its fp32
     logits) beside terms of 1e-9 seconds: with the rows in bytes, GLOP's relaxation and HiGHS both called forced
     recomputation under a 10 TB budget infeasible, and the default call at 65,536 tokens on 8 H100s (32 layers) raised
-    a MemoryBudgetError at 117.6 GiB. In GiB units (`solver.MEMORY_UNIT`) both plan."""
+    a MemoryBudgetError at 117.6 GiB. In units scaled to the problem's bytes (`solver.memory_unit`) both plan."""
     import torch
     import transformers as tf
 

@@ -24,9 +24,16 @@ from ortools.linear_solver import pywraplp
 from meshplan.progress import timed
 
 BACKENDS = ("HIGHS", "SCIP", "CBC")
-MEMORY_UNIT = float(2**30)
-"""Bytes per unit of memory in the MIP's rows and objective: in bytes, a 65,536-token Llama's coefficients (up to 1e11)
-beside its seconds (down to 1e-9) made GLOP and HiGHS declare a feasible problem infeasible."""
+MEMORY_RANGE = 2**10
+"""The largest memory term in the MIP's rows and objective, in its memory unit (`memory_unit`)."""
+
+
+def memory_unit(problem: Problem) -> float:
+    """Bytes per unit of memory in the MIP: a power of two putting the largest node's bytes near `MEMORY_RANGE` (1 for
+    problems of small numbers). In bytes, a 65,536-token Llama's terms (up to 1e11) beside its seconds (down to 1e-9)
+    made GLOP and HiGHS declare a feasible problem infeasible."""
+    largest = max((m for mems in problem.node_memory.values() for m in mems), default=0.0)
+    return 2.0 ** max(0, math.floor(math.log2(largest)) - int(math.log2(MEMORY_RANGE))) if largest > 0 else 1.0
 LP_BACKEND = "GLOP"
 """Solves the LP relaxation (deterministic, single-threaded, like the MIP back-ends)."""
 
@@ -355,7 +362,8 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
     mem_terms: list[tuple] = []
     mem_const = 0.0
     by_memory = minimize == "memory"
-    objective_unit = MEMORY_UNIT if by_memory else 1.0  # what one unit of the objective is, as the problem states it
+    unit = memory_unit(problem)
+    objective_unit = unit if by_memory else 1.0  # what one unit of the objective is, as the problem states it
     rows = [] if by_memory else problem.rows
     row_terms: list[list[tuple]] = [[] for _ in rows]
     row_const = [0.0] * len(rows)
@@ -366,7 +374,7 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
         if node in problem.fixed or len(costs) == 1:
             k = problem.fixed.get(node, 0)
             x[node] = [1.0 if i == k else 0.0 for i in range(len(costs))]
-            const += mems[k] / MEMORY_UNIT if by_memory else costs[k]
+            const += mems[k] / unit if by_memory else costs[k]
             mem_const += mems[k]
             for j, row in enumerate(rows):
                 row_const[j] += row.node_memory[node][k] if node in row.node_memory else 0.0
@@ -376,7 +384,7 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
         for v in x[node]:
             one.SetCoefficient(v, 1.0)
         for v, c, m in zip(x[node], costs, mems):
-            objective.SetCoefficient(v, m / MEMORY_UNIT if by_memory else c)
+            objective.SetCoefficient(v, m / unit if by_memory else c)
             if m:
                 mem_terms.append((v, m))
         for j, row in enumerate(rows):
@@ -402,7 +410,7 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
                 if src_const[a] and dst_const[b]:
                     # both ends decided: the edge is a constant if both layouts are the chosen ones
                     if _value(src_mass[a]) and _value(dst_mass[b]):
-                        const += m / MEMORY_UNIT if by_memory else c
+                        const += m / unit if by_memory else c
                         mem_const += m
                         for j, w in weights:
                             row_const[j] += m * w
@@ -412,7 +420,7 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
                             edge_recompute.append((e.unit, e.name, 1.0, e.recompute_cost[(a, b)], e.recompute_saved.get((a, b), 0.0), e.recompute_peak.get((a, b), 0.0)))
                     continue
                 y = solver.NumVar(0.0, inf, "")
-                objective.SetCoefficient(y, m / MEMORY_UNIT if by_memory else c)
+                objective.SetCoefficient(y, m / unit if by_memory else c)
                 if m:
                     mem_terms.append((y, m))
                     for j, w in weights:
@@ -430,18 +438,19 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
         const += _add_switch(solver, objective, sw, x, binary, by_memory)
 
     held = [
-        _add_recompute(solver, objective, unit, r[unit.name], x, [t for t in edge_recompute if t[0] == unit.name], mem_terms, by_memory)
-        for unit in problem.recompute
+        _add_recompute(solver, objective, group, r[group.name], x, [t for t in edge_recompute if t[0] == group.name], mem_terms, by_memory,
+                       unit)
+        for group in problem.recompute
     ]
 
     if problem.memory_budget is not None and not by_memory:
-        budget = solver.Constraint(-inf, (problem.memory_budget - mem_const) / MEMORY_UNIT)
+        budget = solver.Constraint(-inf, (problem.memory_budget - mem_const) / unit)
         for v, m in mem_terms:
-            budget.SetCoefficient(v, budget.GetCoefficient(v) + m / MEMORY_UNIT)
+            budget.SetCoefficient(v, budget.GetCoefficient(v) + m / unit)
     for row, terms, held_const in zip(rows, row_terms, row_const):
-        bounded = solver.Constraint(-inf, (row.bound - held_const) / MEMORY_UNIT)
+        bounded = solver.Constraint(-inf, (row.bound - held_const) / unit)
         for v, m in terms:
-            bounded.SetCoefficient(v, bounded.GetCoefficient(v) + m / MEMORY_UNIT)
+            bounded.SetCoefficient(v, bounded.GetCoefficient(v) + m / unit)
     objective.SetMinimization()
     status = solver.Solve()
     seconds = time.perf_counter() - start
@@ -465,7 +474,7 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
     bound = (objective.BestBound() + const) * objective_unit if status == pywraplp.Solver.FEASIBLE else obj
     gap = 0.0 if status == pywraplp.Solver.OPTIMAL else abs(obj - bound) / max(abs(obj), 1e-30)
     memory = mem_const + sum(m * v.solution_value() for v, m in mem_terms)
-    memory += sum(value() - MEMORY_UNIT * var.solution_value() for var, value in held)  # a slack `held` is not memory
+    memory += sum(value() - unit * var.solution_value() for var, value in held)  # a slack `held` is not memory
     chosen_units = tuple(name for name, v in r.items() if v.solution_value() > 0.5)
     solution = Solution(
         choice, obj, memory, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds, backend, solver.NumVariables(),
@@ -502,12 +511,13 @@ def _recompute_var(solver, unit: Recompute, binary):
     return v
 
 
-def _add_recompute(solver, objective, unit: Recompute, r, x: dict, edges: list[tuple], mem_terms: list, by_memory: bool):
+def _add_recompute(solver, objective, unit: Recompute, r, x: dict, edges: list[tuple], mem_terms: list, by_memory: bool,
+                   memory_unit: float):
     """Terms of one recompute unit: extra time, memory saved, and the largest layer held again (variable `held`).
     Returns `held` and a function giving its true value (the largest layer) after the solve."""
     objective.SetCoefficient(r, objective.GetCoefficient(r) + (0.0 if by_memory else _RECOMPUTE_EPS_S))
-    held = solver.NumVar(0.0, solver.infinity(), f"held[{unit.name}]")  # in MEMORY_UNITs
-    mem_terms.append((held, MEMORY_UNIT))
+    held = solver.NumVar(0.0, solver.infinity(), f"held[{unit.name}]")  # in memory units
+    mem_terms.append((held, memory_unit))
     # only the budget pushes `held` down when minimising time; reported memory uses the true maximum (`held_value`)
     objective.SetCoefficient(held, 1.0 if by_memory else 0.0)
     z_of: dict[str, list] = {}  # node -> its z per strategy (None where the strategy is ruled out)
@@ -525,7 +535,7 @@ def _add_recompute(solver, objective, unit: Recompute, r, x: dict, edges: list[t
             one.SetCoefficient(z, 1.0)
             if not isinstance(xi, float):
                 solver.Add(z <= xi)
-            objective.SetCoefficient(z, -saved[i] / MEMORY_UNIT if by_memory else extra[i])
+            objective.SetCoefficient(z, -saved[i] / memory_unit if by_memory else extra[i])
             if saved[i]:
                 mem_terms.append((z, -saved[i]))
     peak_terms: dict[str, list[tuple]] = {}  # term -> [(variable, bytes)]
@@ -539,7 +549,7 @@ def _add_recompute(solver, objective, unit: Recompute, r, x: dict, edges: list[t
         else:
             solver.Add(q <= y)
             solver.Add(q >= y + r - 1)
-        objective.SetCoefficient(q, -saved / MEMORY_UNIT if by_memory else extra)
+        objective.SetCoefficient(q, -saved / memory_unit if by_memory else extra)
         if saved:
             mem_terms.append((q, -saved))
         if peak:
@@ -550,7 +560,7 @@ def _add_recompute(solver, objective, unit: Recompute, r, x: dict, edges: list[t
         ct.SetCoefficient(held, -1.0)
         for term in layer:
             for v, b in peak_terms.get(term, ()):
-                ct.SetCoefficient(v, ct.GetCoefficient(v) + b / MEMORY_UNIT)
+                ct.SetCoefficient(v, ct.GetCoefficient(v) + b / memory_unit)
         sums.append([t for term in layer for t in peak_terms.get(term, ())])
     return held, lambda: max((sum(b * v.solution_value() for v, b in terms) for terms in sums), default=0.0)
 
