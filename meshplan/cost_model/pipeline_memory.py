@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from meshplan.cost_model.estimate import local_bytes
+from meshplan.cost_model.memory import MemoryBreakdown
 from meshplan.cost_model.peak import PeakMemory, predict_peak
 from meshplan.cost_model.schedules import in_flight
 from meshplan.ir.graph import Graph
@@ -102,22 +103,24 @@ def under_schedule(w: StageWalk, pipe, stage) -> PeakMemory:
         phases.append(("casting back", w.walk.casting_back, others + (w.walk.cast_accumulate_bytes if m > 1 else 0)))
     phase, at, add = max(phases, key=lambda ph: ph[1].total + ph[2])
     at_peak = replace(at, activations=int(at.activations + add + m * w.received))
-    # while another chunk of its rank runs: its working copies, its microbatches' saved tensors, and once its first
-    # backward has run (one microbatch fewer in flight) every parameter gradient. In the optimizer step, which steps a
-    # rank's chunks together one parameter at a time, its temporaries are the rank's largest parameter's, counted in
-    # the chunk at its peak: the others hold no more than after their last backward
+    return replace(w.walk, peak=at_peak.total, at_peak=at_peak, phase=phase,
+                   idle=_idle(w, held, m) if pipe.chunks > 1 else None)  # a rank of one stage is never idle beside another
+
+
+def _idle(w: StageWalk, held: float, m: int) -> MemoryBreakdown:
+    """What a stage holds while another chunk of its rank runs: its working copies, its microbatches' saved tensors, and
+    once its first backward has run (one microbatch fewer in flight) every parameter gradient. In the optimizer step,
+    which steps a rank's chunks together one parameter at a time, its temporaries are the rank's largest parameter's,
+    counted in the chunk at its peak: the others hold no more than after their last backward."""
     step = w.walk.step
     waiting = replace(step, params=step.params + w.walk.working_copy_bytes)
     before = replace(waiting, grads=w.walk.resident.grads, activations=int(held * w.walk.saved + m * w.received))
     after = replace(waiting, activations=int(min(held, m - 1) * w.walk.saved + m * w.received))
-    idle = max(before, after, key=lambda mb: mb.total)
-    return replace(w.walk, peak=at_peak.total, at_peak=at_peak, phase=phase, idle=idle)
+    return max(before, after, key=lambda mb: mb.total)
 
 
 def with_stage_memory(graph: Graph, plan, *, optimizer: str = "adam"):
     """`plan` whose pipeline stages carry their walked peaks and whose `memory` is the fullest rank's."""
     peaks = stage_peaks(graph, plan, optimizer=optimizer)
-    chunked = plan.pipeline.chunks > 1  # a rank of one stage is never idle beside another
-    pipe = replace(plan.pipeline, stages=tuple(replace(s, memory=pk.at_peak, idle=pk.idle if chunked else None)
-                                               for s, pk in zip(plan.pipeline.stages, peaks)))
+    pipe = replace(plan.pipeline, stages=tuple(replace(s, memory=pk.at_peak, idle=pk.idle) for s, pk in zip(plan.pipeline.stages, peaks)))
     return replace(plan, pipeline=pipe, memory=max(pipe.rank_memory(), key=lambda mb: mb.total))

@@ -24,6 +24,8 @@ from ortools.linear_solver import pywraplp
 from meshplan.progress import timed
 
 BACKENDS = ("HIGHS", "SCIP", "CBC")
+LP_BACKEND = "GLOP"
+"""Solves the LP relaxation (deterministic, single-threaded, like the MIP back-ends)."""
 MEMORY_RANGE = 2**10
 """The largest memory term in the MIP's rows and objective, in its memory unit (`memory_unit`)."""
 
@@ -33,9 +35,7 @@ def memory_unit(problem: Problem) -> float:
     problems of small numbers). In bytes, a 65,536-token Llama's terms (up to 1e11) beside its seconds (down to 1e-9)
     made GLOP and HiGHS declare a feasible problem infeasible."""
     largest = max((m for mems in problem.node_memory.values() for m in mems), default=0.0)
-    return 2.0 ** max(0, math.floor(math.log2(largest)) - int(math.log2(MEMORY_RANGE))) if largest > 0 else 1.0
-LP_BACKEND = "GLOP"
-"""Solves the LP relaxation (deterministic, single-threaded, like the MIP back-ends)."""
+    return 2.0 ** max(0, math.floor(math.log2(largest / MEMORY_RANGE))) if largest > 0 else 1.0
 
 
 @dataclass(slots=True)

@@ -264,7 +264,7 @@ def stretched_stage_memory(graph: Graph, plan: Plan, pipe: PipelinePlan, *, opti
     n = len(blocks)
     walks: dict[tuple[tuple[str, ...], bool], StageWalk] = {}
 
-    def at(stage: PipelineStage, units: tuple[str, ...]) -> tuple[MemoryBreakdown, MemoryBreakdown]:
+    def at(stage: PipelineStage, units: tuple[str, ...]) -> tuple[MemoryBreakdown, MemoryBreakdown | None]:
         """The peak of `stage` (its rank, its schedule, its recomputation) were it made of `units` of `graph`."""
         key = (units, stage.recompute)
         if key not in walks:
@@ -293,6 +293,6 @@ def stretched_stage_memory(graph: Graph, plan: Plan, pipe: PipelinePlan, *, opti
         if k > n:
             # each further block adds what the last of a run of the cut model's blocks adds (the first may carry `pre`'s moves)
             more, less = at(stage, tuple(blocks[n - 2:])), at(stage, tuple(blocks[n - 1:]))
-            own = tuple(stretched(held, longer, shorter, k) for held, longer, shorter in zip(own, more, less))
-        out.append(replace(stage, memory=own[0], idle=own[1] if pipe.chunks > 1 else None))
+            own = tuple(None if held is None else stretched(held, longer, shorter, k) for held, longer, shorter in zip(own, more, less))
+        out.append(replace(stage, memory=own[0], idle=own[1]))
     return tuple(out)
