@@ -12,7 +12,9 @@ import math
 import warnings
 
 import pytest
+import torch
 from _parity import build, check_parity, plan_kwargs, rank_worker
+from torch import nn
 
 import meshplan
 from meshplan.planner.planner import MemoryBudgetError
@@ -99,7 +101,6 @@ def test_long_sequences_solve_with_their_bytes_scaled():
     logits) beside terms of 1e-9 seconds: with the rows in bytes, GLOP's relaxation and HiGHS both called forced
     recomputation under a 10 TB budget infeasible, and the default call at 65,536 tokens on 8 H100s (32 layers) raised
     a MemoryBudgetError at 117.6 GiB. In units scaled to the problem's bytes (`solver.memory_unit`) both plan."""
-    import torch
     import transformers as tf
 
     cfg = tf.LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
@@ -112,3 +113,53 @@ def test_long_sequences_solve_with_their_bytes_scaled():
         plan = meshplan.plan(model, devices=8, example_inputs=(tokens,), example_kwargs={"labels": tokens}, cluster="h100",
                              mesh_shape=(8,), axis_names=("dp",), recompute="always", memory_budget=1e13)
     assert plan.recompute and plan.memory.total < 80 * 2**30
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _TwoStacks(nn.Module):
+    """Two recompute groups that save different bytes per second of forward: which to recompute depends on the budget."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.ModuleList(_Block(64, 256) for _ in range(3))
+        self.b = nn.ModuleList(_Block(64, 1024) for _ in range(3))
+
+    def forward(self, x):
+        for layer in [*self.a, *self.b]:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_each_choice_of_recomputed_groups_solved_fixed_matches_the_joint_solve(monkeypatch):
+    """Under a budget that needs recomputation, the planner solves each choice of recomputed groups with it fixed
+    (`planner.ENUMERATED_GROUPS`); the fastest equals the one solve that also decides the recomputation, at budgets
+    where the best choice is none, either group alone, and both."""
+    import meshplan.planner.planner as planner
+
+    torch.manual_seed(0)
+    model, x = _TwoStacks(), torch.randn(512, 64)
+
+    def plan(**kw) -> Plan:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return meshplan.plan(model, devices=2, example_inputs=(x,), **kw)
+
+    always = plan(recompute="always").memory.total
+    chosen = set()
+    for budget in (None, always, 0.75 * always, 0.7 * always):
+        fixed = plan(memory_budget=budget)
+        monkeypatch.setattr(planner, "ENUMERATED_GROUPS", 0)  # the joint solve
+        joint = plan(memory_budget=budget)
+        monkeypatch.undo()
+        assert fixed.step_time_s == pytest.approx(joint.step_time_s, rel=1e-9)
+        assert budget is None or fixed.memory.total <= budget
+        chosen.add(tuple(sorted({layer.split(".")[0] for layer in fixed.recompute})))
+    assert chosen == {(), ("a",), ("b",), ("a", "b")}

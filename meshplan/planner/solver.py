@@ -437,11 +437,13 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
     for sw in problem.switches:
         const += _add_switch(solver, objective, sw, x, binary, by_memory)
 
-    held = [
+    units = [
         _add_recompute(solver, objective, group, r[group.name], x, [t for t in edge_recompute if t[0] == group.name], mem_terms, by_memory,
                        unit)
         for group in problem.recompute
     ]
+    const += sum(c for _, _, c, _ in units)
+    mem_const += sum(b for _, _, _, b in units)
 
     if problem.memory_budget is not None and not by_memory:
         budget = solver.Constraint(-inf, (problem.memory_budget - mem_const) / unit)
@@ -474,7 +476,7 @@ def _solve(problem: Problem, time_limit_s: float, backend: str, start: float, mi
     bound = (objective.BestBound() + const) * objective_unit if status == pywraplp.Solver.FEASIBLE else obj
     gap = 0.0 if status == pywraplp.Solver.OPTIMAL else abs(obj - bound) / max(abs(obj), 1e-30)
     memory = mem_const + sum(m * v.solution_value() for v, m in mem_terms)
-    memory += sum(value() - unit * var.solution_value() for var, value in held)  # a slack `held` is not memory
+    memory += sum(value() - unit * var.solution_value() for var, value, _, _ in units)  # a slack `held` is not memory
     chosen_units = tuple(name for name, v in r.items() if v.solution_value() > 0.5)
     solution = Solution(
         choice, obj, memory, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", gap, seconds, backend, solver.NumVariables(),
@@ -512,57 +514,83 @@ def _recompute_var(solver, unit: Recompute, binary):
 
 
 def _add_recompute(solver, objective, unit: Recompute, r, x: dict, edges: list[tuple], mem_terms: list, by_memory: bool,
-                   memory_unit: float):
+                   memory_unit: float) -> tuple:
     """Terms of one recompute unit: extra time, memory saved, and the largest layer held again (variable `held`).
-    Returns `held` and a function giving its true value (the largest layer) after the solve."""
+    Returns `held`, a function giving its true value (the largest layer) after the solve, and the constant objective
+    and memory terms (of nodes and edges whose strategy is fixed). A forced unit (r = 1) needs no linearisation:
+    its z is x itself and its q is y (the 2026-11-28 one-node Llama-3-8B at 65k tokens on (2, 4): the linearised
+    LP took 5.1 s, 61,542 rows)."""
     objective.SetCoefficient(r, objective.GetCoefficient(r) + (0.0 if by_memory else _RECOMPUTE_EPS_S))
     held = solver.NumVar(0.0, solver.infinity(), f"held[{unit.name}]")  # in memory units
     mem_terms.append((held, memory_unit))
     # only the budget pushes `held` down when minimising time; reported memory uses the true maximum (`held_value`)
     objective.SetCoefficient(held, 1.0 if by_memory else 0.0)
+    constant = [0.0, 0.0]  # objective, bytes
+
+    def add(v, extra: float, saved: float) -> None:
+        """The objective and memory terms of v (a z or q: the unit recomputes this strategy or pair)."""
+        cost = -saved / memory_unit if by_memory else extra
+        if isinstance(v, float):
+            constant[0] += v * cost
+            constant[1] -= v * saved
+            return
+        objective.SetCoefficient(v, objective.GetCoefficient(v) + cost)
+        if saved:
+            mem_terms.append((v, -saved))
+
     z_of: dict[str, list] = {}  # node -> its z per strategy (None where the strategy is ruled out)
     for node, extra in unit.extra.items():
         saved = unit.saved[node]
-        z_of[node] = []
-        one = solver.Constraint(0.0, 0.0)  # sum_i z_i - r == 0
-        one.SetCoefficient(r, -1.0)
-        for i, xi in enumerate(x[node]):
-            if isinstance(xi, float) and xi == 0.0:
-                z_of[node].append(None)
-                continue
-            z = solver.NumVar(0.0, 1.0, "")
-            z_of[node].append(z)
-            one.SetCoefficient(z, 1.0)
-            if not isinstance(xi, float):
-                solver.Add(z <= xi)
-            objective.SetCoefficient(z, -saved[i] / memory_unit if by_memory else extra[i])
-            if saved[i]:
-                mem_terms.append((z, -saved[i]))
-    peak_terms: dict[str, list[tuple]] = {}  # term -> [(variable, bytes)]
+        if unit.force:
+            z_of[node] = [None if isinstance(xi, float) and xi == 0.0 else xi for xi in x[node]]
+        else:
+            z_of[node] = []
+            one = solver.Constraint(0.0, 0.0)  # sum_i z_i - r == 0
+            one.SetCoefficient(r, -1.0)
+            for xi in x[node]:
+                if isinstance(xi, float) and xi == 0.0:
+                    z_of[node].append(None)
+                    continue
+                z = solver.NumVar(0.0, 1.0, "")
+                z_of[node].append(z)
+                one.SetCoefficient(z, 1.0)
+                if not isinstance(xi, float):
+                    solver.Add(z <= xi)
+        for i, z in enumerate(z_of[node]):
+            if z is not None:
+                add(z, extra[i], saved[i])
+    peak_terms: dict[str, list[tuple]] = {}  # term -> [(variable or 1.0, bytes)]
     for term, (node, peak) in unit.peak.items():
         peak_terms[term] = [(z, b) for z, b in zip(z_of[node], peak) if z is not None and b]
     for _, name, y, extra, saved, peak in edges:
-        q = solver.NumVar(0.0, 1.0, "")  # q = y and r (y is 0/1 at integral x)
-        solver.Add(q <= r)
-        if isinstance(y, float):
-            solver.Add(q >= r)
+        if unit.force:
+            q = y
         else:
-            solver.Add(q <= y)
-            solver.Add(q >= y + r - 1)
-        objective.SetCoefficient(q, -saved / memory_unit if by_memory else extra)
-        if saved:
-            mem_terms.append((q, -saved))
+            q = solver.NumVar(0.0, 1.0, "")  # q = y and r (y is 0/1 at integral x)
+            solver.Add(q <= r)
+            if isinstance(y, float):
+                solver.Add(q >= r)
+            else:
+                solver.Add(q <= y)
+                solver.Add(q >= y + r - 1)
+        add(q, extra, saved)
         if peak:
             peak_terms.setdefault(name, []).append((q, peak))
     sums = []
     for layer in dict.fromkeys(unit.layers):  # tied layers repeat one set: one constraint
-        ct = solver.Constraint(-solver.infinity(), 0.0)  # sum(peak) - held <= 0
+        terms = [t for term in layer for t in peak_terms.get(term, ())]
+        fixed = sum(b * v for v, b in terms if isinstance(v, float))
+        ct = solver.Constraint(-solver.infinity(), -fixed / memory_unit)  # sum(peak) - held <= 0
         ct.SetCoefficient(held, -1.0)
-        for term in layer:
-            for v, b in peak_terms.get(term, ()):
+        for v, b in terms:
+            if not isinstance(v, float):
                 ct.SetCoefficient(v, ct.GetCoefficient(v) + b / memory_unit)
-        sums.append([t for term in layer for t in peak_terms.get(term, ())])
-    return held, lambda: max((sum(b * v.solution_value() for v, b in terms) for terms in sums), default=0.0)
+        sums.append(terms)
+
+    def value(v) -> float:
+        return v if isinstance(v, float) else v.solution_value()
+
+    return held, lambda: max((sum(b * value(v) for v, b in terms) for terms in sums), default=0.0), *constant
 
 
 def _layout_mass(xs: list, layouts: list[Hashable]) -> dict[Hashable, list]:
