@@ -554,7 +554,7 @@ def _solve_with_recompute(problem, options: PlanOptions):
     budget: solve without it and without the budget first (the common case ends there, exactly).
     Otherwise each choice of recomputed groups is solved with that choice fixed, and the fastest kept: exact, and far
     quicker than one solve that decides recomputation too, whose linearisation ("this strategy and recompute") is
-    weak (the one-node Llama-3-8B at 65k tokens on (2, 4): 90 s for that solve, 0.9 s for the fixed one). Without
+    weak (the one-node Llama-3-8B at 65k tokens on (2, 4): 90 s for that solve, 0.6 s for the fixed one, the same plan). Without
     recomputation the propagation plan is the solver's fallback start; when it breaks the budget, the plan of least
     memory is, if it fits (without a start inside the budget, a solve that runs out of time has nothing to return),
     and when that plan does not fit nothing without recomputation does."""
