@@ -571,13 +571,12 @@ def _solve_with_recompute(problem, options: PlanOptions):
     for mask in range(2 ** len(problem.recompute) - 1, -1, -1):  # every group recomputed first
         groups = [dataclasses.replace(g, force=True) for i, g in enumerate(problem.recompute) if mask >> i & 1]
         fixed = dataclasses.replace(problem, recompute=groups)
+        # a forced group takes no start (`solver._start_solution`); without recomputation, one within the budget
+        fits, none_fits = (None, False) if groups else _start_within_budget(fixed, start, options)
+        if none_fits:
+            continue
         try:
-            if groups:
-                found.append(solve(fixed, time_limit_s=options.time_limit_s))
-                continue
-            fits, none_fits = _start_within_budget(fixed, start, options)
-            if not none_fits:
-                found.append(solve(fixed, time_limit_s=options.time_limit_s, start=fits))
+            found.append(solve(fixed, time_limit_s=options.time_limit_s, start=fits))
         except (InfeasiblePlan, SolveTimeout) as e:
             failed.append(e)
     if found:
