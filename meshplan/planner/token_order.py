@@ -20,7 +20,6 @@ dropped instead. The order is the whole plan's: one kernel in either order would
 
 from __future__ import annotations
 
-import functools
 import math
 
 from meshplan.ir.graph import Graph, Node
@@ -49,6 +48,18 @@ def keep_order(graph: Graph, mesh: MeshSpec, cands: Candidates, token_order: boo
     cp = mesh.axis_names.index(CP_AXIS)
     stored = graph.param_values if token_order else frozenset()
     fx_args = {n.name: n.args for n in graph.fx.gm.graph.nodes} if token_order and graph.fx is not None else {}
+    # Repeated layers share their strategy objects (planner/strategies.py caches them) and shapes: what depends on
+    # those alone is found once per object, not once per node and strategy (the 70B at 131k in token order: 1.2
+    # million of those per call).
+    splits_cp: dict[int, bool] = {}
+    uneven: dict[tuple[int, tuple], tuple | None] = {}
+
+    def uneven_split(s: Strategy, shapes: tuple) -> tuple | None:
+        key = (id(s), shapes)
+        if key not in uneven:
+            uneven[key] = _uneven_split(shapes, (*s.inputs, *s.outputs), mesh.shape, cp)
+        return uneven[key]
+
     for node in graph.nodes:
         region = region_op(node.target) if node.kind == "op" else None
         if region is None and not token_order:
@@ -57,23 +68,27 @@ def keep_order(graph: Graph, mesh: MeshSpec, cands: Candidates, token_order: boo
         shapes = tuple(None if meta is None else meta.shape for meta in metas)
         kept = []
         for s in cands.by_node[node.name]:
-            reason = _ruled_out(node, region, s, shapes, mesh, cp, token_order, stored, fx_args.get(node.name))
+            split = splits_cp.get(id(s))
+            if split is None:
+                split = splits_cp[id(s)] = any(layout is not None and isinstance(layout[cp], Shard)
+                                               for layout in (*s.inputs, *s.outputs))
+            reason = (None if token_order and not split  # nothing split over cp: no order to keep
+                      else _ruled_out(node, region, s, shapes, uneven_split, mesh, cp, token_order, stored, fx_args.get(node.name)))
             if reason is None:
                 kept.append(s)
             else:
                 cands.rejected.setdefault(node.name, []).append((s, reason))
-        if kept != cands.by_node[node.name]:
+        if len(kept) < len(cands.by_node[node.name]):
             cands.by_node[node.name] = kept
 
 
-def _ruled_out(node: Node, region, s: Strategy, shapes: tuple[tuple[int, ...] | None, ...], mesh: MeshSpec, cp: int,
-               token_order: bool, stored: frozenset[str], args) -> str | None:
+def _ruled_out(node: Node, region, s: Strategy, shapes: tuple[tuple[int, ...] | None, ...], uneven_split, mesh: MeshSpec,
+               cp: int, token_order: bool, stored: frozenset[str], args) -> str | None:
+    """Why `s` is dropped, or None; in a token-order plan `s` splits a tensor over axis `cp`. `uneven_split(s, shapes)`:
+    `_uneven_split` for the strategy's layouts."""
     ordered = bool(s.kernel) and region is not None and region.token_order(s)
     if not token_order:
         return f"{s.kernel} runs on head-tail token-order blocks: plan with token_order=True" if ordered else None
-    layouts = [*s.inputs, *s.outputs]
-    if not any(layout is not None and isinstance(layout[cp], Shard) for layout in layouts):
-        return None
     if node.name in stored:
         return None  # contiguous blocks, gathered over cp before use (below): no order to keep
     kind = node.kind
@@ -89,7 +104,7 @@ def _ruled_out(node: Node, region, s: Strategy, shapes: tuple[tuple[int, ...] | 
                 "head-tail block as a contiguous one)")
     if s.kernel and not ordered and (args is None or region.reads_block_positions(s, args, cp)):
         return f"{s.kernel} reads contiguous blocks on mesh axis {CP_AXIS!r}, and token_order=True holds them in head-tail order"
-    uneven = _uneven_split(shapes, tuple(layouts), mesh.shape, cp)
+    uneven = uneven_split(s, shapes)
     if uneven is not None:
         shape, layout = uneven
         return (f"dim {layout[cp].dim} of a {list(shape)} tensor does not cut into 2 x {mesh.shape[cp]} equal chunks where "
@@ -97,11 +112,8 @@ def _ruled_out(node: Node, region, s: Strategy, shapes: tuple[tuple[int, ...] | 
     return None
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def _uneven_split(shapes: tuple, layouts: tuple, mesh_shape: tuple[int, ...], cp: int) -> tuple | None:
-    """The first (shape, layout) of a strategy whose split over axis `cp` does not halve evenly, or None. Cached: the
-    repeated layers of a model ask it the same for every layer and every solve (the 70B at 131k in token order: 1.4
-    million calls of `halves_evenly`)."""
+    """The first (shape, layout) of a strategy whose split over axis `cp` does not halve evenly, or None."""
     for shape, layout in zip(shapes, layouts):
         if shape is not None and layout is not None and not halves_evenly(shape, layout, mesh_shape, cp):
             return shape, layout
