@@ -8,9 +8,12 @@ terms) on each world of local gloo processes, every rank times each step (forwar
 and, inside it, the wall time blocked in the runtime's collectives (every counted collective and the
 wait for the gradient buckets) and in the optimizer step; the rest is compute. It also takes the
 process's CPU seconds over the step (all its threads, gloo's too). Per column the median over 9 steps,
-then the largest over ranks. Printed against the plan's compute, communication and optimizer terms,
-and against the machine's throughput bound: ranks x CPU seconds per rank / cores, the least a step can
-take when every rank needs that much CPU and the cores are shared.
+then the largest over ranks. The communication is split three ways: in the counted collectives, the wait for
+the last rank to enter each (the ranks' entries compared on the machine's one monotonic clock) and the time
+after all have entered; and the wait for the gradient buckets (all-reduced asynchronously during backward).
+Printed against the plan's compute, communication and optimizer terms, and against the machine's throughput
+bound: ranks x CPU seconds per rank / cores, the least a step can take when every rank needs that much CPU and
+the cores are shared.
 """
 
 from __future__ import annotations
@@ -37,10 +40,14 @@ from meshplan.runtime.launch import run_local  # noqa: E402
 
 STEPS, WARMUP = 9, 3
 BLOCKED = [0.0]  # seconds this rank spent in collectives since the last reset
+CALLS: list[tuple[float, float]] = []  # (entry, exit) of each counted collective since the last reset
+DRAINED = [0.0]  # of BLOCKED, the seconds waiting for the gradient buckets
 
 
 def _timing_collectives() -> None:
-    """Time every collective the runtime counts (`collectives.collective`) and the wait for the gradient buckets."""
+    """Time every collective the runtime counts (`collectives.collective`) and the wait for the gradient buckets.
+    Each counted collective's entry and exit are kept too: `perf_counter` is CLOCK_MONOTONIC, one clock for every
+    process of the machine, so the ranks' entries into the same call can be compared (`arrival_split`)."""
     counted = collectives.collective
 
     def collective(*args, **kwargs):
@@ -48,7 +55,9 @@ def _timing_collectives() -> None:
         try:
             return counted(*args, **kwargs)
         finally:
-            BLOCKED[0] += time.perf_counter() - start
+            end = time.perf_counter()
+            BLOCKED[0] += end - start
+            CALLS.append((start, end))
 
     for module in list(sys.modules.values()):
         if getattr(module, "__name__", "").startswith("meshplan.runtime") and getattr(module, "collective", None) is counted:
@@ -64,14 +73,17 @@ def _timing_collectives() -> None:
             except StopIteration:
                 return
             finally:
-                BLOCKED[0] += time.perf_counter() - start
+                spent = time.perf_counter() - start
+                BLOCKED[0] += spent
+                DRAINED[0] += spent
             yield item
 
     grad_buckets.BucketQueue.drain = timed_drain
 
 
-def measure(rank: int, world: int, plans_json: list[str], sizes: list[str]) -> list[list[float]]:
-    """Per plan: medians of (step, compute, blocked in collectives, optimizer step, CPU seconds) on this rank."""
+def measure(rank: int, world: int, plans_json: list[str], sizes: list[str]) -> list[tuple[list[float], list[list[tuple[float, float]]]]]:
+    """Per plan: medians of (step, compute, blocked in collectives, optimizer step, CPU seconds, the part of the blocked
+    spent waiting for the gradient buckets) on this rank, and each timed step's counted collectives (entry, exit)."""
     from meshplan.plans.plan import Plan
 
     warnings.simplefilter("ignore")
@@ -82,10 +94,11 @@ def measure(rank: int, world: int, plans_json: list[str], sizes: list[str]) -> l
         model, tokens = fidelity.build(fidelity.SIZES[size], fidelity.BATCH)
         pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan, loss_fn=lambda out, _: out)
         opt = torch.optim.Adam(pmodel.parameters(), lr=1e-3)
-        samples = []
+        samples, calls = [], []
         for i in range(WARMUP + STEPS):
             dist.barrier()
-            BLOCKED[0] = 0.0
+            BLOCKED[0] = DRAINED[0] = 0.0
+            CALLS.clear()
             start, cpu = time.perf_counter(), time.process_time()
             pmodel(tokens).backward()
             before_opt = time.perf_counter()
@@ -94,9 +107,33 @@ def measure(rank: int, world: int, plans_json: list[str], sizes: list[str]) -> l
             end = time.perf_counter()
             if i >= WARMUP:
                 blocked, optimizer = BLOCKED[0], end - before_opt
-                samples.append((end - start, end - start - blocked - optimizer, blocked, optimizer, time.process_time() - cpu))
-        out.append([statistics.median(s[j] for s in samples) for j in range(5)])
+                samples.append((end - start, end - start - blocked - optimizer, blocked, optimizer, time.process_time() - cpu, DRAINED[0]))
+                calls.append(list(CALLS))
+        out.append(([statistics.median(s[j] for s in samples) for j in range(6)], calls))
     return out
+
+
+def arrival_split(calls: list[list[list[tuple[float, float]]]]) -> tuple[float, float]:
+    """`calls[rank][step]`: one plan's counted collectives (entry, exit). Each call's time on a rank is the wait for
+    the last rank to enter it plus what it takes once all have entered; per rank the median over steps of each sum,
+    then the largest over ranks: (waiting for the last rank, after all entered), in seconds."""
+    ranks, steps = len(calls), len(calls[0])
+    waiting, inside = [[] for _ in range(ranks)], [[] for _ in range(ranks)]
+    for step in range(steps):
+        per_rank = [calls[r][step] for r in range(ranks)]
+        if len({len(c) for c in per_rank}) != 1:
+            raise RuntimeError(f"the ranks counted different collectives in step {step}: {[len(c) for c in per_rank]}")
+        w, i = [0.0] * ranks, [0.0] * ranks
+        for k in range(len(per_rank[0])):
+            last = max(c[k][0] for c in per_rank)
+            for r in range(ranks):
+                entry, exit_ = per_rank[r][k]
+                w[r] += max(0.0, last - entry)
+                i[r] += exit_ - max(last, entry)
+        for r in range(ranks):
+            waiting[r].append(w[r])
+            inside[r].append(i[r])
+    return max(statistics.median(w) for w in waiting), max(statistics.median(i) for i in inside)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count()
     print(f"{cores} cores; times in ms; measured: median over {STEPS} steps, largest over ranks\n")
     print("| plan | model | world | predicted compute / comm / optimizer | measured compute / comm / optimizer | step predicted / "
-          "measured | CPU ms per rank | ranks x CPU / cores |\n|---|---|---|---|---|---|---|---|")
+          "measured | CPU ms per rank | ranks x CPU / cores | measured comm: collectives waiting for the last rank / after all "
+          "entered / gradient buckets' wait |\n|---|---|---|---|---|---|---|---|---|")
     for world in args.worlds:
         cases = [c for c in fidelity.out_of_sample_cases() if c.world == world and "PP" not in c.name]
         plans = []
@@ -118,11 +156,12 @@ def main(argv: list[str] | None = None) -> int:
             plans.append(meshplan.plan(model, world, (tokens,), cluster=cluster, **dict(case.options)))
         per_rank = run_local(world, measure, [p.to_json() for p in plans], [c.size for c in cases], timeout=1800)
         for i, (case, plan) in enumerate(zip(cases, plans)):
-            step, compute, blocked, opt, cpu = (max(r[i][j] for r in per_rank) * 1e3 for j in range(5))
+            step, compute, blocked, opt, cpu, drained = (max(r[i][0][j] for r in per_rank) * 1e3 for j in range(6))
+            waiting, inside = (t * 1e3 for t in arrival_split([r[i][1] for r in per_rank]))
             predicted = [t * 1e3 for t in fidelity.plan_parts(plan)]
             print(f"| {case.name} | {case.size} | {world} | {' / '.join(f'{t:.1f}' for t in predicted)} | "
                   f"{compute:.1f} / {blocked:.1f} / {opt:.1f} | {plan.step_time_s * 1e3:.1f} / "
-                  f"{step:.1f} | {cpu:.1f} | {world * cpu / cores:.1f} |")
+                  f"{step:.1f} | {cpu:.1f} | {world * cpu / cores:.1f} | {waiting:.1f} / {inside:.1f} / {drained:.1f} |")
     return 0
 
 
