@@ -40,24 +40,25 @@ from meshplan.runtime.launch import run_local  # noqa: E402
 
 STEPS, WARMUP = 9, 3
 BLOCKED = [0.0]  # seconds this rank spent in collectives since the last reset
-CALLS: list[tuple[float, float]] = []  # (entry, exit) of each counted collective since the last reset
+CALLS: list[tuple[float, float, tuple]] = []  # (entry, exit, group) of each counted collective since the last reset
 DRAINED = [0.0]  # of BLOCKED, the seconds waiting for the gradient buckets
 
 
 def _timing_collectives() -> None:
     """Time every collective the runtime counts (`collectives.collective`) and the wait for the gradient buckets.
-    Each counted collective's entry and exit are kept too: `perf_counter` is CLOCK_MONOTONIC, one clock for every
-    process of the machine, so the ranks' entries into the same call can be compared (`arrival_split`)."""
+    Each counted collective's entry, exit and group are kept too: `perf_counter` is CLOCK_MONOTONIC, one clock for
+    every process of the machine, so the entries of a group's ranks into the same call can be compared
+    (`arrival_split`)."""
     counted = collectives.collective
 
-    def collective(*args, **kwargs):
+    def collective(comm, phase, kind, what, *args, **kwargs):
         start = time.perf_counter()
         try:
-            return counted(*args, **kwargs)
+            return counted(comm, phase, kind, what, *args, **kwargs)
         finally:
             end = time.perf_counter()
             BLOCKED[0] += end - start
-            CALLS.append((start, end))
+            CALLS.append((start, end, _group(comm, what())))
 
     for module in list(sys.modules.values()):
         if getattr(module, "__name__", "").startswith("meshplan.runtime") and getattr(module, "collective", None) is counted:
@@ -81,9 +82,9 @@ def _timing_collectives() -> None:
     grad_buckets.BucketQueue.drain = timed_drain
 
 
-def measure(rank: int, world: int, plans_json: list[str], sizes: list[str]) -> list[tuple[list[float], list[list[tuple[float, float]]]]]:
+def measure(rank: int, world: int, plans_json: list[str], sizes: list[str]) -> list[tuple[list[float], list[list[tuple]]]]:
     """Per plan: medians of (step, compute, blocked in collectives, optimizer step, CPU seconds, the part of the blocked
-    spent waiting for the gradient buckets) on this rank, and each timed step's counted collectives (entry, exit)."""
+    spent waiting for the gradient buckets) on this rank, and each timed step's counted collectives (entry, exit, group)."""
     from meshplan.plans.plan import Plan
 
     warnings.simplefilter("ignore")
@@ -113,23 +114,41 @@ def measure(rank: int, world: int, plans_json: list[str], sizes: list[str]) -> l
     return out
 
 
-def arrival_split(calls: list[list[list[tuple[float, float]]]]) -> tuple[float, float]:
-    """`calls[rank][step]`: one plan's counted collectives (entry, exit). Each call's time on a rank is the wait for
-    the last rank to enter it plus what it takes once all have entered; per rank the median over steps of each sum,
-    then the largest over ranks: (waiting for the last rank, after all entered), in seconds."""
+def _group(comm, description: str) -> tuple[int, tuple[int, ...]]:
+    """The group of a counted collective: its mesh axis (every call's description ends "over mesh axis <name>") and
+    this rank's coordinates on the other axes."""
+    _, sep, name = description.rpartition("over mesh axis ")
+    if not sep or name not in comm.mesh.axis_names:
+        raise RuntimeError(f"cannot tell the mesh axis of the collective {description!r}")
+    axis = comm.mesh.axis_names.index(name)
+    return axis, tuple(c for a, c in enumerate(comm.coord) if a != axis)
+
+
+def arrival_split(calls: list[list[list[tuple[float, float, tuple]]]]) -> tuple[float, float]:
+    """`calls[rank][step]`: one plan's counted collectives (entry, exit, group). A group's ranks run its calls in the
+    same order, so its j-th call on one rank is its j-th on the others. Each call's time on a rank is the wait for the
+    group's last rank to enter it plus what it takes once all have entered; per rank the median over steps of each
+    sum, then the largest over ranks: (waiting for the last rank, after all entered), in seconds."""
     ranks, steps = len(calls), len(calls[0])
     waiting, inside = [[] for _ in range(ranks)], [[] for _ in range(ranks)]
     for step in range(steps):
-        per_rank = [calls[r][step] for r in range(ranks)]
-        if len({len(c) for c in per_rank}) != 1:
-            raise RuntimeError(f"the ranks counted different collectives in step {step}: {[len(c) for c in per_rank]}")
+        same_call: dict[tuple, list[tuple[int, float, float]]] = {}  # (group, j) -> (rank, entry, exit) of its members
+        group_ranks: dict[tuple, set[int]] = {}
+        for r in range(ranks):
+            seen: dict[tuple, int] = {}
+            for entry, exit_, group in calls[r][step]:
+                j = seen[group] = seen.get(group, -1) + 1
+                same_call.setdefault((group, j), []).append((r, entry, exit_))
+                group_ranks.setdefault(group, set()).add(r)
         w, i = [0.0] * ranks, [0.0] * ranks
-        for k in range(len(per_rank[0])):
-            last = max(c[k][0] for c in per_rank)
-            for r in range(ranks):
-                entry, exit_ = per_rank[r][k]
-                w[r] += max(0.0, last - entry)
-                i[r] += exit_ - max(last, entry)
+        for (group, j), members in same_call.items():
+            if len(members) != len(group_ranks[group]):
+                raise RuntimeError(f"step {step}: call {j} of group {group} was counted by {len(members)} of its "
+                                   f"{len(group_ranks[group])} ranks")
+            last = max(entry for _, entry, _ in members)
+            for r, entry, exit_ in members:
+                w[r] += last - entry
+                i[r] += exit_ - last
         for r in range(ranks):
             waiting[r].append(w[r])
             inside[r].append(i[r])
