@@ -9,8 +9,9 @@ and, inside it, the wall time blocked in the runtime's collectives (every counte
 wait for the gradient buckets) and in the optimizer step; the rest is compute. It also takes the
 process's CPU seconds over the step (all its threads, gloo's too). Per column the median over 9 steps,
 then the largest over ranks. The communication is split three ways: in the counted collectives, the wait for
-the last rank to enter each (the ranks' entries compared on the machine's one monotonic clock) and the time
-after all have entered; and the wait for the gradient buckets (all-reduced asynchronously during backward).
+the last rank of each call's group (its mesh axis) to enter it (the entries compared on the machine's one
+monotonic clock) and the time after all have entered; and the wait for the gradient buckets (all-reduced
+asynchronously during backward).
 Printed against the plan's compute, communication and optimizer terms, and against the machine's throughput
 bound: ranks x CPU seconds per rank / cores, the least a step can take when every rank needs that much CPU and
 the cores are shared.
