@@ -754,6 +754,7 @@ def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: Cluste
     keyword tensors of the same batch, sliced along dim 0) and search.
 
     `stage_config` pins may also come from `pipeline_stage` attributes on submodules."""
+    from meshplan.ir.rebatch import rebatched
     from meshplan.ir.repeat import repeated_stacks, truncated
     from meshplan.ir.trace import trace
 
@@ -771,9 +772,17 @@ def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: Cluste
         if (n, cut) not in cache:
             if n > batch:
                 raise ValueError(f"a microbatch of {n} samples does not fit in the example batch of {batch}")
-            inputs, kwargs = microbatch_call(example_inputs, example_kwargs, n)
-            with truncated(model, stacks if cut else []):
-                cache[n, cut] = trace(model, inputs, kwargs, precision=precision, copy_repeated=not cut)
+            # the two largest sizes traced, where their programs differ only in proportion to the batch, give this one
+            # without another export (ir/rebatch.py); a batch of 1 is always traced (export may specialise on it)
+            known = sorted((k for k, c in cache if c == cut), reverse=True)[:2]
+            derived = None
+            if n > 1 and len(known) == 2:
+                derived = rebatched(cache[known[0], cut], known[0], cache[known[1], cut], known[1], n)
+            if derived is None:
+                inputs, kwargs = microbatch_call(example_inputs, example_kwargs, n)
+                with truncated(model, stacks if cut else []):
+                    derived = trace(model, inputs, kwargs, precision=precision, copy_repeated=not cut)
+            cache[n, cut] = derived
         return cache[n, cut]
 
     short = (lambda n: traced(n, True), stacks[0].path, stacks[0].length) if len(stacks) == 1 else None

@@ -1,0 +1,130 @@
+"""ir/rebatch.py: a trace at another batch size derived from two traces equals a fresh trace, or is refused."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from meshplan.ir.rebatch import rebatched
+from meshplan.ir.trace import trace
+from meshplan.models import GPT, GPTConfig
+
+
+def _vals(graph) -> list:
+    """Every program node's `val` meta as (shape, stride, dtype): what the sharding rules read."""
+    out = []
+    for n in graph.fx.gm.graph.nodes:
+        v = n.meta.get("val")
+        leaves = v if isinstance(v, (tuple, list)) else [v]
+        out.append(tuple((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else t for t in leaves))
+    return out
+
+
+def _assert_same(derived, fresh) -> None:
+    assert derived is not None
+    assert derived.nodes == fresh.nodes  # names, ops, inputs, tensor metas, attrs
+    assert derived.fx.gm.code == fresh.fx.gm.code  # every argument (view sizes, ...)
+    assert _vals(derived) == _vals(fresh)
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=2, layers=2))
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_gpt_at_another_batch_is_its_fresh_trace(n):
+    model = _gpt()
+
+    def at(b):
+        return trace(model, (torch.zeros(b, 16, dtype=torch.long),))
+
+    _assert_same(rebatched(at(1), 1, at(2), 2, n), at(n))
+
+
+def test_hf_llama_at_another_batch_is_its_fresh_trace():
+    """Grouped-query attention (the KV heads expanded), RoPE, the loss inside, on the meta device. Export traces a batch
+    of 1 as another program here: derived from sizes 1 and 2 is refused, never wrong."""
+    tf = pytest.importorskip("transformers")
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg)
+
+    def at(b):
+        tokens = torch.zeros(b, 32, dtype=torch.long, device="meta")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return trace(model, (tokens,), {"labels": tokens})
+
+    one, two, four = at(1), at(2), at(4)
+    _assert_same(rebatched(two, 2, four, 4, 8), at(8))
+    from_one = rebatched(one, 1, two, 2, 4)
+    if from_one is not None:
+        _assert_same(from_one, four)
+
+
+class _PerSample(torch.nn.Module):
+    """Scales by a float computed from the batch: the program depends on it out of proportion."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (self.lin(x) * (1.0 / x.shape[0])).sum()
+
+
+def test_a_program_that_depends_on_the_batch_otherwise_is_refused():
+    model = _PerSample()
+    two, four = (trace(model, (torch.zeros(b, 4),)) for b in (2, 4))
+    assert rebatched(two, 2, four, 4, 8) is None
+
+
+def test_a_size_the_proportion_does_not_reach_is_refused():
+    """A view to [n * 16, ...] from batches 2 and 4 scales to any n; a dim that is n / 2 does not reach n = 3."""
+
+    class Halves(torch.nn.Module):
+        def forward(self, x):
+            return x.reshape(2, x.shape[0] // 2, 4).sum(0)
+
+    two, four = (trace(Halves(), (torch.zeros(b, 4),)) for b in (2, 4))
+    assert rebatched(two, 2, four, 4, 3) is None
+    _assert_same(rebatched(two, 2, four, 4, 8), trace(Halves(), (torch.zeros(8, 4),)))
+
+
+def test_the_pipeline_search_derives_traces_and_returns_the_same_plan(monkeypatch):
+    """plan_pipeline exports the model at fewer microbatch sizes and returns the plan it returned tracing each."""
+    import importlib
+
+    import meshplan.ir.rebatch as rebatch_module
+    from meshplan.cost_model.presets import get_cluster
+    from meshplan.planner.pipeline import PipelineOptions, plan_pipeline
+
+    model = _gpt()
+    x = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    exported = []
+    trace_module = importlib.import_module("meshplan.ir.trace")  # `meshplan.ir.trace` the attribute is the function
+    real_trace = trace_module.trace
+
+    def counting(*args, **kwargs):
+        exported.append(int(args[1][0].shape[0]))
+        return real_trace(*args, **kwargs)
+
+    monkeypatch.setattr(trace_module, "trace", counting)
+    opts = PipelineOptions(degrees=(2,), microbatch_sizes=(1, 2, 4))
+
+    def search():
+        exported.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = plan_pipeline(model, 4, (x,), cluster=get_cluster("h100"), options=opts)
+        return result, list(exported)
+
+    derived, few = search()
+    monkeypatch.setattr(rebatch_module, "rebatched", lambda *a: None)
+    fresh, every = search()
+    assert len(few) < len(every)
+    assert derived.plan.to_json() == fresh.plan.to_json()
