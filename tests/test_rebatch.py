@@ -128,3 +128,22 @@ def test_the_pipeline_search_derives_traces_and_returns_the_same_plan(monkeypatc
     fresh, every = search()
     assert len(few) < len(every)
     assert derived.plan.to_json() == fresh.plan.to_json()
+
+
+def test_zoo_models_derive_equal_or_refuse():
+    """benchmarks/rebatch_zoo.py on ResNet (batch norm's running statistics updated in forward) and Mixtral (the MoE
+    region op's static arguments): every derived trace is the fresh one or refused, and from 2 and 4 samples to 8 each
+    is derived."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/rebatch_zoo.py", "--only", "resnet_small", "mixtral"], cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| resnet_small") or line.startswith("| mixtral")]
+    assert len(rows) == 2
+    for cells in rows:
+        assert "WRONG" not in " ".join(cells)
+        assert cells[3] == "EQUAL"  # 2, 4 -> 8
