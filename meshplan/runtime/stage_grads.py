@@ -105,7 +105,8 @@ class StageGradSync:
             p = self.params[x]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.div_(self._microbatches)
+            if self._microbatches > 1:  # one microbatch's gradient is the step's already: no kernel per parameter
+                p.grad.div_(self._microbatches)
             self._scaled.add(x)
 
     @torch.no_grad()
