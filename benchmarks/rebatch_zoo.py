@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # measure this che
 import torch  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 
-from mesh_search import MODELS, _unpack  # noqa: E402
 from meshplan.ir.rebatch import rebatched  # noqa: E402
 from meshplan.ir.trace import trace  # noqa: E402
 from meshplan.planner.pipeline import microbatch_call  # noqa: E402
@@ -58,6 +57,8 @@ def widened(inputs: tuple, kwargs: dict, batch: int) -> tuple[tuple, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mesh_search import MODELS, _unpack  # the zoo (benchmarks/ is on the path of a script run from it)
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", choices=sorted(MODELS))
     args = ap.parse_args(argv)
