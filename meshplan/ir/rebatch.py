@@ -1,7 +1,7 @@
 """A model's trace at another batch size, derived from its traces at two sizes instead of exported again.
 
 The pipeline search prices stage profiles at several microbatch sizes, and each torch.export of a big model takes
-seconds (four of the cut Llama-3-8B, 2-3 s each, in a 27 s default call at 131k tokens). Two traces of one model
+seconds (the cut Llama-3-8B at 1, 2, 4 and 8 sequences, 1.6-2.4 s each, in a 24 s default call at 131k tokens). Two traces of one model
 at batch sizes a and b show how its program depends on the batch: every shape, stride and integer argument is
 either the same in both or grows in proportion to the batch (a view to `[n * s, h]`). The trace at n is then the
 first with each proportional integer scaled to n. Anything else (another op sequence, a float or a constant that
@@ -102,7 +102,8 @@ def _rebatched(first: Graph, second: Graph, scale: _Scaler) -> Graph:
         nodes.append(dataclasses.replace(x, outputs=scale.value(x.outputs, y.outputs), attrs=scale.value(x.attrs, y.attrs)))
     program, other = first.fx, second.fx
     for name, t in program.constants.items():
-        if tuple(t.shape) != tuple(other.constants[name].shape):
+        theirs = other.constants.get(name)
+        if not isinstance(theirs, torch.Tensor) or tuple(t.shape) != tuple(theirs.shape):
             raise _Differs(f"constant {name}")
     if (program.mutations, program.fixed, program.in_spec, program.out_spec) != (other.mutations, other.fixed, other.in_spec,
                                                                                other.out_spec):
@@ -118,6 +119,7 @@ def _rebatched(first: Graph, second: Graph, scale: _Scaler) -> Graph:
         new = copied[x] = graph.node_copy(x, lambda node: copied[node])
         new.args = scale.value(x.args, y.args, copied)
         new.kwargs = scale.value(x.kwargs, y.kwargs, copied)
+        new.meta.pop("tensor_meta", None)  # batch a's shapes: nothing reads it that `val` does not answer
         if "val" in x.meta:
             new.meta["val"] = scale.value(x.meta["val"], y.meta.get("val"))
     gm = fx.GraphModule(program.gm, graph)

@@ -775,14 +775,14 @@ def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: Cluste
             # the two largest sizes traced, where their programs differ only in proportion to the batch, give this one
             # without another export (ir/rebatch.py); a batch of 1 is always traced (export may specialise on it)
             known = sorted((k for k, c in cache if c == cut), reverse=True)[:2]
-            derived = None
+            graph = None
             if n > 1 and len(known) == 2:
-                derived = rebatched(cache[known[0], cut], known[0], cache[known[1], cut], known[1], n)
-            if derived is None:
+                graph = rebatched(cache[known[0], cut], known[0], cache[known[1], cut], known[1], n)
+            if graph is None:
                 inputs, kwargs = microbatch_call(example_inputs, example_kwargs, n)
                 with truncated(model, stacks if cut else []):
-                    derived = trace(model, inputs, kwargs, precision=precision, copy_repeated=not cut)
-            cache[n, cut] = derived
+                    graph = trace(model, inputs, kwargs, precision=precision, copy_repeated=not cut)
+            cache[n, cut] = graph
         return cache[n, cut]
 
     short = (lambda n: traced(n, True), stacks[0].path, stacks[0].length) if len(stacks) == 1 else None
