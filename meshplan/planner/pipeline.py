@@ -772,8 +772,8 @@ def plan_pipeline(model, devices: int, example_inputs: tuple, *, cluster: Cluste
         if (n, cut) not in cache:
             if n > batch:
                 raise ValueError(f"a microbatch of {n} samples does not fit in the example batch of {batch}")
-            # the two largest sizes traced, where their programs differ only in proportion to the batch, give this one
-            # without another export (ir/rebatch.py); a batch of 1 is always traced (export may specialise on it)
+            # the two largest sizes held (traced or derived), where their programs differ only in proportion to the batch,
+            # give this one without another export (ir/rebatch.py); a batch of 1 is always traced (export may specialise on it)
             known = sorted((k for k, c in cache if c == cut), reverse=True)[:2]
             graph = None
             if n > 1 and len(known) == 2:
