@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
     cases = [c for c in fidelity.out_of_sample_cases() if c.name == args.case and c.world == args.world]
-    if not cases or not any(k == "pipeline" for k in dict(cases[0].options)):
+    if not cases or "pipeline" not in dict(cases[0].options):
         names = sorted({f"{c.name!r} on {c.world}" for c in fidelity.out_of_sample_cases() if "pipeline" in dict(c.options)})
         raise ValueError(f"--case {args.case!r} --world {args.world} is not a pipelined case of fidelity.py; pipelined cases: {', '.join(names)}")
     case = cases[0]
