@@ -139,3 +139,21 @@ def test_zoo_models_derive_equal_or_refuse():
     for cells in rows:
         assert "WRONG" not in " ".join(cells)
         assert cells[3] == "EQUAL"  # 2, 4 -> 8
+
+
+def test_tensor_metas_of_another_dtype_or_rank_are_refused_not_raised():
+    """Two traces whose node outputs differ in dtype or rank are another program: refused (None), never an error or
+    the first trace's dtype kept."""
+    from dataclasses import replace
+
+    from meshplan.ir.graph import Graph, TensorMeta
+
+    model = _gpt()
+    two, four = (trace(model, (torch.zeros(b, 16, dtype=torch.long),)) for b in (2, 4))
+    k = next(i for i, n in enumerate(four.nodes) if n.kind == "op" and n.outputs and n.outputs[0] is not None)
+    meta = four.nodes[k].outputs[0]
+    for changed in (TensorMeta(meta.shape, "float16" if meta.dtype != "float16" else "float32"), TensorMeta(meta.shape + (1,), meta.dtype)):
+        nodes = list(four.nodes)
+        nodes[k] = replace(nodes[k], outputs=(changed, *nodes[k].outputs[1:]))
+        other = Graph(nodes, fx=four.fx, input_names=four.input_names, precision=four.precision)
+        assert rebatched(two, 2, other, 4, 8) is None

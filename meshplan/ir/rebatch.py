@@ -63,7 +63,9 @@ class _Scaler:
         if isinstance(x, torch.Tensor):
             return self.tensor(x, y)
         if isinstance(x, TensorMeta):
-            return TensorMeta(tuple(self.int(u, v) for u, v in zip(x.shape, y.shape, strict=True)), x.dtype)
+            if x.dtype != y.dtype or len(x.shape) != len(y.shape):
+                raise _Differs(f"{x} against {y}")
+            return TensorMeta(tuple(self.int(u, v) for u, v in zip(x.shape, y.shape)), x.dtype)
         if x != y:
             raise _Differs(f"{x!r} against {y!r}")
         return x
