@@ -256,32 +256,30 @@ def test_plan_prices_ops_with_the_profile(mlp_profile):
     assert hosted.compute_s == pytest.approx(expected, rel=1e-9) and hosted.compute_s > plan.compute_s
 
 
-def test_a_plan_pays_the_in_program_overhead_measured_at_its_own_op_size(mlp_profile):
-    """A profile of several programs keeps each one's (mean isolated seconds per op run, overhead per run); a graph is
-    priced at the overhead interpolated at its own ops' mean, so a small model does not pay a large one's."""
-    from meshplan.cost_model.program_overhead import for_program, interpolated
-
-    assert interpolated([(1.0, 10.0), (3.0, 30.0)], 2.0) == 20.0
-    assert interpolated([(3.0, 30.0), (1.0, 10.0)], 0.5) == 10.0 and interpolated([(1.0, 10.0), (3.0, 30.0)], 9.0) == 30.0
+def test_an_op_run_pays_the_in_program_overhead_of_its_size(mlp_profile):
+    """A profile of several programs keeps each one's (mean isolated seconds per op run, overhead per run); the line
+    through them prices each op run by its own isolated seconds, so a small model's ops, and a sharded plan's
+    smaller local ops, do not pay a large program's overhead per run."""
     graph, prof = mlp_profile
     fake = dataclasses.replace(
         prof, ops={k: OpTiming(forward_s=1e-3, backward_s=2e-3 if t.backward_s is not None else None) for k, t in prof.ops.items()},
         contention={2: 1.5}, node_overhead_s=1e-4)
-    ops = [n for n in graph.nodes if n.kind == "op"]
-    runs = sum(2 if any(n.requires_grad) else 1 for n in ops)
-    mean = sum(3e-3 if any(n.requires_grad) else 1e-3 for n in ops) / runs  # this graph's isolated seconds per op run
-    cluster = get_cluster("cpu").with_profile(dataclasses.replace(fake, program_overheads=((mean / 2, 1e-5), (mean * 2, 4e-5))))
-    at_mean = 1e-5 + 3e-5 * (mean - mean / 2) / (mean * 2 - mean / 2)
-    read = for_program(cluster, graph)
-    assert read.profile.node_overhead_s == pytest.approx(at_mean) and for_program(cluster, graph) is read
+    # two programs: 10 us + 5 % of the isolated time per op run; a third point off the line moves it by least squares
+    line = dataclasses.replace(fake, program_overheads=((1e-4, 1.5e-5), (1e-3, 6e-5))).overhead_line
+    assert line == pytest.approx((1e-5, 0.05))
+    assert dataclasses.replace(fake, program_overheads=((1e-4, 1.5e-5), (1e-3, 6e-5), (2e-3, 3e-4))).overhead_line[1] > 0.05
+    # a slope below zero keeps the mean overhead flat; an intercept below zero goes through the origin
+    assert dataclasses.replace(fake, program_overheads=((1e-4, 4e-5), (1e-3, 2e-5))).overhead_line == pytest.approx((3e-5, 0.0))
+    assert dataclasses.replace(fake, program_overheads=((1e-4, 0.0), (1e-3, 2e-4))).overhead_line == pytest.approx((0.0, 2e-7 / 1.01e-6))
+    # one program (or programs of one size): its figure per run, as before
+    assert dataclasses.replace(fake, program_overheads=((1e-4, 1.5e-5),)).overhead_line == (1e-4, 0.0)
     model, inputs = mlp_small()
+    cluster = get_cluster("cpu").with_profile(dataclasses.replace(fake, program_overheads=((1e-4, 1.5e-5), (1e-3, 6e-5))))
     plan = meshplan.plan(model, 2, inputs, cluster=cluster, mesh_shape=(2,))
-    expected = sum(1e-3 + at_mean + (2e-3 + at_mean if any(n.requires_grad) else 0.0) for n in ops) * 1.5
+    ops = [n for n in graph.nodes if n.kind == "op"]
+    expected = sum(1e-3 + 1e-5 + 0.05 * 1e-3 + (2e-3 + 1e-5 + 0.05 * 2e-3 if any(n.requires_grad) else 0.0) for n in ops) * 1.5
     assert plan.compute_s == pytest.approx(expected, rel=1e-9)
-    # one program measured: its figure, as before
-    single = get_cluster("cpu").with_profile(dataclasses.replace(fake, program_overheads=((mean / 2, 1e-5),)))
-    assert for_program(single, graph) is single
-    assert Profile.from_json(cluster.profile.to_json()).program_overheads == cluster.profile.program_overheads
+    assert Profile.from_json(cluster.profile.to_json()).overhead_line == cluster.profile.overhead_line
 
 
 def test_fit_alpha_beta_recovers_a_line():

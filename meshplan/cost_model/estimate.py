@@ -6,7 +6,7 @@ of exactly the steps `redistribution_steps` lists (forward and, where gradients 
 
 With a measured profile on the cluster (`ClusterPreset.profile`), an op's time is its measured
 forward + backward on the local shapes, on a GPU no less than the host takes to issue them
-(`Profile.host_op_run_s`), plus the measured in-program overhead per op run (`Profile.node_overhead_s`),
+(`Profile.host_op_run_s`), plus the measured in-program overhead of its runs (`Profile.overhead_line`),
 times the measured compute contention of the world size;
 a collective's time is its fitted alpha + bytes * beta for that group and world size, and the
 runtime's local copies around collectives (chunk, pad, cat, stack, clone: see
@@ -57,9 +57,10 @@ def host_floored(seconds: float, runs: int, host_op_run_s: float | None) -> floa
 
 
 def profiled_seconds(prof: Profile, seconds: float, runs: int) -> float:
-    """`seconds` of an op's `runs` as a step on `prof`'s device spends them: floored by the host (`host_floored`), plus
-    the in-program overhead per run."""
-    return host_floored(seconds, runs, prof.host_op_run_s) + runs * (prof.node_overhead_s or 0.0)
+    """`seconds` of an op's `runs` (isolated) as a step on `prof`'s device spends them: floored by the host
+    (`host_floored`), plus the in-program overhead of runs of that size (`Profile.overhead_line`)."""
+    per_run, per_second = prof.overhead_line
+    return host_floored(seconds, runs, prof.host_op_run_s) + runs * per_run + per_second * seconds
 
 
 def compute_time(

@@ -144,10 +144,11 @@ class Profile:
     flow) beyond the ops' isolated timings: the model's one-device program, timed forward + backward,
     minus the sum of its ops' profiles, over the ops it ran. It is the per-op work of a real step
     that timing one op at a time misses (autograd's graph and engine, Python between ops,
-    allocator and cache state). With `program_overheads` of two programs or more, a plan's graph is priced at the
-    figure read at its own ops' size instead (`cost_model/program_overhead.py`)."""
+    allocator and cache state). With `program_overheads` of two programs of different sizes or more, an op is priced by
+    `overhead_line` instead."""
     program_overheads: tuple[tuple[float, float], ...] = ()
-    """Per program measured: (its ops' mean isolated seconds per run, its `node_overhead_s`)."""
+    """Per program measured: (its ops' mean isolated seconds per run, its `node_overhead_s`). `overhead_line` is
+    fitted through them."""
     host_op_run_s: float | None = None
     """On a GPU, the host's seconds per op run issuing the same one-device program (its median host time over the
     ops it ran): an op's price is at least its runs' share of it (`estimate.profiled_seconds`), since a step whose
@@ -165,10 +166,19 @@ class Profile:
     dtensor_view_s: float | None = None
     """Extra seconds per trainable parameter of each forward + backward when it is a DTensor: the per-rank program
     reads it through `runtime.local_view` and its gradient arrives as a DTensor (`op_profiler.dtensor_view_overhead`)."""
+    overhead_line: tuple[float, float] = field(init=False, repr=False, compare=False, default=(0.0, 0.0))
+    """(a, r): an op run of t isolated seconds pays a + r t of in-program overhead (`estimate.profiled_seconds`). The
+    least-squares line through `program_overheads`, each program's overhead per op run against its ops' mean isolated
+    seconds per run, neither coefficient below zero; with fewer than two program sizes, (`node_overhead_s`, 0). Summed
+    over a measured program's ops, the line gives that program's overhead per run at its mean. Measured on one
+    process, the overhead is neither a fixed cost per op run nor a share of each op's time alone: the medium fidelity
+    GPT's program ran 2.1-2.8x its ops' isolated sum at batch 16, 8, 4 and 2 alike (133-143, 56-66, 32-33, 20-27 us
+    per op run) in an hour when 2026-11-27's ran 1.1-1.2x (docs/cost_model.md)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", MappingProxyType(dict(self.ops)))
         object.__setattr__(self, "program_overheads", tuple((float(x), float(y)) for x, y in self.program_overheads))
+        object.__setattr__(self, "overhead_line", _fitted_line(self.program_overheads, self.node_overhead_s))
         object.__setattr__(self, "contention", MappingProxyType({int(k): float(v) for k, v in self.contention.items()}))
         for name in ("pipeline_action_s", "pipeline_step_s"):
             by_schedule = {str(k): MappingProxyType({int(w): float(x) for w, x in v.items()}) for k, v in getattr(self, name).items()}
@@ -328,6 +338,23 @@ class Profile:
             f"in-program overhead {'not measured' if self.node_overhead_s is None else f'{self.node_overhead_s * 1e6:.1f} us per op'}"
             + ("" if self.host_op_run_s is None else f", host {self.host_op_run_s * 1e6:.1f} us per op run")
         )
+
+
+def _fitted_line(points: Sequence[tuple[float, float]], fallback: float | None) -> tuple[float, float]:
+    """`Profile.overhead_line` of `points` (x, y): least squares, then refitted with the other coefficient alone where
+    one comes out below zero."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / max(n, 1)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    if n < 2 or spread <= 0:
+        return (fallback or 0.0), 0.0
+    mean_y = sum(y for _, y in points) / n
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    if slope < 0:
+        return max(mean_y, 0.0), 0.0
+    if mean_y - slope * mean_x < 0:
+        return 0.0, max(sum(x * y for x, y in points) / sum(x * x for x, _ in points), 0.0)
+    return mean_y - slope * mean_x, slope
 
 
 def _of_schedule(by_schedule: Mapping[str, Mapping[int, float]], schedule: str) -> Mapping[int, float]:

@@ -34,7 +34,6 @@ from meshplan.cost_model.model_flops import model_flops
 from meshplan.cost_model.peak import predict_peak
 from meshplan.cost_model.pipeline_memory import with_stage_memory
 from meshplan.cost_model.presets import CLUSTERS, ClusterPreset
-from meshplan.cost_model.program_overhead import for_program
 from meshplan.cost_model.redistribution import backward_steps, redistribution_steps
 from meshplan.ir.graph import Graph
 from meshplan.ir.mesh import MeshSpec
@@ -160,7 +159,6 @@ def make_plan(
     `plan.memory` is the liveness walk's peak (`cost_model/peak.py`), and the plan keeps `options.memory_budget` by
     that peak (`_keep_budget`, which calls `_Planning.attempt` once per bound of the solver's memory row)."""
     search = _checked_search(options)
-    cluster = for_program(cluster, graph)  # the profile's in-program overhead at this graph's op size
     cands, before_constraints, constraints = _candidates(graph, mesh, options)
     budget = _budget(options.memory_budget, cluster)
     check_recompute(options.recompute)

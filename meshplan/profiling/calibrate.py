@@ -79,42 +79,48 @@ def op_workload(graph: Graph, meshes: Iterable[MeshSpec], regions: dict | None =
 
 def profile_graph(
     graph: Graph, meshes: Iterable[MeshSpec], *, cluster: str = "cpu", device: str | torch.device | None = None,
-    threads: int | None = 1, budget_s: float = 0.05, queued: int = 1, hide_launch: bool = True,
+    threads: int | None = 1, budget_s: float = 0.05, queued: int = 1, hide_launch: bool = True, programs: Sequence[Graph] = (),
 ) -> Profile:
     """Time every op of `graph` on every local shape its candidates on `meshes` produce, and the
-    optimizer step on the graph's parameter sizes. `queued`, `hide_launch`: see `op_profiler.time_op`."""
+    optimizer step on the graph's parameter sizes. `queued`, `hide_launch`: see `op_profiler.time_op`. `programs`: the
+    same model traced at other batch sizes; their one-device programs are timed beside `graph`'s (and their ops where
+    the meshes' shapes miss one), each a point of `Profile.program_overheads`."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    fx_nodes = {n.name: n for n in graph.fx.gm.graph.nodes}
     kernels: dict = {}
-    work = op_workload(graph, meshes, kernels)
+    graphs = (graph, *programs)
+    work = {key: (graph, *item) for key, item in op_workload(graph, meshes, kernels).items()}
+    for other in programs:
+        work.update({key: (other, *item) for key, item in op_workload(other, ()).items() if key not in work})
+    fx_nodes = {id(g): {n.name: n for n in g.fx.gm.graph.nodes} for g in graphs}
     with _rank_threads(dev, threads) as used:
         timings = {}
         failed = []
         grad_call = grad_call_overhead(dev)
-        samples: list[tuple[float, float]] = []  # the whole program's (seconds, host seconds), spread over the op timings
+        samples: list[list[tuple[float, float]]] = [[] for _ in graphs]  # each program's (seconds, host seconds), spread over the op timings
         sample_at, sampling = {len(work) * j // PROGRAM_SAMPLES for j in range(PROGRAM_SAMPLES)}, True
-        for i, (key, (name, ins, needs, outs)) in enumerate(work.items()):
+        for i, (key, (owner, name, ins, needs, outs)) in enumerate(work.items()):
             if sampling and i in sample_at:
-                sampling = _sample_program(graph, dev, samples)
+                sampling = all([_sample_program(g, dev, s) for g, s in zip(graphs, samples)])
             if i % 20 == 0:
                 phase(f"timing op {i + 1}/{len(work)}")
             out_shape = outs[0].shape if outs and outs[0] is not None else None
             try:
-                timings[key] = time_op(fx_nodes[name], ins, needs, out_shape, device=dev, budget_s=budget_s, grad_call_s=grad_call,
-                                       queued=queued, hide_launch=hide_launch)
+                timings[key] = time_op(fx_nodes[id(owner)][name], ins, needs, out_shape, device=dev, budget_s=budget_s,
+                                       grad_call_s=grad_call, queued=queued, hide_launch=hide_launch)
             except (RuntimeError, ValueError, TypeError, IndexError) as e:  # an op that rejects made-up values
                 failed.append(f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         timings.update(_time_kernels(kernels, dev, budget_s, grad_call, failed))
         if failed:
             log.warning("%d op shapes could not be timed (the roofline prices them): %s", len(failed), "; ".join(failed[:5]))
         overhead, copy = op_overhead(dev), copy_rate(dev)
-        node_overhead, host_op_run, op_run = program_overhead(graph, timings, samples, dev)
+        measured = [program_overhead(g, timings, s, dev) for g, s in zip(graphs, samples)]
+        node_overhead, host_op_run, _ = measured[0]
         numels = [n.out.numel for n in graph.nodes if n.kind == "param" and n.grad(0)]
         optimizers = {name: optimizer_rate(name, dev, numels) for name in OPTIMIZERS}
     return Profile(
         device=device_name(dev), torch_version=torch_version(), cluster=cluster, threads=used,
         ops=timings, copy_seconds_per_byte=copy, op_overhead_s=overhead, optimizer_steps=optimizers, node_overhead_s=node_overhead,
-        host_op_run_s=host_op_run, program_overheads=() if op_run is None else ((op_run, node_overhead),),
+        host_op_run_s=host_op_run, program_overheads=tuple((op_run, per_run) for per_run, _, op_run in measured if op_run is not None),
     )
 
 
@@ -242,14 +248,30 @@ def profile_model(
     meshes = [m for d in devices for m in resolve_mesh(d, devices_per_node=preset.devices_per_node)]
     phase(f"tracing {type(model).__name__}")
     precision = resolve_precision(mixed_precision, auto=preset.device.default_precision)
-    graph = trace(model, example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), example_kwargs,
-                  precision=precision)
-    profile = profile_graph(graph, meshes, cluster=preset.name, budget_s=budget_s)
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    graph = trace(model, example_inputs, example_kwargs, precision=precision)
+    profile = profile_graph(graph, meshes, cluster=preset.name, budget_s=budget_s,
+                            programs=_smaller_batch(model, example_inputs, example_kwargs, max(devices), precision))
     if out is not None:
         path = profile_path() if str(out) == "local" else out
         profile = save_merged(profile, path)
         log.info("profile written to %s", path)
     return profile
+
+
+def _smaller_batch(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, devices: int, precision) -> tuple[Graph, ...]:
+    """The model traced at the batch one of `devices` data-parallel ranks runs (none when that is the whole batch or
+    less than a sample): a second program for the in-program overhead, whose dependence on the ops' size is what a
+    sharded plan's ranks pay (`Profile.overhead_line`)."""
+    from meshplan.ir.trace import trace
+    from meshplan.planner.pipeline import microbatch_call
+
+    first = example_inputs[0] if example_inputs else None
+    batch = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 0
+    if batch // devices < 1 or devices == 1:
+        return ()
+    inputs, kwargs = microbatch_call(example_inputs, example_kwargs, batch // devices)
+    return (trace(model, inputs, kwargs, precision=precision),)
 
 
 def _comm_worker(rank: int, world: int, cluster: str, sizes: tuple[int, ...], reps: int) -> dict:
