@@ -282,6 +282,21 @@ def test_an_op_run_pays_the_in_program_overhead_of_its_size(mlp_profile):
     assert Profile.from_json(cluster.profile.to_json()).overhead_line == cluster.profile.overhead_line
 
 
+def test_profile_model_times_the_program_at_one_ranks_batch_too():
+    """`profile_model` measures the in-program overhead on the example batch and on the batch one data-parallel rank of
+    the largest device count runs (8 / 4 = 2 samples here), timing that program's ops too; a batch the ranks cannot
+    split gives one program."""
+    from meshplan.profiling.calibrate import profile_model
+
+    model, (x,) = mlp_small()
+    prof = profile_model(model, (x,), devices=(2, 4), budget_s=0.002)
+    assert len(prof.program_overheads) == 2
+    small = trace(model, (x[:2],))
+    assert set(op_workload(small, ())) <= set(prof.ops), "the smaller program's ops are timed"
+    assert prof.overhead_line == Profile.from_json(prof.to_json()).overhead_line
+    assert len(profile_model(model, (x[:1],), devices=(2,), budget_s=0.002).program_overheads) == 1
+
+
 def test_fit_alpha_beta_recovers_a_line():
     sizes = [4096 * 4**k for k in range(8)]
     alpha, beta = fit_alpha_beta(sizes, [2e-4 + s * 1.5e-9 for s in sizes])

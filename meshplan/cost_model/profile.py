@@ -336,6 +336,8 @@ class Profile:
             f"profile for {self.device} (torch {self.torch_version}, calibrates cluster {self.cluster!r}): "
             f"{len(self.ops)} op timings, {len(self.collectives)} collective fits ({self.backend or '-'}), contention {per}, "
             f"in-program overhead {'not measured' if self.node_overhead_s is None else f'{self.node_overhead_s * 1e6:.1f} us per op'}"
+            + ("" if not self.overhead_line[1] else f" (priced {self.overhead_line[0] * 1e6:.1f} us + {self.overhead_line[1]:.3f} x its "
+                   f"isolated time per op run, through {len(self.program_overheads)} programs)")
             + ("" if self.host_op_run_s is None else f", host {self.host_op_run_s * 1e6:.1f} us per op run")
         )
 
