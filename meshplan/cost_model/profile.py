@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from meshplan.cost_model.line_fit import nonnegative_line
 from meshplan.ir.graph import TensorMeta
 
 log = logging.getLogger("meshplan")
@@ -343,20 +344,9 @@ class Profile:
 
 
 def _fitted_line(points: Sequence[tuple[float, float]], fallback: float | None) -> tuple[float, float]:
-    """`Profile.overhead_line` of `points` (x, y): least squares, then refitted with the other coefficient alone where
-    one comes out below zero."""
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / max(n, 1)
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    if n < 2 or spread <= 0:
-        return (fallback or 0.0), 0.0
-    mean_y = sum(y for _, y in points) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
-    if slope < 0:
-        return max(mean_y, 0.0), 0.0
-    if mean_y - slope * mean_x < 0:
-        return 0.0, max(sum(x * y for x, y in points) / sum(x * x for x, _ in points), 0.0)
-    return mean_y - slope * mean_x, slope
+    """`Profile.overhead_line` of `points` (x, y); (`fallback`, 0) without two different xs."""
+    fit = nonnegative_line([x for x, _ in points], [y for _, y in points]) if len(points) >= 2 else None
+    return fit if fit is not None else ((fallback or 0.0), 0.0)
 
 
 def _of_schedule(by_schedule: Mapping[str, Mapping[int, float]], schedule: str) -> Mapping[int, float]:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.cost_model.collectives import COLLECTIVE_KINDS
+from meshplan.cost_model.line_fit import nonnegative_line
 from meshplan.cost_model.profile import CollectiveFit, Profile, axis_label, device_name, torch_version
 from meshplan.profiling.op_profiler import OPTIMIZERS, Timer, dtensor_optimizer_overhead, dtensor_view_overhead
 from meshplan.profiling.pipeline_overhead import measure_schedule_overhead
@@ -43,22 +44,10 @@ def fit_alpha_beta(sizes: Sequence[int], times: Sequence[float]) -> tuple[float,
     both clamped at >= 0 (a negative latency or bandwidth is noise, not physics)."""
     if len(sizes) != len(times) or len(sizes) < 2:
         raise ValueError(f"fit_alpha_beta needs >= 2 (size, time) pairs of equal length; got {len(sizes)} sizes, {len(times)} times")
-    w = [1.0 / max(t, 1e-12) ** 2 for t in times]
-    sw = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, sizes))
-    sy = sum(wi * y for wi, y in zip(w, times))
-    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, times))
-    det = sw * sxx - sx * sx
-    if det <= 0:
+    fit = nonnegative_line(sizes, times, [1.0 / max(t, 1e-12) ** 2 for t in times])
+    if fit is None:
         raise ValueError(f"fit_alpha_beta needs at least two different sizes; got {sorted(set(sizes))}")
-    beta = (sw * sxy - sx * sy) / det
-    alpha = (sy - beta * sx) / sw
-    if beta < 0:
-        return max(sy / sw, 0.0), 0.0
-    if alpha < 0:  # through the origin
-        return 0.0, max(sxy / sxx, 0.0)
-    return alpha, beta
+    return fit
 
 
 def _groups(mesh_shape: tuple[int, ...], axis: int, rank: int) -> tuple[object, list[int]]:
