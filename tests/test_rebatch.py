@@ -62,6 +62,19 @@ def test_hf_llama_at_another_batch_is_its_fresh_trace():
         _assert_same(from_one, four)
 
 
+def test_a_trace_derived_from_a_derived_trace_is_its_fresh_trace():
+    """The pipeline search holds derived traces beside exported ones (8 from 2 and 4, then 16 from 4 and 8): a derived
+    trace's `val` metas are meta tensors where an exported one's are fake tensors, and the two still pair up."""
+    model = _gpt()
+
+    def at(b):
+        return trace(model, (torch.zeros(b, 16, dtype=torch.long),))
+
+    four = at(4)
+    eight = rebatched(at(2), 2, four, 4, 8)
+    _assert_same(rebatched(eight, 8, four, 4, 16), at(16))
+
+
 class _PerSample(torch.nn.Module):
     """Scales by a float computed from the batch: the program depends on it out of proportion."""
 

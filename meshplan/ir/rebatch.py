@@ -43,6 +43,8 @@ class _Scaler:
         return x * self.n // self.a
 
     def value(self, x: Any, y: Any, nodes: dict[fx.Node, fx.Node] | None = None) -> Any:
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):  # a traced FakeTensor against a derived meta tensor
+            return self.tensor(x, y)
         if type(x) is not type(y):
             raise _Differs(f"{type(x).__name__} against {type(y).__name__}")
         if isinstance(x, fx.Node):
@@ -60,8 +62,6 @@ class _Scaler:
             if list(x) != list(y):
                 raise _Differs("other keys")
             return {k: self.value(x[k], y[k], nodes) for k in x}
-        if isinstance(x, torch.Tensor):
-            return self.tensor(x, y)
         if isinstance(x, TensorMeta):
             if x.dtype != y.dtype or len(x.shape) != len(y.shape):
                 raise _Differs(f"{x} against {y}")
