@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshplan.regions import attention_blocks
-from meshplan.regions.attention_blocks import SEQ
-from meshplan.regions.context_parallel import _repeat_heads, balanced_chunks, causal_pairs, rank_attention
+from meshplan.regions.attention_blocks import SEQ, repeat_heads
+from meshplan.regions.context_parallel import balanced_chunks, causal_pairs, rank_attention
 
 LAYOUTS = ("ring", "ring_balanced", "allgather", "balanced")
 FORCED = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -66,7 +66,7 @@ def measure(device: torch.device, dtype: torch.dtype, seq: int, heads: int, kv_h
     full = timed(whole, device, repeats)
     chosen = attention_blocks.cuda_kernel(q, k, v, True) if device.type == "cuda" else "cpu flash"
     # the blocks repeat the KV heads, and SDPA may pick another kernel for those shapes than for the whole (GQA) call
-    per_block = attention_blocks.cuda_kernel(q, *(_repeat_heads(x, heads) for x in (k, v)), True) if device.type == "cuda" else chosen
+    per_block = attention_blocks.cuda_kernel(q, *(repeat_heads(x, heads) for x in (k, v)), True) if device.type == "cuda" else chosen
     whole_by_backend = {}
     kernels = {f"SDPA's pick ({per_block})": None}
     if device.type == "cuda":

@@ -65,7 +65,8 @@ def test_the_cpu_flash_kernels_scratch(threads, batch, heads, rows, keys, dim, c
     assert abs(held_backward - flash_cpu_bytes(batch, heads, rows, keys, dim, backward=True, threads=threads)) <= 2048
 
 
-def _ring_peaks(variant: str, rank: int, world: int, heads: int, kv_heads: int, rows: int, dim: int) -> tuple[int, int]:
+def _ring_peaks(variant: str, rank: int, world: int, heads: int, kv_heads: int, rows: int, dim: int,
+                dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     """(forward, backward) peak bytes one rank's kernel allocates, under a fake process group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -74,9 +75,9 @@ def _ring_peaks(variant: str, rank: int, world: int, heads: int, kv_heads: int, 
         comm = MeshComm(MeshSpec((world,), ("cp",)), rank)
         comm.create_groups([(0,)])
         attention = ContextParallelAttention(variant, True, 0, comm)
-        q = torch.randn(1, heads, rows, dim, requires_grad=True)
-        k, v = (torch.randn(1, kv_heads, rows, dim, requires_grad=True) for _ in range(2))
-        grad, kept = torch.ones(1, heads, rows, dim), {}
+        q = torch.randn(1, heads, rows, dim, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, rows, dim, dtype=dtype, requires_grad=True) for _ in range(2))
+        grad, kept = torch.ones(1, heads, rows, dim, dtype=dtype), {}
 
         def forward():
             kept["out"] = attention(q, k, v, enable_gqa=kv_heads != heads)
@@ -96,10 +97,12 @@ SHAPES = [(2, 4, 4, 512, 16), (4, 4, 4, 256, 16), (4, 4, 2, 512, 16), (2, 8, 2, 
 (by twice the ranks in token order)."""
 
 
-@pytest.mark.parametrize("variant,world,heads,kv_heads,rows,dim", [
-    (v, *shape) for v in ("ring", "ring_balanced", "ulysses", "allgather", "balanced", "headtail", "ring_headtail", "ulysses_headtail")
-    for shape in SHAPES if shape[2] % ({"ulysses": 1, "ulysses_headtail": 2}.get(v, 0) * shape[0] or 1) == 0])
-def test_the_kernels_working_memory_on_their_busiest_rank(variant, world, heads, kv_heads, rows, dim):
+@pytest.mark.parametrize("variant,world,heads,kv_heads,rows,dim,dtype", [
+    (v, *shape, torch.float32) for v in ("ring", "ring_balanced", "ulysses", "allgather", "balanced", "headtail", "ring_headtail",
+                                         "ulysses_headtail", "torch_ring")
+    for shape in SHAPES if shape[2] % ({"ulysses": 1, "ulysses_headtail": 2}.get(v, 0) * shape[0] or 1) == 0]
+    + [("torch_ring", *shape, torch.bfloat16) for shape in SHAPES])
+def test_the_kernels_working_memory_on_their_busiest_rank(variant, world, heads, kv_heads, rows, dim, dtype):
     """What the walk holds at the kernel (its output and `kept_bytes` in forward, the input gradients in backward,
     plus `working_bytes`) against what the kernel allocates on every rank: exact for the ring and every forward but
     the balanced ring's, above by at most 20 % for the balanced ring (its chunks' segments) and the all-gather
@@ -107,19 +110,21 @@ def test_the_kernels_working_memory_on_their_busiest_rank(variant, world, heads,
     for Ulysses' backward, never below. The token-order kernels are walked as the kernels they resemble (headtail:
     forward the contiguous one's, backward the balanced one's; ring_headtail: the contiguous ring, as a whole step
     at 8k tokens measured no less) and read up to 29 % (headtail) and 68 % (ring_headtail's backward, the kernel
-    alone) above: room, never below."""
+    alone) above: room, never below. Torch's ring (fitted) is read up to 33 % above in fp32 and 19 % in bf16, whose fp32
+    terms its fit reads off torch's code."""
     with _threads(1):
-        measured = [_ring_peaks(variant, r, world, heads, kv_heads, rows, dim) for r in range(world)]
-    q = TensorMeta((1, heads, rows * world, dim), "float32")
-    k = TensorMeta((1, kv_heads, rows * world, dim), "float32")
+        measured = [_ring_peaks(variant, r, world, heads, kv_heads, rows, dim, dtype) for r in range(world)]
+    name = str(dtype).removeprefix("torch.")
+    q = TensorMeta((1, heads, rows * world, dim), name)
+    k = TensorMeta((1, kv_heads, rows * world, dim), name)
     strategy = SimpleNamespace(kernel=kernel_name(variant, True), inputs=((Shard(2),),) * 3)  # what working_bytes reads
-    local_q, block = heads * rows * dim * 4, 2 * kv_heads * rows * dim * 4
+    local_q, block = heads * rows * dim * dtype.itemsize, 2 * kv_heads * rows * dim * dtype.itemsize
     cpu = get_cluster("cpu")
     kept = CONTEXT_PARALLEL_REGION.kept_bytes(None, [q, k, k], strategy, (world,))  # the gathered K/V the all-gather kernels keep
     walked_forward = local_q + kept + CONTEXT_PARALLEL_REGION.working_bytes(None, [q, k, k], strategy, (world,), cpu, backward=False)
     walked_backward = local_q + block + CONTEXT_PARALLEL_REGION.working_bytes(None, [q, k, k], strategy, (world,), cpu, backward=True)
     over = {"ring_balanced": (0.2, 0.2), "allgather": (0, 0.2), "balanced": (0, 0.2),  # relative room, forward and backward
-            "headtail": (0.3, 0.3), "ring_headtail": (0.1, 0.7)}.get(variant, (0, 0))
+            "headtail": (0.3, 0.3), "ring_headtail": (0.1, 0.7), "torch_ring": (0.35, 0.25)}.get(variant, (0, 0))
     room = {"ulysses": (0, local_q), "ulysses_headtail": (0, local_q)}.get(variant, (0, 0))  # bytes of room
     for (walked, peak), rel, extra in zip(((walked_forward, max(f for f, _ in measured)), (walked_backward, max(b for _, b in measured))),
                                           over, room):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,14 +22,15 @@ from meshplan.cost_model.compute import attention_pairs
 from meshplan.cost_model.presets import get_cluster
 from meshplan.cost_model.profile import CollectiveFit, OpTiming, Profile, device_name, torch_version
 from meshplan.ir.causal_mask import is_causal_mask
+from meshplan.ir.graph import TensorMeta
 from meshplan.ir.placement import Shard
 from meshplan.ir.trace import trace
 from meshplan.models import GPT, GPTConfig, Llama, LlamaConfig
 from meshplan.models.hf import hf_model
 from meshplan.ir.mesh import MeshSpec
 from meshplan.profiling.calibrate import time_region_kernels
-from meshplan.regions.context_parallel import (MirrorSwap, balanced_chunks, causal_pairs, force_context_parallel, kernel_name,
-                                              parse_kernel, shared_cores_seconds)
+from meshplan.regions.context_parallel import (CONTEXT_PARALLEL_REGION, MirrorSwap, balanced_chunks, causal_pairs, force_context_parallel,
+                                              kernel_name, parse_kernel, shared_cores_seconds)
 from meshplan.runtime.collectives import COUNTS, MeshComm, reset_counts
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
@@ -184,6 +186,25 @@ def test_priced_with_the_issue_formulas():
     assert nodes["balanced"].time_s == pytest.approx(gather.time_s * 68 / 100)  # the contiguous split's causal excess
 
 
+@pytest.mark.parametrize("dtype,itemsize", [("bfloat16", 2), ("float32", 4)])
+def test_torch_ring_is_priced_as_the_token_order_ring_with_its_dk_dv_in_fp32(dtype, itemsize):
+    """Torch's templates (regions/torch_ring.py) pass K and V P-1 times forward and again backward, as the token-order
+    ring does, and their dK/dV sums P times in fp32: in a bf16 model twice the ring's bytes, in fp32 the same."""
+    b, heads, kv_heads, s, d, p = 1, 8, 2, 4096, 64, 4
+    q, kv = TensorMeta((b, heads, s, d), dtype), TensorMeta((b, kv_heads, s, d), dtype)
+    node = SimpleNamespace(target=SDPA, outputs=(q,), attrs=(("is_causal", True),))
+    local_kv = 2 * b * kv_heads * (s // p) * d * itemsize  # the packed K and V of one rank
+    costs = {}
+    for variant in ("ring_headtail", "torch_ring"):
+        strategy = SimpleNamespace(kernel=kernel_name(variant, True), inputs=((Shard(2),),) * 3, outputs=((Shard(2),),))
+        costs[variant] = CONTEXT_PARALLEL_REGION.cost(node, [q, kv, kv], strategy, (p,), get_cluster("h100"), backward=True)
+        assert [st.nbytes for st in costs[variant].forward] == [local_kv] * (p - 1)
+    assert [st.nbytes for st in costs["ring_headtail"].backward] == [local_kv] * (2 * p - 1)
+    assert [st.nbytes for st in costs["torch_ring"].backward] == [local_kv] * (p - 1) + [local_kv * 4 // itemsize] * p
+    assert costs["torch_ring"].compute_s == costs["ring_headtail"].compute_s
+    assert (costs["torch_ring"].comm_s > costs["ring_headtail"].comm_s) == (itemsize == 2)
+
+
 def test_model_flops_count_causal_attention_at_the_pairs_its_mask_keeps():
     """MFU's numerator counts causal attention as its compute is priced: GPT b=2, S=16, 4 heads of 8, its 136 kept
     pairs of 256, forward and backward (x3): 2 x b x heads x 136 pairs x (8 + 8) x 3 per SDPA."""
@@ -314,12 +335,15 @@ def test_a_named_mesh_is_not_searched_for_context_parallelism():
 
 
 def test_forcing_names_the_allowed_variants():
-    with pytest.raises(ValueError, match="force_context_parallel takes one or more of allgather, balanced, ring, ring_balanced, ulysses, headtail, ring_headtail, ulysses_headtail; got \\('zigzag',\\)"):
+    with pytest.raises(ValueError, match="force_context_parallel takes one or more of allgather, balanced, ring, ring_balanced, ulysses, headtail, ring_headtail, ulysses_headtail, torch_ring; got \\('zigzag',\\)"):
         with force_context_parallel("zigzag"):
             pass
     plan = _plan("gpt", 2, kernel_name("ulysses", True))
     text = str(plan.explain("scaled_dot_product_attention"))
     assert "force_context_parallel('ulysses'): attention runs as one of these kernels" in text
+    searched = _plan("gpt", 2, None, token_order=True)
+    assert "torch_ring" not in str(searched.explain("scaled_dot_product_attention"))  # offered only when asked for
+    assert _kernels(_plan("gpt", 2, kernel_name("torch_ring", True), token_order=True)) == {kernel_name("torch_ring", True)}
 
 
 def test_cp_kernels_need_a_cp_axis():

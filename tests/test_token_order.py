@@ -161,7 +161,8 @@ def test_the_plan_file_keeps_the_order():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name,world,variant", [("gpt", 2, "headtail"), ("gpt", 2, "ring_headtail"), ("llama", 2, "headtail"),
                                                 ("llama", 4, "headtail"), ("llama", 4, "ring_headtail"),
-                                                ("gpt", 2, "ulysses_headtail"), ("llama", 2, "ulysses_headtail")])
+                                                ("gpt", 2, "ulysses_headtail"), ("llama", 2, "ulysses_headtail"),
+                                                ("gpt", 2, "torch_ring"), ("llama", 4, "torch_ring")])
 def test_parity(name, world, variant):
     plan = _ordered(name, world, variant)
     assert plan.token_order and _kernels(plan) == {kernel_name(variant, True)}
@@ -170,7 +171,7 @@ def test_parity(name, world, variant):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name,variant", [("gpt", "headtail"), ("llama", "ring_headtail")])
+@pytest.mark.parametrize("name,variant", [("gpt", "headtail"), ("llama", "ring_headtail"), ("llama", "torch_ring")])
 def test_parity_cp_by_tp(name, variant):
     """cp x tp (2 x 2): Megatron's projections on tp, the sequence on cp in token order."""
     plan = _ordered(name, 4, variant, axes=("cp", "tp"), tokens_layout="S(1)R", param_layouts=MEGATRON[name])
@@ -181,7 +182,7 @@ def test_parity_cp_by_tp(name, variant):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["headtail", "ring_headtail", "ulysses_headtail"])
+@pytest.mark.parametrize("variant", ["headtail", "ring_headtail", "ulysses_headtail", "torch_ring"])
 def test_parity_dp_by_cp_with_fsdp_storage_on_dp(variant):
     plan = _ordered("gpt", 4, variant, axes=("dp", "cp"), tokens_layout="S(0)S(1)", param_layouts={"*": "S(0)R"})
     assert {p.layout for p in plan.params} == {(Shard(0), Replicate())}
@@ -258,7 +259,7 @@ def test_parity_dp_by_cp_linear_layers_keep_the_sequence_split():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name,world,variant", [("llama", 2, "headtail"), ("llama", 4, "ring_headtail"), ("gpt2", 2, "headtail"),
-                                                ("llama", 2, "ulysses_headtail")])
+                                                ("llama", 2, "ulysses_headtail"), ("llama", 4, "torch_ring")])
 def test_hf_parity(name, world, variant):
     """Hugging Face's own positions, RoPE tables, causal mask and labels-shifting loss, all inside the model: each is
     made whole and chunked into token order where the plan splits it."""

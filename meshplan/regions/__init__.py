@@ -4,7 +4,8 @@
 - `batch_norm.py`: training batch norm with the batch or the channels split (SyncBN);
 - `log_softmax.py`: the vocabulary-parallel log-softmax;
 - `masked_lookup.py`: embedding and gather with the table split (vocabulary-parallel lookups);
-- `context_parallel.py`: attention with the sequence split over a `cp` mesh axis (context parallelism).
+- `context_parallel.py`: attention with the sequence split over a `cp` mesh axis (context parallelism), with
+  `attention_blocks.py` (the fused blocks its kernels run) and `torch_ring.py` (torch's ring templates as one of them).
 
 `register_builtin_regions()` registers them; `meshplan/__init__.py` calls it once.
 """

@@ -84,6 +84,17 @@ def block_backward(grad, q, k, v, out, lse, saved: tuple, causal: bool, scale) -
     return dq, dk, dv
 
 
+def repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped-query keys or values ([batch, kv heads, seq, head_dim]) repeated to `heads` query heads."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def sum_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of `repeat_heads`: each group of repeated heads summed back to one of `heads`."""
+    b, h, s, d = grad.shape
+    return grad if h == heads else grad.view(b, heads, h // heads, s, d).sum(2)
+
+
 def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(output in `dtype`, log-sum-exp) of the blocks together, merged in fp32."""
     lse = torch.logsumexp(torch.stack([x.float() for x in lses]), dim=0)

@@ -29,6 +29,10 @@ output split on the sequence (dim 2), offered only on a mesh axis named `cp` (to
 - `cp_attention(ulysses)`: all-to-all from sequence-split to heads-split (q, k, v), the plain op over the whole
   sequence and the local heads, all-to-all back (DeepSpeed-Ulysses); needs the heads and the KV heads on
   this rank divisible by P.
+- `cp_attention(torch_ring)`: the token-order ring run by torch's own context-parallel templates
+  (`regions/torch_ring.py`: `_templated_ring_attention` and its backward, load balanced, all-to-all rotation), the
+  blocks this module's kernels run handed to them as their attention op. It passes what `ring_headtail` passes but
+  its dK/dV sums in fp32, so it is offered only when asked for (`force_context_parallel("torch_ring")`, `SEARCHED`).
 - `cp_attention(ulysses_headtail)`: Ulysses in a plan in head-tail token order. Its all-to-alls join the sequence
   in sequence order and cut it back into the token order (the runtime's token-order all-to-all), so the plain op
   sees the sequence as one process does; they cut the heads the same way (chunks r and 2P-1-r of 2P: query heads
@@ -66,23 +70,29 @@ from meshplan.ir.placement import Replicate, Shard, local_shape
 from meshplan.ir.regions import KernelRow, RegionOp, Row
 from meshplan.planner.rules.attention import sdpa_rule
 from meshplan.planner.strategies import clear_strategy_cache
-from meshplan.regions.attention_blocks import SEQ, BlockAttention, block_backward, block_forward, check_device, merge_blocks
+from meshplan.regions.attention_blocks import (SEQ, BlockAttention, block_backward, block_forward, check_device, merge_blocks, repeat_heads,
+                                               sum_heads)
+from meshplan.regions.torch_ring import TorchRingAttention
 from meshplan.runtime.collectives import MeshComm, StepFunction, collective, forward_phase, wait
 from meshplan.runtime.token_order import owned_chunks
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
-VARIANTS = ("allgather", "balanced", "ring", "ring_balanced", "ulysses", "headtail", "ring_headtail", "ulysses_headtail")
+VARIANTS = ("allgather", "balanced", "ring", "ring_balanced", "ulysses", "headtail", "ring_headtail", "ulysses_headtail", "torch_ring")
+SEARCHED = VARIANTS[:-1]
+"""The kernels a plan chooses among unless `force_context_parallel` names others: torch's ring (`regions/torch_ring.py`)
+passes what `ring_headtail` passes, its dK/dV in fp32, so it never prices below it; it runs when asked for."""
 BALANCED = ("balanced", "ring_balanced")
 """The kernels that swap half the queries with the mirrored rank (`MirrorSwap`): causal masks only."""
 ULYSSES = ("ulysses", "ulysses_headtail")
 """The kernels that run the plain op over the whole sequence and 1/P of the heads, between all-to-alls."""
-TOKEN_ORDER = ("headtail", "ring_headtail", "ulysses_headtail")
+TOKEN_ORDER = ("headtail", "ring_headtail", "ulysses_headtail", "torch_ring")
 """The kernels of a plan in head-tail token order (`Plan.token_order`), and only of such a plan (planner/token_order.py):
 the block kernels' ranks already hold two chunks of equal causal work, so nothing is swapped (causal masks only)."""
-EVEN = BALANCED + ("headtail", "ring_headtail")
+EVEN = BALANCED + ("headtail", "ring_headtail", "torch_ring")
 """The kernels whose ranks compute equal causal work in blocks."""
-RINGS = ("ring", "ring_balanced", "ring_headtail")
-"""The kernels that pass K and V round the ring (`RingAttention`) instead of gathering them."""
+RINGS = ("ring", "ring_balanced", "ring_headtail", "torch_ring")
+"""The kernels that pass K and V round the ring (`RingAttention`; torch's templates, `TorchRingAttention`) instead of
+gathering them."""
 
 
 def kernel_name(variant: str, causal: bool) -> str:
@@ -264,7 +274,7 @@ class RingAttention(torch.autograd.Function):
         for t in range(n):
             # the next block travels while this one is computed (gloo and NCCL progress on their own threads/streams)
             pending = _start_rotate(packed, comm, axis, phase) if t < n - 1 else None
-            kb, vb = (_repeat_heads(x, q.shape[1]) for x in packed.unbind(0))
+            kb, vb = (repeat_heads(x, q.shape[1]) for x in packed.unbind(0))
             for i, start in enumerate(starts):
                 for j, (first, count, diagonal) in enumerate(_block_segments(variant, start, rows, (me - t) % n, n, keys, causal)):
                     o, lse, ctx.blocks[t, i, j] = block_forward(q.narrow(SEQ, i * rows, rows), kb.narrow(SEQ, first, count),
@@ -288,7 +298,7 @@ class RingAttention(torch.autograd.Function):
         held, summed = torch.stack([k, v]), None  # the block held; the dK, dV sum of the block before it, on its way
         for t in range(n):
             coming = _start_rotate(held, comm, axis, "backward") if t < n - 1 else None  # the next block, while this one's gradients are computed
-            kb, vb = (_repeat_heads(x, q.shape[1]) for x in held.unbind(0))
+            kb, vb = (repeat_heads(x, q.shape[1]) for x in held.unbind(0))
             share = torch.zeros_like(held)  # this rank's part of the held block's dK, dV
             for i, start in enumerate(starts):
                 mine = slice(i * rows, (i + 1) * rows)
@@ -298,8 +308,8 @@ class RingAttention(torch.autograd.Function):
                                                 vb.narrow(SEQ, first, count), out[:, :, mine], lse[..., mine],
                                                 ctx.blocks[t, i, j], diagonal, ctx.scale)
                     grad_q[:, :, mine] += dq
-                    share[0].narrow(SEQ, first, count).add_(_sum_heads(dk, k.shape[1]))
-                    share[1].narrow(SEQ, first, count).add_(_sum_heads(dv, v.shape[1]))
+                    share[0].narrow(SEQ, first, count).add_(sum_heads(dk, k.shape[1]))
+                    share[1].narrow(SEQ, first, count).add_(sum_heads(dv, v.shape[1]))
             # the previous ranks' sum for this block arrives (sent after their step t-1) and goes on with ours added
             total = share if summed is None else _finish_exchange(summed, share, comm, axis, "backward").add_(share)
             summed = _start_rotate(total, comm, axis, "backward")
@@ -332,15 +342,6 @@ def _segments(start: int, rows: int, first_key: int, keys: int, causal: bool) ->
     return whole + ([(before, end - before, True)] if end > before else [])
 
 
-def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _sum_heads(grad: torch.Tensor, heads: int) -> torch.Tensor:
-    b, h, s, d = grad.shape
-    return grad if h == heads else grad.view(b, heads, h // heads, s, d).sum(2)
-
-
 def busiest_rank(variant: str, n: int, causal: bool) -> int:
     """The rank with the most query-key pairs: the last of a contiguous causal split, any one otherwise (rank 0)."""
     return n - 1 if causal and variant not in EVEN + ULYSSES else 0
@@ -365,10 +366,10 @@ def rank_attention(variant: str, q, k, v, rank: int, n: int, causal: bool, scale
                 for _, position, length in key_chunks(variant, src, n, rows):
                     for first, count, diagonal in _segments(start, size, position, length, causal):
                         flags.append(diagonal)
-                        kv += [_repeat_heads(x.narrow(SEQ, position + first, count), heads) for x in (k, v)]
+                        kv += [repeat_heads(x.narrow(SEQ, position + first, count), heads) for x in (k, v)]
             outs.append(BlockAttention.apply(q.narrow(SEQ, start, size), scale, tuple(flags), *kv))
         else:
-            keys, values = (_repeat_heads(x, heads) for x in (k, v))
+            keys, values = (repeat_heads(x, heads) for x in (k, v))
             outs.append(_attend(q.narrow(SEQ, start, size), keys, values, start, causal, scale))
     return torch.cat(outs, dim=SEQ)
 
@@ -395,6 +396,8 @@ class ContextParallelAttention(nn.Module):
             return _step(out, to_heads.dual(), self.comm, ordered)
         me, rows = self.comm.coord[self.axis], q.shape[SEQ]
         n = self.comm.mesh.shape[self.axis]
+        if self.variant == "torch_ring":
+            return TorchRingAttention.apply(q, k, v, scale, self.axis, self.comm)
         if self.variant == "ring":
             return RingAttention.apply(q, k, v, scale, self.causal, self.axis, self.comm, (me * rows,))
         if self.variant == "ring_headtail":  # the rank's two chunks as it holds them, the blocks too
@@ -483,7 +486,7 @@ class ContextParallel(RegionOp):
     ops = (SDPA,)
 
     def __init__(self) -> None:
-        self.variants: tuple[str, ...] = VARIANTS
+        self.variants: tuple[str, ...] = SEARCHED
         """The kernels offered."""
         self.forced = False
         """On a mesh with a `cp` axis, attention runs as one of `variants` (set by `force_context_parallel`)."""
@@ -511,6 +514,8 @@ class ContextParallel(RegionOp):
         n = mesh.shape[axis]
         what = f"context-parallel attention ({variant}) over mesh axis {CP_AXIS}={n}"
         if variant not in self.variants:
+            if not self.forced:
+                return ""  # offered only when asked for (`SEARCHED`): not a candidate, as the sequence split on other axes
             return f"{what}: planned with force_context_parallel({', '.join(map(repr, self.variants))})"
         if a["attn_mask"] is not None:
             return f"{what}: the op has an explicit attn_mask tensor, which only is_causal=True or no mask can be split by"
@@ -550,9 +555,10 @@ class ContextParallel(RegionOp):
             for shape in local:  # whole sequence, heads / n
                 shape[1], shape[SEQ] = shape[1] // n, shape[SEQ] * n
         elif variant in RINGS:
-            # n-1 exchanges of the packed K, V; backward n-1 of K, V and n of dK, dV (the last one home)
+            # n-1 exchanges of the packed K, V; backward n-1 of K, V and n of dK, dV (the last one home; torch's in fp32)
             forward = [CommStep("send_recv", axis, nbytes=kb + vb)] * (n - 1)
-            back_steps = [CommStep("send_recv", axis, nbytes=kb + vb)] * (2 * n - 1)
+            sums = (kb + vb) * 4 // k.itemsize if variant == "torch_ring" else kb + vb
+            back_steps = [CommStep("send_recv", axis, nbytes=kb + vb)] * (n - 1) + [CommStep("send_recv", axis, nbytes=sums)] * n
             for shape in local[1:]:
                 shape[SEQ] *= n
         else:
@@ -604,8 +610,10 @@ class ContextParallel(RegionOp):
         backward_comm = 0.0
         if backward:  # behind block 0 the next K, V; behind the last the previous sum; behind the others both
             block_s = (compute - forward_s) / n  # one block's backward on the busiest rank
-            hidden = 2 * max(0.0, per_exchange - block_s) + (n - 2) * max(0.0, 2 * per_exchange - block_s)
-            backward_comm = steps_time(swaps, mesh_shape, cluster) + hidden + per_exchange  # the last sum's trip home
+            per_sum = steps_time(back_steps[-1:], mesh_shape, cluster)
+            hidden = (max(0.0, per_exchange - block_s) + max(0.0, per_sum - block_s)
+                      + (n - 2) * max(0.0, per_exchange + per_sum - block_s))
+            backward_comm = steps_time(swaps, mesh_shape, cluster) + hidden + per_sum  # the last sum's trip home
         return RegionCost(compute_s=compute, forward=tuple(forward), backward=tuple(back),
                           comm_s=forward_comm + backward_comm)
 
@@ -696,6 +704,18 @@ class ContextParallel(RegionOp):
             return max(qb + (flash_cpu_bytes(**whole, backward=True) if cpu else 0), 3 * qb)
         block = 2 * k.nbytes  # one K/V block, as it travels
         repeated = 2 * qb if k.shape[-3] != heads else 0  # grouped-query K and V repeated to the query heads, per block
+        if variant == "torch_ring":
+            # torch's templates (`TorchRingAttention`), fitted to what they allocate on 2, 4 and 8 fake ranks in fp32,
+            # the CPU flash kernel's scratch among it (tests/test_attention_memory.py): forward the merged output's fp32
+            # copy and the merge's terms, the block held, the one sent and the one arriving (no third on two ranks);
+            # backward the fp32 accumulators of the query and K/V gradients, the dK/dV sums sent and arriving in fp32,
+            # the blocks passed round again and the op's gradients; grouped-query heads repeated per block as fp32
+            # (in bf16 the kernel's copies of the repeated K/V and, backward, of their gradients measured as much)
+            gqa = k.shape[-3] != heads
+            if not backward:
+                return 3 * q32 + (3 if n > 2 else 2) * block + (2 * q32 if gqa else 0) + 5 * lse
+            block32 = 2 * math.prod(k.shape) * 4
+            return 3 * q32 + 4 * qb + 4 * block32 + block + (4 * q32 if gqa else 0) + 4 * lse
         # the token-order ring is walked as the contiguous one: its half-length chunks hold less in the kernel alone
         # (tests/test_attention_memory.py), but not less in a whole step (benchmarks/long_context.py, 4,096 tokens)
         chunk = rows // 2 if variant == "ring_balanced" else rows
