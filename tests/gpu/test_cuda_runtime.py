@@ -7,7 +7,7 @@ The user's loop by hand on one GPU (`test_world_one_on_one_gpu`); then `pmodel.s
 host, as a data loader gives them (the runtime moves inputs and targets to the device), and
 `pmodel.clip_grad_norm_`, against one process: on one GPU a model with tensor literals, the moe op and
 offloaded optimizer state; on two or more, NCCL parity of data-parallel, tensor-parallel, FSDP-style, pipelined
-(pp=2), expert-parallel and context-parallel (ring, balanced ring, Ulysses) plans and of the tensor-literal model.
+(pp=2), expert-parallel and context-parallel (ring, balanced ring, Ulysses, torch's ring) plans and of the tensor-literal model.
 """
 
 from __future__ import annotations
@@ -167,6 +167,8 @@ NCCL = {
     "cp ring": (gpt, lambda world: dict(CP, mesh_shape=(world,)), ("ring",)),
     "cp balanced ring": (gpt, lambda world: dict(CP, mesh_shape=(world,)), ("ring_balanced",)),
     "cp ulysses": (gpt, lambda world: dict(CP, mesh_shape=(world,)), ("ulysses",)),
+    # torch's ring templates with the blocks on the kernel SDPA picks (regions/torch_ring.py), in head-tail token order
+    "cp torch ring": (gpt, lambda world: dict(CP, mesh_shape=(world,), token_order=True), ("torch_ring",)),
 }
 
 
