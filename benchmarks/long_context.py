@@ -1,6 +1,6 @@
 """Long sequences (issue 29): context-parallel attention against the best plan without sequence sharding.
 
-    python benchmarks/long_context.py [--seq 2048 4096] [--world 4] [--steps 4] [--profile benchmarks/data/fidelity_profile.json]
+    python benchmarks/long_context.py [--seq 2048 4096] [--world 4] [--steps 4] [--profile benchmarks/data/fidelity_profile.json] [--plans ...]
     python benchmarks/long_context.py --longest [--budget-mib 32] [--world 4] [--steps 4]
     python benchmarks/long_context.py --big [--seq 131072 2048]
 
@@ -31,9 +31,9 @@ Hugging Face's causal-LM loss shifts them, so the logits keep all S rows and spl
 from the saved profile (out of sample: nothing re-measured or rescaled), to which the context-parallel kernels' own
 blocks at that length are added, timed on this machine first (`with_kernel_blocks`: the busiest
 rank's blocks as it runs them, one process, the profiler's method; before 2026-11-26 15:00 UTC the roofline priced
-them), eight ways on `world` gloo
+them), nine ways on `world` gloo
 ranks: a `cp` mesh with each context-parallel kernel forced (all-gathered K/V, balanced, ring, balanced ring,
-Ulysses, and the two kernels of head-tail token order, planned with `token_order=True`), and the default search without a `cp` axis (`context_parallel=False`: "best without cp"; with a batch of 1
+Ulysses, and the three kernels of head-tail token order, torch's ring among them, planned with `token_order=True`), and the default search without a `cp` axis (`context_parallel=False`: "best without cp"; with a batch of 1
 it may split the sequence outside attention and the heads inside it). Each is then
 trained with AdamW on local processes; the table gives predicted and measured step time (median over steps,
 slowest rank) and peak bytes per rank (predicted: the plan's memory; measured: resident state plus the
@@ -69,14 +69,14 @@ from meshplan.models.next_token_loss import NextTokenLoss  # noqa: E402
 from meshplan.plans.plan import Plan  # noqa: E402
 from meshplan.profiling.calibrate import time_region_kernels  # noqa: E402
 from meshplan.profiling.fidelity import peak_during, resident_bytes, slowest_rank_seconds, solver_memory  # noqa: E402
-from meshplan.regions.context_parallel import TOKEN_ORDER, force_context_parallel  # noqa: E402
+from meshplan.regions.context_parallel import TOKEN_ORDER, VARIANTS, force_context_parallel  # noqa: E402
 from meshplan.runtime.launch import run_local  # noqa: E402
 
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "data" / "fidelity_profile.json"
 DEFAULT_BUDGET_MIB = 32.0
 """`--longest`'s per-rank budget: CP reaches about 7k tokens, so a run takes a few minutes on 2 cores."""
 PLANS = ("cp allgather", "cp balanced", "cp ring", "cp ring_balanced", "cp ulysses", "cp headtail", "cp ring_headtail",
-         "best without cp")
+         "cp torch_ring", "best without cp")
 
 
 def build(seq: int) -> tuple[NextTokenLoss, torch.Tensor]:
@@ -96,7 +96,8 @@ def with_kernel_blocks(cluster, seq: int, world: int):
         return cluster
     if (seq, world) not in _KERNEL_BLOCKS:
         model, tokens = build(seq)
-        _KERNEL_BLOCKS[seq, world] = time_region_kernels(trace(model, (tokens,)), [MeshSpec((world,), (CP_AXIS,))])
+        with force_context_parallel(*VARIANTS):  # every kernel, torch's ring (offered only when asked for) among them
+            _KERNEL_BLOCKS[seq, world] = time_region_kernels(trace(model, (tokens,)), [MeshSpec((world,), (CP_AXIS,))])
     return cluster.with_profile(dataclasses.replace(cluster.profile, ops={**cluster.profile.ops, **_KERNEL_BLOCKS[seq, world]}))
 
 
@@ -375,6 +376,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE))
+    ap.add_argument("--plans", nargs="+", choices=PLANS, default=PLANS, help="the plans measured (default: all)")
     ap.add_argument("--big", action="store_true", help="plan Llama-3-8B and 70B on 64 and 256 H100s only (module doc)")
     ap.add_argument("--token-order", choices=("on", "both"), default=None, help="--big: plan with token_order=True ('on': the "
                     "pipeline search's cp stage sub-meshes in head-tail token order) or search both orders ('both')")
@@ -401,10 +403,10 @@ def main() -> int:
     print("| seq | plan | mesh | attention | predicted ms | measured ms | error | predicted MiB | measured MiB |")
     print("|---:|---|---|---|---:|---:|---:|---:|---:|")
     for seq in args.seq:
-        plans = [make_plan(kind, seq, args.world, cluster) for kind in PLANS]
+        plans = [make_plan(kind, seq, args.world, cluster) for kind in args.plans]
         got = run_local(args.world, measure, [p.to_json() for p in plans], [seq] * len(plans), args.warmup, args.steps,
                         timeout=3600)[0]
-        for kind, plan, m in zip(PLANS, plans, got):
+        for kind, plan, m in zip(args.plans, plans, got):
             attn = {n.strategy.kernel or str(n.strategy) for n in plan.nodes if n.target == "aten.scaled_dot_product_attention.default"}
             err = plan.step_time_s / m["time_s"] - 1
             print(f"| {seq} | {kind} | {plan.mesh} | {', '.join(sorted(attn))} | {plan.step_time_s * 1e3:.1f} | "

@@ -110,8 +110,8 @@ def test_the_kernels_working_memory_on_their_busiest_rank(variant, world, heads,
     for Ulysses' backward, never below. The token-order kernels are walked as the kernels they resemble (headtail:
     forward the contiguous one's, backward the balanced one's; ring_headtail: the contiguous ring, as a whole step
     at 8k tokens measured no less) and read up to 29 % (headtail) and 68 % (ring_headtail's backward, the kernel
-    alone) above: room, never below. Torch's ring (fitted) is read up to 33 % above in fp32 and 19 % in bf16, whose fp32
-    terms its fit reads off torch's code."""
+    alone) above: room, never below. Torch's ring (fitted, with one block more in forward for what gloo frees unseen)
+    reads up to 40 % above in fp32 and 23 % in bf16."""
     with _threads(1):
         measured = [_ring_peaks(variant, r, world, heads, kv_heads, rows, dim, dtype) for r in range(world)]
     name = str(dtype).removeprefix("torch.")
@@ -124,7 +124,7 @@ def test_the_kernels_working_memory_on_their_busiest_rank(variant, world, heads,
     walked_forward = local_q + kept + CONTEXT_PARALLEL_REGION.working_bytes(None, [q, k, k], strategy, (world,), cpu, backward=False)
     walked_backward = local_q + block + CONTEXT_PARALLEL_REGION.working_bytes(None, [q, k, k], strategy, (world,), cpu, backward=True)
     over = {"ring_balanced": (0.2, 0.2), "allgather": (0, 0.2), "balanced": (0, 0.2),  # relative room, forward and backward
-            "headtail": (0.3, 0.3), "ring_headtail": (0.1, 0.7), "torch_ring": (0.35, 0.25)}.get(variant, (0, 0))
+            "headtail": (0.3, 0.3), "ring_headtail": (0.1, 0.7), "torch_ring": (0.4, 0.35)}.get(variant, (0, 0))
     room = {"ulysses": (0, local_q), "ulysses_headtail": (0, local_q)}.get(variant, (0, 0))  # bytes of room
     for (walked, peak), rel, extra in zip(((walked_forward, max(f for f, _ in measured)), (walked_backward, max(b for _, b in measured))),
                                           over, room):

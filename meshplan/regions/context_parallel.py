@@ -705,17 +705,20 @@ class ContextParallel(RegionOp):
         block = 2 * k.nbytes  # one K/V block, as it travels
         repeated = 2 * qb if k.shape[-3] != heads else 0  # grouped-query K and V repeated to the query heads, per block
         if variant == "torch_ring":
-            # torch's templates (`TorchRingAttention`), fitted to what they allocate on 2, 4 and 8 fake ranks in fp32,
-            # the CPU flash kernel's scratch among it (tests/test_attention_memory.py): forward the merged output's fp32
-            # copy and the merge's terms, the block held, the one sent and the one arriving (no third on two ranks);
-            # backward the fp32 accumulators of the query and K/V gradients, the dK/dV sums sent and arriving in fp32,
-            # the blocks passed round again and the op's gradients; grouped-query heads repeated per block as fp32
-            # (in bf16 the kernel's copies of the repeated K/V and, backward, of their gradients measured as much)
+            # torch's templates (`TorchRingAttention`), fitted to what they allocate on 2, 4 and 8 ranks, fake and gloo,
+            # in fp32 and bf16 (tests/test_attention_memory.py): forward the merged output's fp32 copy and the merge's
+            # terms, the block held, the one sent (a new tensor each step: under gloo one more is read, freed on gloo's
+            # thread) and the one arriving (on two ranks one exchange: two blocks); backward the CPU flash kernel's scratch, the fp32 accumulators of
+            # the query and K/V gradients, the dK/dV sums sent and arriving in fp32, the blocks passed round again and
+            # the op's gradients. Grouped-query heads are repeated per block, and in bf16 the kernel's copies of them
+            # and of their gradients measured as much as fp32 ones
             gqa = k.shape[-3] != heads
             if not backward:
-                return 3 * q32 + (3 if n > 2 else 2) * block + (2 * q32 if gqa else 0) + 5 * lse
+                return 3 * q32 + (4 if n > 2 else 2) * block + (2 * q32 if gqa else 0) + 5 * lse
+            scratch = flash_cpu_bytes(batch, heads, rows, rows, dim, backward=True) if cpu else 0
             block32 = 2 * math.prod(k.shape) * 4
-            return 3 * q32 + 4 * qb + 4 * block32 + block + (4 * q32 if gqa else 0) + 4 * lse
+            held = scratch + 3 * q32 + 4 * qb + 4 * block32 + (2 if n > 2 else 1) * block + (2 * q32 if gqa else 0) + 4 * lse
+            return held - qb - block
         # the token-order ring is walked as the contiguous one: its half-length chunks hold less in the kernel alone
         # (tests/test_attention_memory.py), but not less in a whole step (benchmarks/long_context.py, 4,096 tokens)
         chunk = rows // 2 if variant == "ring_balanced" else rows
