@@ -173,7 +173,7 @@ def test_the_pipeline_search_can_search_both_token_orders():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["ring", "balanced", "ring_balanced", "headtail", "ring_headtail"])
+@pytest.mark.parametrize("variant", ["ring", "balanced", "ring_balanced", "headtail", "ring_headtail", "torch_ring"])
 def test_pp2_cp2_parity(variant):
     plan = _plan(variant)
     assert plan.pipeline.degree == 2 and plan.mesh.axis_names == ("cp",) and plan.token_order == (variant in TOKEN_ORDER)
