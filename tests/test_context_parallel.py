@@ -417,10 +417,11 @@ def test_balancing_needs_a_causal_mask():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["allgather", "ring"])
+@pytest.mark.parametrize("variant", ["allgather", "ring", "torch_ring"])
 def test_parity_with_recomputed_layers(variant):
-    """Recomputed layers run the kernel's forward again in backward, its exchanges included (listed as recompute:)."""
-    plan = _plan("gpt", 2, kernel_name(variant, True), batch=1, recompute="always")
+    """Recomputed layers run the kernel's forward again in backward, its exchanges included (listed as recompute:; torch's
+    ring's as observed inside backward)."""
+    plan = _plan("gpt", 2, kernel_name(variant, True), batch=1, recompute="always", token_order=variant == "torch_ring")
     assert plan.recompute and any(k.startswith("recompute:") for k in plan.collectives()), plan.collectives()
     results = run_local(2, _worker, "gpt", plan, 1, timeout=600)
     _check_parity("gpt", plan, results, batch=1)
