@@ -708,10 +708,10 @@ class ContextParallel(RegionOp):
             # torch's templates (`TorchRingAttention`), fitted to what they allocate on 2, 4 and 8 ranks, fake and gloo,
             # in fp32 and bf16 (tests/test_attention_memory.py): forward the merged output's fp32 copy and the merge's
             # terms, the block held, the one sent (a new tensor each step: under gloo one more is read, freed on gloo's
-            # thread) and the one arriving (on two ranks one exchange: two blocks); backward the CPU flash kernel's scratch, the fp32 accumulators of
-            # the query and K/V gradients, the dK/dV sums sent and arriving in fp32, the blocks passed round again and
-            # the op's gradients. Grouped-query heads are repeated per block, and in bf16 the kernel's copies of them
-            # and of their gradients measured as much as fp32 ones
+            # thread) and the one arriving (on two ranks one exchange: two blocks); backward the CPU flash kernel's
+            # scratch, the fp32 accumulators of the query and K/V gradients, the dK/dV sums sent and arriving in fp32,
+            # the blocks passed round again and the op's gradients. Grouped-query heads are repeated per block, and in
+            # bf16 the kernel's copies of them and of their gradients measured as much as fp32 ones
             gqa = k.shape[-3] != heads
             if not backward:
                 return 3 * q32 + (4 if n > 2 else 2) * block + (2 * q32 if gqa else 0) + 5 * lse

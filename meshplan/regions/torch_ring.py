@@ -2,10 +2,10 @@
 
 `torch.distributed.tensor.experimental.context_parallel` runs SDPA on a sequence-split DTensor through
 `_templated_ring_attention` and `_templated_ring_attention_backward`, templates over an attention op. Its entry points
-dispatch only CUDA's SDPA ops with equal query and key/value heads; the templates themselves take any op that returns
-the output and its log-sum-exp. This kernel hands them `attention_blocks.block_forward` / `block_backward` (the CPU
-flash kernel; on CUDA the kernel SDPA picks), with grouped-query heads repeated per block and their gradients summed
-back, so torch's ring runs on the CPU with gloo as on GPUs, K and V travelling with their own heads.
+dispatch only CUDA's SDPA ops; the templates themselves take any op that returns the output and its log-sum-exp. This
+kernel hands them `attention_blocks.block_forward` / `block_backward` (the CPU flash kernel; on CUDA the kernel SDPA
+picks), with grouped-query heads repeated per block and their gradients summed back, so torch's ring runs on the CPU
+with gloo as on GPUs, K and V travelling with their own heads.
 
 Torch's options as torchtitan sets them for a causal model: head-tail load balancing (rank r holds chunks r and
 2P-1-r, the plan's token order, `runtime/token_order.py`) and the all-to-all rotation (K and V passed P-1 times
