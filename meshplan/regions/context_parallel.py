@@ -78,7 +78,7 @@ from meshplan.runtime.token_order import owned_chunks
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 VARIANTS = ("allgather", "balanced", "ring", "ring_balanced", "ulysses", "headtail", "ring_headtail", "ulysses_headtail", "torch_ring")
-SEARCHED = VARIANTS[:-1]
+SEARCHED = tuple(v for v in VARIANTS if v != "torch_ring")
 """The kernels a plan chooses among unless `force_context_parallel` names others: torch's ring (`regions/torch_ring.py`)
 passes what `ring_headtail` passes, its dK/dV in fp32, so it never prices below it; it runs when asked for."""
 BALANCED = ("balanced", "ring_balanced")

@@ -27,22 +27,22 @@ from torch.distributed.tensor.experimental._context_parallel import _attention a
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshplan.regions.attention_blocks import SEQ, block_backward, block_forward, repeat_heads, sum_heads
-from meshplan.runtime.collectives import COUNTS, MeshComm, forward_phase
+from meshplan.runtime.collectives import MeshComm, count_collective, forward_phase
 
 ISSUED = (torch.ops._c10d_functional.all_to_all_single.default,)
 """The functional collectives torch's all-to-all rotation issues (`permute_tensor`)."""
 
 
 class _Issued(TorchDispatchMode):
-    """Counts the collectives of `ISSUED` run inside it."""
+    """Counts each collective of `ISSUED` run inside it as a `send_recv` of `phase` (`count_collective`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, phase: str) -> None:
         super().__init__()
-        self.count = 0
+        self.phase = phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in ISSUED:
-            self.count += 1
+            count_collective(self.phase, "send_recv")
         return func(*args, **(kwargs or {}))
 
 
@@ -57,9 +57,8 @@ def _torch_ring(comm: MeshComm, axis: int, phase: str) -> Iterator[None]:
         if torch.compiler.is_compiling():
             yield
             return
-        with comm.guard(f"{phase} ring attention (torch's) over mesh axis {comm.mesh.axis_names[axis]}"), _Issued() as issued:
+        with comm.guard(f"{phase} ring attention (torch's) over mesh axis {comm.mesh.axis_names[axis]}"), _Issued(phase):
             yield
-        COUNTS[f"{phase}:send_recv"] += issued.count
     finally:
         options.enable_load_balance, options.rotate_method, options.convert_to_f32 = before
 
