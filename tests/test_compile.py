@@ -1,9 +1,12 @@
 """`torch.compile(pmodel)` on real gloo ranks: the per-rank program's functional collectives trace
 into one graph (no graph break), and compiled training gives the single-process numbers.
 
-The backend is "aot_eager" (Dynamo and AOTAutograd, no code generation), which keeps the test fast
-on a 2-core machine; "inductor" works as well but needs ~30 s per rank here to build GPT's kernels.
-Compiled code counts no collectives; the test reads them off the graphs AOTAutograd compiles.
+The backend is "aot_eager" (Dynamo and AOTAutograd, no code generation) with inductor's partitioner (min-cut), which
+keeps the test fast on a 2-core machine; "inductor" works as well but needs ~30 s per rank here to build GPT's kernels.
+aot_eager's own partitioner (`default_partition`) would put a dead copy of attention and the all-to-all after it in
+the backward graph of a Ulysses plan, one per layer (torch 2.13; plain torch reproduces it: SDPA, an all-to-all and an
+autograd all-gather), which inductor never runs. Compiled code counts no collectives; the test reads them off the
+graphs AOTAutograd compiles.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from _parity import build, plan_kwargs, run_steps, train
 
 import meshplan
+from meshplan.regions.context_parallel import kernel_name
 from meshplan.runtime.launch import run_local
 from meshplan.runtime.local_view import local_of
 from meshplan.runtime.parallel_module import shard_tensor
@@ -43,7 +47,8 @@ def _counting_backend(graphs: list):
             return make_boxed_func(gm.forward)
         return compile_graph
 
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), partition_fn=min_cut_rematerialization_partition)
 
 
 def _plan(kind: str):
@@ -106,3 +111,48 @@ def test_compiled_training_matches_one_process_without_graph_breaks(kind):
         for fqn, local in params.items():
             want = shard_tensor(ref_params[fqn].detach(), layouts[fqn], plan.mesh, rank)
             torch.testing.assert_close(local, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} {fqn}: {m}")
+
+
+# ---------------------------------------------------------------- context parallelism
+
+def _compiled_cp_worker(rank: int, world: int, plan):
+    import torch._dynamo
+    from test_context_parallel import _build, _train
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, tokens = _build("gpt")
+    pmodel = meshplan.auto_parallelize(model, devices=world, example_inputs=(tokens,), plan=plan)
+    graphs: list[tuple[str, Counter]] = []
+    compiled = torch.compile(pmodel, backend=_counting_backend(graphs))
+    pmodel.reset_collective_counts()
+    losses, grads = _train(compiled, tokens, local_of)
+    grads = {k.removeprefix("_orig_mod."): g for k, g in grads.items()}
+    params = {k: local_of(v.detach()) for k, v in pmodel.named_parameters()}
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return losses, grads, params, pmodel.collective_counts(), graphs, breaks
+
+
+@pytest.mark.parametrize("variant", ["ring_headtail", "ulysses_headtail", "headtail", "torch_ring"])
+def test_compiled_context_parallel_training_matches_one_process(variant):
+    """The context-parallel kernels under torch.compile, 2 ranks, head-tail token order, 3 AdamW steps against one
+    process. The collectives the compiled graphs hold (each graph runs once a step) plus those counted eagerly are the
+    plan's. Ulysses and the gathered kernel trace into one forward and one backward graph; the rings run eagerly between
+    graphs (`ring_attention`, `torch_ring_attention`: traced, AOTAutograd merged or moved their exchanges)."""
+    from test_context_parallel import STEPS as CP_STEPS, _check_parity
+    from test_token_order import _ordered
+
+    plan = _ordered("gpt", 2, variant)
+    assert {n.strategy.kernel for n in plan.nodes if n.strategy.kernel.startswith("cp_attention")} == {kernel_name(variant, True)}
+    results = run_local(2, _compiled_cp_worker, plan, timeout=900)
+    for rank, (_, _, _, counts, graphs, breaks) in enumerate(results):
+        compiled = sum((found for _, found in graphs), Counter())
+        if variant in ("ring_headtail", "torch_ring"):  # the rings run eagerly between graphs
+            assert breaks > 0 and not any(k.endswith("send_recv") for k in compiled), f"rank {rank}: {graphs}"
+        else:
+            assert breaks == 0 and [phase for phase, _ in graphs] == ["forward", "backward"], f"rank {rank}: {breaks} breaks, {graphs}"
+        ran = Counter(counts) + Counter({k: v * CP_STEPS for k, v in compiled.items()})
+        assert ran == Counter({k: v * CP_STEPS for k, v in plan.collectives().items()}), f"rank {rank} ran {dict(ran)}"
+    # parity: the runs' collective counts are checked above (compiled graphs count nothing themselves)
+    _check_parity("gpt", plan, [(losses, grads, params, {k: v * CP_STEPS for k, v in plan.collectives().items()})
+                                for losses, grads, params, _, _, _ in results])

@@ -72,7 +72,7 @@ from meshplan.planner.rules.attention import sdpa_rule
 from meshplan.planner.strategies import clear_strategy_cache
 from meshplan.regions.attention_blocks import (SEQ, BlockAttention, block_backward, block_forward, check_device, merge_blocks, repeat_heads,
                                                sum_heads)
-from meshplan.regions.torch_ring import TorchRingAttention
+from meshplan.regions.torch_ring import torch_ring_attention
 from meshplan.runtime.collectives import MeshComm, StepFunction, collective, forward_phase, wait
 from meshplan.runtime.token_order import owned_chunks
 
@@ -319,6 +319,16 @@ class RingAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), home[0], home[1], None, None, None, None, None, None
 
 
+@torch.compiler.disable(reason="ring attention runs eagerly: traced, AOTAutograd moves its backward exchanges of K and V")
+def ring_attention(q, k, v, scale, causal: bool, axis: int, comm: MeshComm, starts: tuple[int, ...], variant: str = "ring"):
+    """`RingAttention`, run eagerly under `torch.compile` (a graph break on each side). Traced (2 gloo ranks, GPT of 2
+    layers, the min-cut partitioner inductor uses), the compiled graphs did not run the plan's exchanges: AOTAutograd's
+    common-subexpression pass merged backward's exchanges of K and V into forward's equal ones (4 of the plan's 6
+    backward exchanges ran, the blocks received in forward saved for backward: memory the plan does not count), and
+    with backward's stack made unequal forward ran 4 exchanges where the plan lists 2. Eagerly they are the plan's."""
+    return RingAttention.apply(q, k, v, scale, causal, axis, comm, starts, variant)
+
+
 def _block_segments(variant: str, start: int, rows: int, src: int, n: int, keys: int, causal: bool) -> list[tuple[int, int, bool]]:
     """`_segments` of query rows at `start` .. over the key block rank `src` holds (`key_chunks`), offsets within the
     block."""
@@ -397,14 +407,14 @@ class ContextParallelAttention(nn.Module):
         me, rows = self.comm.coord[self.axis], q.shape[SEQ]
         n = self.comm.mesh.shape[self.axis]
         if self.variant == "torch_ring":
-            return TorchRingAttention.apply(q, k, v, scale, self.axis, self.comm)
+            return torch_ring_attention(q, k, v, scale, self.axis, self.comm)
         if self.variant == "ring":
-            return RingAttention.apply(q, k, v, scale, self.causal, self.axis, self.comm, (me * rows,))
+            return ring_attention(q, k, v, scale, self.causal, self.axis, self.comm, (me * rows,))
         if self.variant == "ring_headtail":  # the rank's two chunks as it holds them, the blocks too
             starts = tuple(c * (rows // 2) for c in query_chunks(self.variant, me, n))
-            return RingAttention.apply(q, k, v, scale, True, self.axis, self.comm, starts, self.variant)
+            return ring_attention(q, k, v, scale, True, self.axis, self.comm, starts, self.variant)
         if self.variant == "ring_balanced":
-            return _balanced(q, self.comm, self.axis, lambda own, lent, starts: RingAttention.apply(
+            return _balanced(q, self.comm, self.axis, lambda own, lent, starts: ring_attention(
                 torch.cat([own, lent], dim=SEQ), k, v, scale, True, self.axis, self.comm, starts).chunk(2, dim=SEQ))
         # K and V gathered together (one collective, as the ring passes them packed), in sequence order; its backward one
         # reduce-scatter
