@@ -6,6 +6,7 @@ The fidelity figures themselves live in the benchmark's output (docs/cost_model.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -124,12 +125,18 @@ def test_fidelity_out_of_sample_plans_from_a_profile_saved_by_another_process(tm
     assert re.search(r"3 plans. Spearman rank correlation of step times: -?[0-9.]+; absolute error: time median [0-9.]+%, max", out)
     assert len(re.findall(r"\(target [<>]= [0-9.]+\): (met|NOT met)", out)) == 5  # Spearman, time median and max, memory median and max
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # each plan keeps the contention its launches probed, and the load-adjusted diagnostic reads it
+    assert all(r["contention"] >= 1.0 for r in json.loads(saved.read_text())), saved.read_text()
+    diagnostic = re.findall(r"^diagnostic, not a target: 3 plans' predictions scaled by the contention their launches probed "
+                            r"over the calibration's \(2 ranks [0-9.]+ at calibration, [0-9.]+ probed\): Spearman .*$", out, re.M)
+    assert len(diagnostic) == 1, out
     # the same measurements priced again from the profile: the same predictions, nothing measured
     again = subprocess.run([sys.executable, "benchmarks/fidelity.py", "--reprice", str(saved), "--profile", str(prof)],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-4000:]
     assert again.stdout.startswith(f"re-priced from {prof}"), again.stdout
     assert _table_rows(again.stdout) == _table_rows(out) and "measuring" not in again.stderr, again.stdout
+    assert diagnostic[0] in again.stdout.splitlines(), again.stdout
 
 
 def _table_rows(text: str) -> list[str]:

@@ -272,6 +272,9 @@ class Row:
     """Pipeline degree (the world is `pipeline` x the mesh's devices)."""
     layouts: str = ""
     """`layouts_key` of the plan measured."""
+    contention: float | None = None
+    """The compute contention probed in the plan's launches next to its timed steps (the median; `measure_contention`),
+    None where not recorded (rows saved before 2026-11-28 15:00 UTC)."""
 
     @property
     def time_error(self) -> float:
@@ -350,7 +353,7 @@ def save_rows(rows: list[Row], path) -> None:
     """What each plan measured (case, world, size, the plan's layouts, step and peak), for `reprice`."""
     with open(path, "w") as f:
         json.dump([{"name": r.case.name, "world": r.case.world, "size": r.case.size, "layouts": r.layouts, "measured_s": r.measured_s,
-                    "measured_bytes": r.measured_bytes} for r in rows], f, indent=1)
+                    "measured_bytes": r.measured_bytes, "contention": r.contention} for r in rows], f, indent=1)
 
 
 STATED = ("memory", "peak_bytes", "solver", "alternatives", "bubble_fraction", "model_flops")
@@ -396,8 +399,35 @@ def reprice(rows_path, profile, log=print) -> list[Row]:
             log(f"left out {case.name} on {case.world} ({case.size}): this profile plans another plan than the one measured")
             continue
         log(f"planned {case.name} on {case.world}: predicted {plan.step_time_s * 1e3:.2f} ms, measured {s['measured_s'] * 1e3:.2f}")
-        rows.append(_row(case, plan, s["measured_s"], s["measured_bytes"]))
+        rows.append(_row(case, plan, s["measured_s"], s["measured_bytes"], contention=s.get("contention")))
     return rows
+
+
+def load_adjusted(rows: list[Row], profile) -> list[Row]:
+    """A diagnostic, not a prediction: each row that recorded its contention, its predicted step scaled by that contention
+    over the one `profile` was calibrated with at the row's world (what in-sample mode does per world), to tell how much
+    of an error is this shared machine's load moving between calibration and measurement. The probe is a fixed
+    workload, not the plan: nothing is fitted to the plans."""
+    from meshplan.cost_model.profile import resolve_profile
+
+    calibrated = resolve_profile(profile, None)
+    adjusted = []
+    for r in rows:
+        if r.contention is None:
+            continue
+        scale = r.contention / calibrated.slowdown(r.case.world)
+        adjusted.append(dataclasses.replace(r, predicted_s=r.predicted_s * scale, parts_s=tuple(p * scale for p in r.parts_s)))
+    return adjusted
+
+
+def contention_by_world(rows: list[Row], profile) -> dict[int, tuple[float, float]]:
+    """world -> (contention `profile` was calibrated with, the median the rows' launches probed)."""
+    from meshplan.cost_model.profile import resolve_profile
+
+    calibrated = resolve_profile(profile, None)
+    worlds = sorted({r.case.world for r in rows if r.contention is not None})
+    return {w: (calibrated.slowdown(w), statistics.median(r.contention for r in rows if r.case.world == w and r.contention is not None))
+            for w in worlds}
 
 
 def plan_parts(plan) -> tuple[float, float, float]:
@@ -451,19 +481,20 @@ def _run(all_cases: list[Case], profile, *, batch: int, quick: bool, steps: int,
                 # fits were measured under the load of calibration time, and waiting for peers scales
                 # with load the same way
                 parts = (compute * scale, comm * scale, opt * scale)
-                rows.append(_row(case, plan, got["time_s"], got["peak_bytes"], parts=parts, predicted_bytes=m))
+                rows.append(_row(case, plan, got["time_s"], got["peak_bytes"], parts=parts, predicted_bytes=m,
+                                 contention=got["contention"]))
             else:
-                rows.append(_row(case, plan, got["time_s"], got["peak_bytes"]))
+                rows.append(_row(case, plan, got["time_s"], got["peak_bytes"], contention=got["contention"]))
     return rows
 
 
 def _row(case: Case, plan, measured_s: float, measured_bytes: float, *, parts: tuple[float, float, float] | None = None,
-         predicted_bytes: float | None = None) -> Row:
+         predicted_bytes: float | None = None, contention: float | None = None) -> Row:
     """The plan's own figures (or the `parts` and `predicted_bytes` given) against what it measured."""
     parts = plan_parts(plan) if parts is None else parts
     return Row(case=case, mesh=plan.mesh.shape, predicted_s=sum(parts), measured_s=measured_s,
                predicted_bytes=solver_memory(plan) if predicted_bytes is None else predicted_bytes, measured_bytes=measured_bytes,
-               parts_s=parts, pipeline=plan.pipeline.degree if plan.pipeline else 1, layouts=layouts_key(plan))
+               parts_s=parts, pipeline=plan.pipeline.degree if plan.pipeline else 1, layouts=layouts_key(plan), contention=contention)
 
 
 def _measure_alone(world: int, planned: list, batch: int, warmup: int, steps: int, rounds: int) -> list[dict]:
