@@ -274,7 +274,7 @@ class Row:
     """`layouts_key` of the plan measured."""
     contention: float | None = None
     """The compute contention probed in the plan's launches next to its timed steps (the median; `measure_contention`),
-    None where not recorded (rows saved before 2026-11-28 15:00 UTC)."""
+    None where not recorded (rows saved before 2026-11-28 14:25 UTC)."""
 
     @property
     def time_error(self) -> float:
