@@ -8,6 +8,13 @@ first with each proportional integer scaled to n. Anything else (another op sequ
 changed, an integer that changed out of proportion or that n does not scale to a whole number) says the program
 depends on the batch some other way: `rebatched` returns None and the caller traces.
 
+torch.export specialises a batch of 1: a copy that makes a tensor contiguous (`aten.clone`) is left out where the
+tensor already is, as a slice of a [1, s] tensor is (Hugging Face's causal-LM loss shifts its labels so). The larger
+batch's trace is therefore the template, and a copy only it holds (with a batch of 1 beside it) pairs with its
+input in the other: the copy's value equals its input's. Nodes pair by op and inputs, not by name (export numbers
+names per op: a node left out shifts the later ones'). Without this the Llama-3-70B's pipeline search at 131,072
+tokens exported the cut model at 1, 2 and 4 sequences.
+
 The IR nodes' tensor metas, the ATen program's arguments and its nodes' `val` metas (meta tensors of the new
 shapes and strides, what the sharding rules read) are scaled together; tests/test_rebatch.py compares the result
 with a fresh trace, node by node.
@@ -34,6 +41,11 @@ class _Scaler:
 
     def __init__(self, a: int, b: int, n: int) -> None:
         self.a, self.b, self.n = a, b, n
+        self.names: dict[str, str] = {}
+        """A node's name in the trace at `b` -> its counterpart's at `a` (export numbers names per op: a node left out
+        of one trace shifts the numbers of later nodes of its op)."""
+        self.copies: dict[str, str] = {}
+        """Name of a copy only the trace at `a` holds -> the name of the node standing for it there (its input)."""
 
     def int(self, x: int, y: int) -> int:
         if x == y:
@@ -48,7 +60,7 @@ class _Scaler:
         if type(x) is not type(y):
             raise _Differs(f"{type(x).__name__} against {type(y).__name__}")
         if isinstance(x, fx.Node):
-            if nodes is None or x.name != y.name:
+            if nodes is None or self.copies.get(x.name, x.name) != self.names.get(y.name):
                 raise _Differs(f"node {x.name} against {y.name}")
             return nodes[x]
         if isinstance(x, int) and not isinstance(x, bool):
@@ -86,6 +98,8 @@ def rebatched(first: Graph, a: int, second: Graph, b: int, n: int) -> Graph | No
     they differ other than in proportion to the batch (see the module doc)."""
     if a == b or first.fx is None or second.fx is None:
         return None
+    if a < b:  # the larger batch's program is the template (export may leave copies out of a batch of 1)
+        first, a, second, b = second, b, first, a
     scale = _Scaler(a, b, n)
     try:
         return _rebatched(first, second, scale)
@@ -93,15 +107,52 @@ def rebatched(first: Graph, a: int, second: Graph, b: int, n: int) -> Graph | No
         return None
 
 
-def _rebatched(first: Graph, second: Graph, scale: _Scaler) -> Graph:
-    if len(first.nodes) != len(second.nodes) or first.input_names != second.input_names:
+COPY = "aten.clone.default"
+
+
+def _paired(xs: list, ys: list, same, copy_of, scale: _Scaler) -> list[tuple[Any, Any]]:
+    """(x, y) pairs of two node lists in order, recording each pair's names in `scale.names`: nodes that are the `same`,
+    and a node of `xs` that `copy_of` names a copy (of the node it returns the name of) and `ys` lacks, with the node of
+    `ys` standing for it (its input's counterpart, followed through copies), recorded in `scale.copies`."""
+    counterpart = {scale.names.get(y.name): y for y in ys}
+    pairs, j = [], 0
+    for x in xs:
+        if j < len(ys) and same(x, ys[j]):
+            pairs.append((x, ys[j]))
+            scale.names[ys[j].name] = x.name
+            counterpart[x.name] = ys[j]
+            j += 1
+            continue
+        source = copy_of(x)
+        if source is None or scale.copies.get(source, source) not in counterpart:
+            raise _Differs(f"node {x.name} against {ys[j].name if j < len(ys) else 'none'}")
+        scale.copies[x.name] = scale.copies.get(source, source)
+        pairs.append((x, counterpart[scale.copies[x.name]]))
+    if j != len(ys):
         raise _Differs("other nodes")
+    return pairs
+
+
+def _rebatched(first: Graph, second: Graph, scale: _Scaler) -> Graph:
+    if first.input_names != second.input_names:
+        raise _Differs("other inputs")
+    outputs_of = {n.name: n.outputs for n in first.nodes}
+
+    def same(x, y) -> bool:
+        return (x.kind, x.target, x.module_path, x.fqns, x.requires_grad) == (y.kind, y.target, y.module_path, y.fqns, y.requires_grad) and (
+            [(scale.copies.get(r.node, r.node), r.index) for r in x.inputs] == [(scale.names.get(r.node), r.index) for r in y.inputs])
+
+    def copy_of(x) -> str | None:  # a copy of one tensor, its output that tensor's meta, left out of a batch of 1 only
+        if scale.b != 1 or x.target != COPY or len(x.inputs) != 1 or outputs_of[x.inputs[0].node][x.inputs[0].index] != x.outputs[0]:
+            return None
+        return x.inputs[0].node
+
     nodes = []
-    for x, y in zip(first.nodes, second.nodes):
-        if (x.name, x.kind, x.target, x.inputs, x.module_path, x.fqns, x.requires_grad) != (
-                y.name, y.kind, y.target, y.inputs, y.module_path, y.fqns, y.requires_grad):
-            raise _Differs(f"node {x.name} against {y.name}")
-        nodes.append(dataclasses.replace(x, outputs=scale.value(x.outputs, y.outputs), attrs=scale.value(x.attrs, y.attrs)))
+    for x, y in _paired(first.nodes, second.nodes, same, copy_of, scale):
+        if x.name in scale.copies:  # its value is its input's: scaled as the input's counterpart
+            nodes.append(dataclasses.replace(x, outputs=scale.value(x.outputs, (y.outputs[x.inputs[0].index],))))
+        else:
+            nodes.append(dataclasses.replace(x, outputs=scale.value(x.outputs, y.outputs), attrs=scale.value(x.attrs, y.attrs)))
     program, other = first.fx, second.fx
     for name, t in program.constants.items():
         theirs = other.constants.get(name)
@@ -110,17 +161,20 @@ def _rebatched(first: Graph, second: Graph, scale: _Scaler) -> Graph:
     if (program.mutations, program.fixed, program.in_spec, program.out_spec) != (other.mutations, other.fixed, other.in_spec,
                                                                                other.out_spec):
         raise _Differs("another call")
-    mine, theirs = list(program.gm.graph.nodes), list(other.gm.graph.nodes)
-    if len(mine) != len(theirs):
-        raise _Differs("other program nodes")
+
+    def same_op(x: fx.Node, y: fx.Node) -> bool:  # their arguments are compared as they are scaled
+        return (x.op, x.target) == (y.op, y.target) and (x.op != "placeholder" or x.name == y.name)
+
+    def program_copy_of(x: fx.Node) -> str | None:  # the IR's copies are the program's, under the same names
+        return x.args[0].name if x.name in scale.copies and isinstance(x.args[0], fx.Node) else None
+
     graph = fx.Graph()
     copied: dict[fx.Node, fx.Node] = {}
-    for x, y in zip(mine, theirs):
-        if (x.op, x.target, x.name) != (y.op, y.target, y.name):
-            raise _Differs(f"program node {x.name} against {y.name}")
+    for x, y in _paired(list(program.gm.graph.nodes), list(other.gm.graph.nodes), same_op, program_copy_of, scale):
         new = copied[x] = graph.node_copy(x, lambda node: copied[node])
-        new.args = scale.value(x.args, y.args, copied)
-        new.kwargs = scale.value(x.kwargs, y.kwargs, copied)
+        if x.name not in scale.copies:  # a copy's arguments are its input and a memory format: nothing to scale
+            new.args = scale.value(x.args, y.args, copied)
+            new.kwargs = scale.value(x.kwargs, y.kwargs, copied)
         new.meta.pop("tensor_meta", None)  # batch a's shapes: nothing reads it that `val` does not answer
         if "val" in x.meta:
             new.meta["val"] = scale.value(x.meta["val"], y.meta.get("val"))
