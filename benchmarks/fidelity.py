@@ -88,10 +88,9 @@ def main() -> int:
     for name, target in targets.items():
         ok = figures[name] >= target if name == "spearman" else figures[name] <= target
         print(f"{name} = {figures[name]:.3f} (target {'>=' if name == 'spearman' else '<='} {target}): {'met' if ok else 'NOT met'}")
-    adjusted = fidelity.load_adjusted(rows, args.profile) if (args.reprice or args.out_of_sample) else []
+    adjusted, by_world = fidelity.load_adjusted(rows, args.profile) if (args.reprice or args.out_of_sample) else ([], {})
     if adjusted:
-        calibrated = ", ".join(f"{w} ranks {c:.2f} at calibration, {p:.2f} probed" for w, (c, p) in
-                               fidelity.contention_by_world(rows, args.profile).items())
+        calibrated = ", ".join(f"{w} ranks {c:.2f} at calibration, {p:.2f} probed" for w, (c, p) in by_world.items())
         f = fidelity.report(adjusted)
         print(f"diagnostic, not a target: {len(adjusted)} plans' predictions scaled by the contention their launches probed over "
               f"the calibration's ({calibrated}): Spearman {f['spearman']:.3f}, time error median {f['median_time_error']:.1%}, "

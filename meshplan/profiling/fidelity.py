@@ -403,31 +403,22 @@ def reprice(rows_path, profile, log=print) -> list[Row]:
     return rows
 
 
-def load_adjusted(rows: list[Row], profile) -> list[Row]:
-    """A diagnostic, not a prediction: each row that recorded its contention, its predicted step scaled by that contention
-    over the one `profile` was calibrated with at the row's world (what in-sample mode does per world), to tell how much
-    of an error is this shared machine's load moving between calibration and measurement. The probe is a fixed
-    workload, not the plan: nothing is fitted to the plans."""
+def load_adjusted(rows: list[Row], profile) -> tuple[list[Row], dict[int, tuple[float, float]]]:
+    """A diagnostic, not a prediction: (each row that recorded its contention, its predicted step scaled by that
+    contention over the one `profile` was calibrated with at the row's world, as in-sample mode does per world; world ->
+    (the calibration's contention, the median the rows probed)), to tell how much of an error is this shared machine's
+    load moving between calibration and measurement. The probe is a fixed workload, not the plan: nothing is fitted to
+    the plans."""
     from meshplan.cost_model.profile import resolve_profile
 
     calibrated = resolve_profile(profile, None)
+    probed = [r for r in rows if r.contention is not None]
     adjusted = []
-    for r in rows:
-        if r.contention is None:
-            continue
+    for r in probed:
         scale = r.contention / calibrated.slowdown(r.case.world)
         adjusted.append(dataclasses.replace(r, predicted_s=r.predicted_s * scale, parts_s=tuple(p * scale for p in r.parts_s)))
-    return adjusted
-
-
-def contention_by_world(rows: list[Row], profile) -> dict[int, tuple[float, float]]:
-    """world -> (contention `profile` was calibrated with, the median the rows' launches probed)."""
-    from meshplan.cost_model.profile import resolve_profile
-
-    calibrated = resolve_profile(profile, None)
-    worlds = sorted({r.case.world for r in rows if r.contention is not None})
-    return {w: (calibrated.slowdown(w), statistics.median(r.contention for r in rows if r.case.world == w and r.contention is not None))
-            for w in worlds}
+    worlds = sorted({r.case.world for r in probed})
+    return adjusted, {w: (calibrated.slowdown(w), statistics.median(r.contention for r in probed if r.case.world == w)) for w in worlds}
 
 
 def plan_parts(plan) -> tuple[float, float, float]:
