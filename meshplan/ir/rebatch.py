@@ -114,7 +114,7 @@ def _paired(xs: list, ys: list, same, copy_of, scale: _Scaler) -> list[tuple[Any
     """(x, y) pairs of two node lists in order, recording each pair's names in `scale.names`: nodes that are the `same`,
     and a node of `xs` that `copy_of` names a copy (of the node it returns the name of) and `ys` lacks, with the node of
     `ys` standing for it (its input's counterpart, followed through copies), recorded in `scale.copies`."""
-    counterpart = {scale.names.get(y.name): y for y in ys}
+    counterpart = {scale.names[y.name]: y for y in ys if y.name in scale.names}  # paired in an earlier pass
     pairs, j = [], 0
     for x in xs:
         if j < len(ys) and same(x, ys[j]):

@@ -107,4 +107,4 @@ def torch_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     return TorchRingAttention.apply(q, k, v, scale, axis, comm)
 
 
-__all__ = ["TorchRingAttention", "torch_ring_attention"]
+__all__ = ["torch_ring_attention"]
